@@ -1,0 +1,23 @@
+"""megaloss: memory-cheap, layout-exact losses for large-scale training, wired into DeepSpeed."""
+from setuptools import find_packages, setup
+
+# torch is pinned: an unpinned `torch` (here or in a dependency's range) pulls a multi-GB CUDA build.
+TORCH = "torch==2.13.0"
+
+setup(
+    name="megaloss",
+    version="0.1.0",
+    description="Chunked, vocab-parallel and globally calibrated losses for DeepSpeed training",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megaloss", "megaloss.*"]),
+    python_requires=">=3.10",
+    install_requires=[TORCH, "pydantic>=2.0", "numpy"],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+        "deepspeed": ["deepspeed==0.19.8"],
+        "hf": ["transformers>=4.46,<6", "tokenizers>=0.20", "rich>=13", "tqdm>=4.66",
+               "matplotlib>=3.8"],
+        "wandb": ["wandb>=0.17"],
+    },
+)

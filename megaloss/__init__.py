@@ -2,6 +2,16 @@
 parallel layout (chunked fused linear CE, vocab-parallel CE, global loss calibration, gathered
 contrastive MNR), wired into DeepSpeed."""
 from .distributed import Topology
+from .linear_cross_entropy import (CrossEntropyOutput, LinearCrossEntropyLoss,
+                                   linear_cross_entropy, linear_cross_entropy_with_stats)
+from .vocab_parallel import (VocabParallelLMHead, vocab_parallel_linear_cross_entropy,
+                             vocab_parallel_linear_cross_entropy_with_stats)
 
-__all__ = ["Topology"]
+__all__ = [
+    "Topology",
+    "CrossEntropyOutput", "LinearCrossEntropyLoss", "linear_cross_entropy",
+    "linear_cross_entropy_with_stats",
+    "VocabParallelLMHead", "vocab_parallel_linear_cross_entropy",
+    "vocab_parallel_linear_cross_entropy_with_stats",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,165 @@
+r"""Cross-entropy of one chunk of tokens against one slice of the vocabulary, with its gradient.
+
+For token ``t`` with logits ``z_t = W h_t + b`` over the vocabulary ``[0, V)``:
+
+.. math::
+
+    y_j &= c \tanh(z_j / c) \quad\text{(logit soft-capping, Gemma 2; } y = z \text{ without it)}\\
+    \mathrm{lse} &= \log \textstyle\sum_{j<V} e^{y_j}\\
+    \ell_t &= \mathrm{lse} - (1-\varepsilon)\, y_{\text{target}} - \tfrac{\varepsilon}{V}\textstyle\sum_{j<V} y_j
+              + \lambda_z\, \mathrm{lse}^2
+
+which is ``F.cross_entropy(y, target, label_smoothing=eps)`` (torch's smoothing: a mix of the
+one-hot and the uniform distribution over all V classes) plus the PaLM z-loss
+``z_loss * lse**2``. Its gradient w.r.t. the logits is
+
+.. math::
+
+    \partial \ell / \partial y_j = p_j (1 + 2\lambda_z \mathrm{lse}) - (1-\varepsilon)[j = \text{target}]
+                                   - \varepsilon / V, \qquad p_j = e^{y_j - \mathrm{lse}}
+
+times ``1 - tanh(z_j/c)^2`` under soft-capping. Ignored tokens have loss 0 and gradient 0.
+
+When the vocabulary is split over tensor-parallel ranks (Megatron-core's vocab-parallel CE), this
+function sees only its slice ``[vocab_start, vocab_start + V_local)``; the per-token max and the
+per-token sums (sum-exp, target logit, sum of logits) are combined across the slices by the
+``reduce_max`` / ``reduce_sum`` callables the caller passes — two collectives on ``[tokens]``-sized
+tensors, never logits. Label smoothing divides by the *global* ``V`` (Megatron's local-size version
+makes losses differ between TP ranks). Statistics are kept in fp32 (fp64 for fp64 inputs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+__all__ = ["CrossEntropyOptions", "ChunkResult", "chunk_cross_entropy", "stats_dtype"]
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half/bf16/fp32 inputs, fp64 for fp64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+@dataclass(frozen=True)
+class CrossEntropyOptions:
+    """Options shared by every chunk. ``vocab_size`` is the real, global V; ``vocab_start`` the
+    global id of this slice's first row."""
+
+    vocab_size: int
+    vocab_start: int = 0
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    logit_softcapping: Optional[float] = None
+
+
+class ChunkResult(NamedTuple):
+    """``loss [C]`` (0 at ignored tokens), ``lse [C]`` and ``grad_logits [C, V_local]`` (already
+    multiplied by the per-token ``coef``; ``None`` when not asked for). All in the stats dtype."""
+
+    loss: torch.Tensor
+    lse: torch.Tensor
+    grad_logits: Optional[torch.Tensor]
+
+
+def chunk_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    coef: Optional[torch.Tensor],
+    opts: CrossEntropyOptions,
+    *,
+    lse: Optional[torch.Tensor] = None,
+    reduce_max: Reduce = _identity,
+    reduce_sum: Reduce = _identity,
+) -> ChunkResult:
+    """Loss, log-sum-exp and (optionally) logit gradient of one chunk.
+
+    Args:
+        hidden: ``[C, H]`` chunk of hidden states, in the compute dtype.
+        weight: ``[V_local, H]`` rows of the lm_head for this vocab slice (only real vocab rows,
+            possibly 0 of them), same dtype as ``hidden``.
+        bias: ``[V_local]`` or ``None``.
+        labels: ``[C]`` int64 global vocab ids or ``opts.ignore_index``.
+        coef: ``[C]`` gradient coefficient per token (the reduction's weight times the upstream
+            gradient; must be 0 at ignored tokens), or ``None`` to skip the gradient.
+        opts: see :class:`CrossEntropyOptions`.
+        lse: ``[C]`` log-sum-exp from an earlier pass; when given, no reduction is needed and
+            the loss is not recomputed (``loss`` is returned as zeros).
+        reduce_max / reduce_sum: in-place combiners across vocab slices (identity on one device).
+
+    Returns:
+        :class:`ChunkResult`.
+    """
+    sdt = stats_dtype(hidden.dtype)
+    n_local = weight.shape[0]
+    logits = torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
+    logits = logits.to(sdt)  # no copy for fp32/fp64 inputs
+    cap = opts.logit_softcapping
+    tanh = None
+    if cap is not None:
+        tanh = torch.tanh(logits / cap)
+        logits = tanh * cap
+
+    valid = labels != opts.ignore_index
+    local_target = labels - opts.vocab_start
+    in_slice = valid & (local_target >= 0) & (local_target < n_local)
+    gather_idx = local_target.clamp(0, max(n_local - 1, 0)).unsqueeze(1)
+
+    if lse is None:
+        if n_local > 0:
+            row_max = logits.amax(dim=1)
+        else:
+            row_max = logits.new_full((logits.shape[0],), float("-inf"))
+        row_max = reduce_max(row_max)
+        stats = [None, None, None]
+        if n_local > 0:
+            target_logit = logits.gather(1, gather_idx).squeeze(1) * in_slice
+        else:
+            target_logit = logits.new_zeros(logits.shape[0])
+        sum_logits = logits.sum(dim=1) if opts.label_smoothing > 0 else None
+        # In place from here: ``logits`` is our own buffer (matmul output or its fp32 copy).
+        exp = logits.sub_(row_max.unsqueeze(1)).exp_()
+        stats = torch.stack([exp.sum(dim=1), target_logit]
+                            + ([sum_logits] if sum_logits is not None else []))
+        stats = reduce_sum(stats)
+        sum_exp, target_logit = stats[0], stats[1]
+        lse = row_max + torch.log(sum_exp)
+        loss = lse - (1.0 - opts.label_smoothing) * target_logit + opts.z_loss * lse * lse
+        if sum_logits is not None:
+            loss = loss - (opts.label_smoothing / opts.vocab_size) * stats[2]
+        loss = torch.where(valid, loss, torch.zeros_like(loss))
+        # exp(y - max) / sum_exp = softmax
+        probs_scale = 1.0 / sum_exp
+        probs = exp
+    else:
+        lse = lse.to(sdt)
+        loss = torch.zeros_like(lse)
+        probs = logits.sub_(lse.unsqueeze(1)).exp_()
+        probs_scale = None
+
+    if coef is None:
+        return ChunkResult(loss, lse, None)
+
+    coef = coef.to(sdt)
+    row_scale = coef * (1.0 + 2.0 * opts.z_loss * lse)
+    if probs_scale is not None:
+        row_scale = row_scale * probs_scale
+    grad = probs.mul_(row_scale.unsqueeze(1))
+    if n_local > 0:
+        grad.scatter_add_(1, gather_idx,
+                          (-(1.0 - opts.label_smoothing) * coef * in_slice).unsqueeze(1).to(sdt))
+    if opts.label_smoothing > 0:
+        grad.sub_((coef * (opts.label_smoothing / opts.vocab_size)).unsqueeze(1))
+    if tanh is not None:
+        grad.mul_(1.0 - tanh * tanh)
+    return ChunkResult(loss, lse, grad)

@@ -1,0 +1,349 @@
+r"""Multiple Negatives Ranking (InfoNCE) loss over the global batch, exact under data parallelism.
+
+Math (van den Oord et al. 2018 "InfoNCE"; Henderson et al. 2017 and sentence-transformers'
+``MultipleNegativesRankingLoss``; CLIP / ``MultipleNegativesSymmetricRankingLoss`` for the
+symmetric form). The global batch is the concatenation, in rank order, of every rank's pairs:
+``N = sum_r B_r`` queries ``q_g`` with positives ``p_g`` and ``K_r`` hard negatives each. The
+candidate documents are every positive and every hard negative of the global batch
+(``C = sum_r B_r (1 + K_r)`` columns). With ``sim`` cosine or dot and temperature ``T``::
+
+    s_gj = sim(q_g, d_j) / T
+    l_g  = logsumexp_{j not masked} s_gj - s_{g, pos(g)}           (query -> document)
+    L    = (1/N) sum_g l_g
+
+``symmetric=True`` adds the document -> query direction over the in-batch pairs only
+(``m_g = logsumexp_h sim(p_g, q_h)/T - sim(p_g, q_g)/T``, hard negatives are not rows) and returns
+``(1/N) sum_g (l_g + m_g) / 2``. ``duplicate_ids`` (one integer per pair) masks out of the softmax
+every *positive* of another pair that carries the query's id (a repeated text is not a negative);
+hard negatives carry no id and are never masked.
+
+Distribution contract (see FIELD-NOTES "Gathered contrastive loss"). Documents (and queries when
+they are needed as columns or rows) are gathered with an autograd all-gather whose backward is a
+SUM reduce-scatter, so rank r's embeddings receive the gradient of the *sum of every rank's
+loss*. Then:
+
+* ``local_loss=True`` (open_clip's ``local_loss``): rank r scores only its own ``B_r`` rows
+  (memory ``B_r x C``), forms its share ``S_r = sum_{g on r} l_g / N`` and returns
+  ``all_reduce_sum(S_r)`` -- the global ``L`` on every rank, whose backward multiplies each share's
+  gradient by the group size ``W``.
+* ``local_loss=False``: every rank scores all ``N`` rows (memory ``N x C``) and returns ``L``.
+
+Either way every rank's parameter gradient is ``W * dL/dtheta_r`` summed appropriately, and the
+data-parallel engine's *average* over ``group`` (DDP, DeepSpeed ZeRO 0-2) yields exactly the
+single-device gradient of ``L`` on the concatenated global batch. Requirements: ``group`` is the
+group the engine averages over (the DP group), and every rank calls the loss once per step. An
+engine that also divides by gradient-accumulation steps (DeepSpeed's ``engine.backward`` divides
+by GAS) needs the loss multiplied by GAS to keep the per-step sum (the DeepSpeed integration's
+compensation); with plain ``loss.backward()`` and no averaging, divide gradients by ``W``.
+
+Collectives per call (all entered by every rank, whatever its ``B_r``, including 0): one small
+all-gather of per-rank metadata (sizes, ``D``, flags -- also the only host sync), one autograd
+all-gather of embeddings, one of ``duplicate_ids`` when given, one autograd all-reduce of the loss
+(``local_loss``), one all-reduce of the metric sums when metrics are asked for. Backward: one
+reduce-scatter, plus one all-reduce with ``local_loss``.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from megaloss.distributed.collectives import all_reduce_sum, all_reduce_sum_, gather_along_dim0_uneven
+from megaloss.distributed.functional_gather import gather_dim0_uneven_autograd
+from megaloss.distributed.topology import group_rank, group_size
+
+__all__ = ["mnr_loss", "mnr_loss_with_metrics", "MNROutput", "SIMILARITIES"]
+
+SIMILARITIES = ("cosine", "dot")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# metadata exchanged by every rank before anything else (one all-gather, one host sync)
+_OK, _B, _D, _K, _DTYPE, _GRAD, _IDS, _BAD_T, _NF_Q, _NF_P, _NF_N = range(11)
+_NAMES = ("query", "positive", "negatives")
+
+
+class MNROutput(NamedTuple):
+    """Result of :func:`mnr_loss_with_metrics` (0-dim tensors, identical on every rank).
+
+    Attributes:
+        loss: the global loss (what :func:`mnr_loss` returns; carries the gradient).
+        accuracy: fraction of the ``N`` global queries whose positive scores strictly above every
+            unmasked candidate (query -> document direction; no gradient). NaN when ``N == 0``.
+        mean_rank: mean over global queries of ``1 + #(unmasked candidates scoring strictly above
+            the positive)``; 1.0 is perfect. Float64, no gradient. NaN when ``N == 0``.
+    """
+
+    loss: torch.Tensor
+    accuracy: torch.Tensor
+    mean_rank: torch.Tensor
+
+
+Temperature = Union[float, torch.Tensor]
+
+
+def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
+             negatives: Optional[torch.Tensor] = None, *, temperature: Temperature = 0.05,
+             similarity: str = "cosine", symmetric: bool = False, gather: bool = True,
+             group: Optional[ProcessGroup] = None, local_loss: bool = True,
+             duplicate_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Multiple Negatives Ranking / InfoNCE loss against every document of the global batch.
+
+    Args:
+        query: ``[B, D]`` float embeddings of this rank's queries (``B`` may differ per rank, 0 too).
+        positive: ``[B, D]``, ``positive[i]`` is the document that ``query[i]`` must rank first.
+        negatives: ``[B, K, D]`` hard negatives (``K >= 0``; may differ per rank) or ``None``.
+        temperature: ``T > 0``, a float or a 0-dim tensor (e.g. ``exp(-logit_scale)``, learnable).
+            Scores are ``sim / T``; sentence-transformers' ``scale=20`` is ``T=0.05``.
+        similarity: ``"cosine"`` (embeddings L2-normalised first) or ``"dot"``.
+        symmetric: also average in the document -> query direction (CLIP-style).
+        gather: use every rank's documents as candidates (``False``: this rank's batch only).
+        group: the data-parallel group to gather over; ``None`` follows torch.distributed:
+            ``WORLD`` when it is initialised, a single process otherwise.
+        local_loss: score only this rank's rows (memory ``B x C``) and all-reduce the loss share;
+            ``False`` scores all ``N`` rows on every rank (memory ``N x C``), same value/gradients.
+        duplicate_ids: ``[B]`` integer id per pair; positives of other pairs sharing the query's id
+            are removed from its softmax (and queries sharing it, in the symmetric direction).
+
+    Returns:
+        0-dim tensor, the global mean loss ``L`` (same value on every rank), in
+        ``promote_types(dtype, float32)``. Scaled so that after the data-parallel engine averages
+        gradients over ``group``, every parameter gradient equals the single-device gradient of
+        ``L`` on the concatenated global batch (module docstring). ``0`` when ``N == 0``.
+
+    Raises:
+        ValueError: bad shapes, ``D`` / dtype / ``requires_grad`` / use of ``duplicate_ids``
+            differing across ranks, ``T <= 0``, NaN or inf in an embedding, unknown ``similarity``.
+            Raised on *every* rank (after one metadata all-gather) so no rank waits forever.
+        TypeError: non-floating embeddings, non-integer ``duplicate_ids``.
+    """
+    return _mnr(query, positive, negatives, temperature, similarity, symmetric, gather, group,
+                local_loss, duplicate_ids, metrics=False).loss
+
+
+def mnr_loss_with_metrics(query: torch.Tensor, positive: torch.Tensor,
+                          negatives: Optional[torch.Tensor] = None, *,
+                          temperature: Temperature = 0.05, similarity: str = "cosine",
+                          symmetric: bool = False, gather: bool = True,
+                          group: Optional[ProcessGroup] = None, local_loss: bool = True,
+                          duplicate_ids: Optional[torch.Tensor] = None) -> MNROutput:
+    """:func:`mnr_loss` plus in-batch top-1 accuracy and mean rank of the positive (see
+    :class:`MNROutput`). Same arguments and errors; costs one extra small all-reduce with
+    ``local_loss=True``."""
+    return _mnr(query, positive, negatives, temperature, similarity, symmetric, gather, group,
+                local_loss, duplicate_ids, metrics=True)
+
+
+# validation and metadata exchange ------------------------------------------------------------
+def _resolve_group(gather: bool, group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
+    if not gather:
+        return None
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    return group if group_size(group) > 1 else None
+
+
+def _local_problem(query, positive, negatives, temperature, similarity,
+                   duplicate_ids) -> Optional[Exception]:
+    """Everything checkable on this rank without a host sync; the error to raise, or None."""
+    if similarity not in SIMILARITIES:
+        return ValueError(f"similarity must be one of {SIMILARITIES}, got {similarity!r}")
+    if isinstance(temperature, torch.Tensor):
+        if temperature.numel() != 1:
+            return ValueError(f"temperature must be a float or a 1-element tensor, got shape "
+                              f"{tuple(temperature.shape)}")
+    elif not isinstance(temperature, (int, float)) or not temperature > 0 or math.isinf(temperature):
+        return ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    for name, t in zip(_NAMES, (query, positive, negatives)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            return TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            return TypeError(f"{name} must be a floating tensor ({_DTYPES}), got {t.dtype}")
+    if query.dim() != 2:
+        return ValueError(f"query must be [B, D], got shape {tuple(query.shape)}")
+    if positive.shape != query.shape:
+        return ValueError(f"positive must have query's shape {tuple(query.shape)}, got "
+                          f"{tuple(positive.shape)}")
+    if positive.dtype != query.dtype:
+        return TypeError(f"positive dtype {positive.dtype} differs from query dtype {query.dtype}")
+    if negatives is not None:
+        b, d = query.shape
+        if negatives.dim() != 3 or negatives.shape[0] != b or negatives.shape[2] != d:
+            return ValueError(f"negatives must be [B, K, D] = [{b}, K, {d}], got shape "
+                              f"{tuple(negatives.shape)}")
+        if negatives.dtype != query.dtype:
+            return TypeError(f"negatives dtype {negatives.dtype} differs from query dtype "
+                             f"{query.dtype}")
+    if duplicate_ids is not None:
+        if not isinstance(duplicate_ids, torch.Tensor):
+            return TypeError(f"duplicate_ids must be a torch.Tensor, got "
+                             f"{type(duplicate_ids).__name__}")
+        if duplicate_ids.dtype.is_floating_point or duplicate_ids.dtype.is_complex \
+                or duplicate_ids.dtype == torch.bool:
+            return TypeError(f"duplicate_ids must be an integer tensor, got {duplicate_ids.dtype}")
+        if duplicate_ids.shape != (query.shape[0],):
+            return ValueError(f"duplicate_ids must be [B] = [{query.shape[0]}], got shape "
+                              f"{tuple(duplicate_ids.shape)}")
+    return None
+
+
+def _nonfinite(t: Optional[torch.Tensor], device) -> torch.Tensor:
+    if t is None or t.numel() == 0:
+        return torch.zeros((), dtype=torch.long, device=device)
+    return (~torch.isfinite(t.detach())).any().long()
+
+
+def _exchange(query, positive, negatives, temperature, duplicate_ids, problem, group):
+    """One all-gather of every rank's metadata; raises the same error on every rank."""
+    device = query.device if isinstance(query, torch.Tensor) else torch.device("cpu")
+    if problem is None:
+        b, d = query.shape
+        k = 0 if negatives is None else negatives.shape[1]
+        grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, positive, negatives))
+        fixed = [1, b, d, k, _DTYPES.index(query.dtype), int(grad), int(duplicate_ids is not None)]
+        bad_t = (temperature.detach().reshape(()) <= 0).long().to(device) \
+            if isinstance(temperature, torch.Tensor) else torch.zeros((), dtype=torch.long, device=device)
+        flags = torch.stack([bad_t.to(device), _nonfinite(query, device),
+                             _nonfinite(positive, device), _nonfinite(negatives, device)])
+        local = torch.cat([torch.tensor(fixed, dtype=torch.long, device=device), flags])
+    else:
+        local = torch.zeros(11, dtype=torch.long, device=device)
+    if group is None:
+        table = [local.tolist()]
+    else:
+        out = torch.empty(group_size(group) * local.numel(), dtype=torch.long, device=device)
+        dist.all_gather_into_tensor(out, local, group=group)
+        table = out.view(group_size(group), -1).tolist()
+    _raise_if_inconsistent(table, problem, group)
+    return table
+
+
+def _raise_if_inconsistent(table: List[List[int]], problem: Optional[Exception], group) -> None:
+    failed = [r for r, row in enumerate(table) if not row[_OK]]
+    if failed:
+        if problem is not None:
+            raise problem
+        raise ValueError(f"mnr_loss: rank(s) {failed} of the group passed invalid inputs (their "
+                         f"error names the argument); raising on every rank so none waits in a "
+                         f"collective")
+    where = "" if len(table) == 1 else " on rank(s) {}"
+    for col, name in ((_NF_Q, "query"), (_NF_P, "positive"), (_NF_N, "negatives")):
+        bad = [r for r, row in enumerate(table) if row[col]]
+        if bad:
+            raise ValueError(f"{name} contains NaN or inf" + where.format(bad))
+    bad = [r for r, row in enumerate(table) if row[_BAD_T]]
+    if bad:
+        raise ValueError("temperature must be > 0" + where.format(bad))
+    for col, what in ((_D, "embedding size D"), (_DTYPE, "dtype"),
+                      (_GRAD, "requires_grad (backward would deadlock)"),
+                      (_IDS, "use of duplicate_ids")):
+        values = [row[col] for row in table]
+        if len(set(values)) > 1:
+            shown = [_DTYPES[v] for v in values] if col == _DTYPE else values
+            raise ValueError(f"{what} differs across ranks: {shown} (rank order)")
+
+
+# the loss --------------------------------------------------------------------------------------
+def _row_losses(scores: torch.Tensor, targets: torch.Tensor,
+                mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``logsumexp`` over unmasked columns minus the target column, per row. ``scores [R, C]``."""
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    return torch.logsumexp(scores, dim=1) - scores.gather(1, targets[:, None]).squeeze(1)
+
+
+def _dup_mask(ids_all: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``[R, width]``: True where column ``j < N`` is another pair with row's id (a false negative)."""
+    n = ids_all.shape[0]
+    cols = torch.arange(n, device=rows.device)
+    mask = (ids_all[rows][:, None] == ids_all[None, :]) & (cols[None, :] != rows[:, None])
+    if width > n:
+        mask = torch.cat([mask, mask.new_zeros(mask.shape[0], width - n)], dim=1)
+    return mask
+
+
+def _mnr(query, positive, negatives, temperature, similarity, symmetric, gather, group,
+         local_loss, duplicate_ids, *, metrics: bool) -> MNROutput:
+    group = _resolve_group(gather, group)
+    problem = _local_problem(query, positive, negatives, temperature, similarity, duplicate_ids)
+    if problem is not None and group is None:
+        raise problem
+    table = _exchange(query, positive, negatives, temperature, duplicate_ids, problem, group)
+    rank = group_rank(group) if group is not None else 0
+    bs = [row[_B] for row in table]
+    ks = [row[_K] for row in table]
+    n = sum(bs)
+    acc_dtype = torch.promote_types(query.dtype, torch.float32)
+    if n == 0:  # every rank knows it: skip the collectives together, keep the graph connected
+        zero = query.sum() * 0 + positive.sum() * 0
+        if negatives is not None:
+            zero = zero + negatives.sum() * 0
+        if isinstance(temperature, torch.Tensor):
+            zero = zero + temperature.sum() * 0
+        nan = torch.full((), float("nan"), dtype=torch.float64, device=query.device)
+        return MNROutput(zero.to(acc_dtype), nan, nan.clone())
+
+    b, d = query.shape
+    if negatives is None:
+        negatives = query.new_zeros((b, 0, d))
+    if similarity == "cosine":
+        # normalise before the gather: each rank differentiates its own normalisation
+        query, positive = F.normalize(query, dim=-1), F.normalize(positive, dim=-1)
+        negatives = F.normalize(negatives, dim=-1)
+
+    # one autograd gather of [positives; negatives; (queries)] per rank
+    need_queries = symmetric or not local_loss
+    parts = [positive, negatives.reshape(-1, d)] + ([query] if need_queries else [])
+    rows_per_rank = [bb * (1 + kk + int(need_queries)) for bb, kk in zip(bs, ks)]
+    gathered = gather_dim0_uneven_autograd(torch.cat(parts), group, rows_per_rank)
+    starts = [sum(rows_per_rank[:r]) for r in range(len(bs))]
+    pos_idx = [torch.arange(s, s + bb) for s, bb in zip(starts, bs)]
+    neg_idx = [torch.arange(s + bb, s + bb * (1 + kk)) for s, bb, kk in zip(starts, bs, ks)]
+    doc_idx = torch.cat(pos_idx + neg_idx).to(query.device)  # positive of pair g is column g
+    docs = gathered if len(bs) == 1 and not need_queries else gathered.index_select(0, doc_idx)
+    q_all = None
+    if need_queries:
+        q_idx = torch.cat([torch.arange(s + bb * (1 + kk), s + bb * (2 + kk))
+                           for s, bb, kk in zip(starts, bs, ks)]).to(query.device)
+        q_all = gathered.index_select(0, q_idx)
+
+    ids_all = None
+    if duplicate_ids is not None:  # integers need no gradient: the plain (hand-written) gather
+        ids_all = gather_along_dim0_uneven(duplicate_ids.to(query.device), group, bs) \
+            if group is not None else duplicate_ids.to(query.device)
+
+    offset = sum(bs[:rank])
+    if local_loss:
+        rows = torch.arange(offset, offset + b, device=query.device)
+        q_rows, p_rows = query, positive
+    else:
+        rows = torch.arange(n, device=query.device)
+        q_rows, p_rows = q_all, docs[:n]
+
+    scores = (q_rows @ docs.T).to(acc_dtype) / temperature  # [R, C], C = sum_r B_r (1 + K_r)
+    mask = None if ids_all is None else _dup_mask(ids_all, rows, scores.shape[1])
+    total = _row_losses(scores, rows, mask).sum()
+    if symmetric:
+        back = (p_rows @ q_all.T).to(acc_dtype) / temperature  # [R, N]
+        back_mask = None if mask is None else mask[:, :n]
+        total = (total + _row_losses(back, rows, back_mask).sum()) / 2
+    share = total / n
+    loss = all_reduce_sum(share, group) if local_loss else share
+
+    if not metrics:
+        nan = torch.full((), float("nan"), dtype=torch.float64, device=query.device)
+        return MNROutput(loss, nan, nan)
+    with torch.no_grad():
+        s = scores if mask is None else scores.masked_fill(mask, float("-inf"))
+        above = (s > s.gather(1, rows[:, None])).sum(1)
+        stats = torch.stack([(above == 0).sum(), (above + 1).sum()]).to(torch.float64)
+        if local_loss:
+            all_reduce_sum_(stats, group)
+        stats = stats / n
+    return MNROutput(loss, stats[0], stats[1])

@@ -1,0 +1,200 @@
+"""Shared pieces of the benchmark tools: honest peak-memory probes, timing, tables and CSV.
+
+How memory is measured (the README states the same):
+
+* CPU: every case runs in a *fresh* process, so no earlier case's high-water mark or allocator
+  cache can hide or inflate its figure. After the inputs, the weight and everything the run keeps
+  alive are allocated, the process's peak resident set is reset to its current RSS
+  (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0) and that RSS is the baseline; the loss then
+  runs forward+backward ONCE and the figure is ``peak RSS - baseline`` (peak = ``VmHWM`` of
+  ``/proc/self/status``, the same kernel counter ``getrusage(RUSAGE_SELF).ru_maxrss`` reads;
+  ``ru_maxrss`` is the fallback where ``/proc`` is missing). ``ru_maxrss`` alone is not used on
+  Linux because it also carries the high-water mark of the image the process was exec'd from
+  (for spawned ranks: the parent, torch already imported) and it cannot be reset.
+* The gradients that the run leaves in ``.grad`` are the caller's to subtract (the tools report
+  the memory *beyond* inputs, weight and their gradients).
+* glibc malloc: worker processes start with ``MALLOC_MMAP_THRESHOLD_=65536`` (every block of
+  64 KiB or more is its own ``mmap``, returned to the kernel on free; a fixed threshold also turns
+  off glibc's dynamic threshold, which otherwise grows after frees and keeps freed chunks of up to
+  32 MiB in the heap, inflating later RSS) and ``MALLOC_ARENA_MAX=1`` (no per-thread arenas holding
+  freed memory). RSS then tracks live tensors; untouched pages of ``torch.empty`` are not counted.
+* CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated()`` at the baseline, after
+  ``reset_peak_memory_stats()`` (the caching allocator's reserve is not counted).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+__all__ = ["MALLOC_ENV", "MemoryProbe", "time_repeats", "run_worker", "format_table",
+           "write_csv", "mib", "worker_env"]
+
+# Fixed glibc malloc behaviour in every worker process (see the module docstring).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
+
+_MIB = 1024.0 * 1024.0
+
+
+def mib(n_bytes: float) -> float:
+    return n_bytes / _MIB
+
+
+def worker_env(threads: int) -> Dict[str, str]:
+    """Environment for a worker process: fixed malloc settings and thread count."""
+    env = dict(os.environ)
+    env.update(MALLOC_ENV)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
+def _read_status_kib(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _ru_maxrss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def _current_rss_bytes() -> Optional[int]:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class MemoryProbe:
+    """Peak memory of one region above the memory live when :meth:`start` is called.
+
+    ``device`` is a ``torch.device`` (``cuda``: allocator statistics) or anything else (process
+    RSS). Use it once per process for CPU figures: see the module docstring.
+    """
+
+    def __init__(self, device: Any = "cpu"):
+        self.cuda = getattr(device, "type", str(device)).startswith("cuda")
+        self.method = ""
+        self._base = 0
+        self.baseline_slack = 0  # how much of a peak the baseline could hide (0 when reset)
+
+    def start(self) -> None:
+        if self.cuda:
+            import torch
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+            self.method = "cuda.max_memory_allocated"
+            return
+        current = _current_rss_bytes()
+        if current is not None and _reset_peak_rss() and _read_status_kib("VmHWM") is not None:
+            self.method = "VmHWM (reset via clear_refs)"
+            self._base = _current_rss_bytes()
+            self.baseline_slack = max(0, _read_status_kib("VmHWM") * 1024 - self._base)
+        else:
+            # High-water mark cannot be reset: the baseline is the peak so far, and a run whose
+            # peak stays under it reads as 0 (reported as slack).
+            self.method = "ru_maxrss"
+            peak = _ru_maxrss_bytes()
+            self._base = current if current is not None else peak
+            self.baseline_slack = max(0, peak - self._base)
+
+    def peak_above_baseline(self) -> int:
+        """Bytes: peak during the region minus the baseline."""
+        if self.cuda:
+            import torch
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self._base
+        if self.method.startswith("VmHWM"):
+            return _read_status_kib("VmHWM") * 1024 - self._base
+        return _ru_maxrss_bytes() - self._base
+
+
+def time_repeats(fn: Callable[[], None], repeats: int, budget_s: float,
+                 sync: Callable[[], None] = lambda: None) -> List[float]:
+    """Seconds of each call of ``fn`` (already warmed up by the caller): ``repeats`` calls, but
+    stop early once ``budget_s`` is spent (at least one call). Median them."""
+    times: List[float] = []
+    spent = 0.0
+    for _ in range(max(1, repeats)):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+        spent += times[-1]
+        if spent >= budget_s:
+            break
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else math.nan
+
+
+def run_worker(script: str, spec: Dict[str, Any], threads: int, timeout: float) -> Dict[str, Any]:
+    """Run ``python script --worker JSON`` in a fresh process and return the JSON dict it prints
+    as its last stdout line; on failure (crash, OOM kill, timeout) ``{"error": ...}``."""
+    cmd = [sys.executable, script, "--worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, env=worker_env(threads), capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or "").strip().splitlines()[-5:]
+        return {"error": f"exit code {proc.returncode}: " + " | ".join(tail)}
+    return json.loads(lines[-1])
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+            return f"{value:.3g}"
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def format_table(rows: Iterable[Dict[str, Any]], columns: Sequence[str]) -> str:
+    """Fixed-width text table of ``rows`` (dicts) restricted to ``columns``."""
+    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def write_csv(path: str, rows: Iterable[Dict[str, Any]], columns: Sequence[str]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow(r)

@@ -29,8 +29,8 @@ from torch.distributed import ProcessGroup
 
 from ._validation import check_ce_options, check_ce_tensors
 from .chunked_linear_ce import chunked_linear_cross_entropy
-from .distributed.collectives import (all_reduce_max_, all_reduce_sum_, copy_to_group,
-                                      gather_along_dim0)
+from .distributed.collectives import (all_gather_dim0, all_reduce_max_, all_reduce_sum_,
+                                      copy_to_group, gather_along_dim0)
 from .distributed.topology import group_rank, group_size
 from .linear_cross_entropy import CrossEntropyOutput
 from .ops.cross_entropy_chunk import CrossEntropyOptions
@@ -60,11 +60,7 @@ def _check_across_ranks(group, n_tokens: int, hidden: int, rows: int, vocab_size
     rank (instead of one rank raising while the others wait in a collective forever)."""
     mine = torch.tensor([n_tokens, hidden, rows, vocab_size, bad_label], dtype=torch.long,
                         device=device)
-    if group_size(group) > 1:
-        everyone = torch.empty(group_size(group), mine.numel(), dtype=torch.long, device=device)
-        dist.all_gather_into_tensor(everyone, mine, group=group)
-    else:
-        everyone = mine.unsqueeze(0)
+    everyone = all_gather_dim0(mine, group).view(-1, mine.numel())
     names = ("token count", "hidden size", "weight_shard rows", "vocab_size")
     for i, name in enumerate(names):
         values = everyone[:, i].tolist()
@@ -126,8 +122,8 @@ def vocab_parallel_linear_cross_entropy_with_stats(
     weights = None if loss_weights is None else loss_weights.reshape(-1)
     if sequence_parallel and tp > 1:
         hidden = gather_along_dim0(hidden, group)
-        flat_labels = _gather_no_grad(flat_labels, group)
-        weights = None if weights is None else _gather_no_grad(weights.detach(), group)
+        flat_labels = all_gather_dim0(flat_labels, group)
+        weights = None if weights is None else all_gather_dim0(weights.detach(), group)
     else:
         hidden = copy_to_group(hidden, group)
 
@@ -145,13 +141,6 @@ def vocab_parallel_linear_cross_entropy_with_stats(
     if reduction == "none" and not (sequence_parallel and tp > 1):
         loss, z = loss.view(labels.shape), z.view(labels.shape)
     return CrossEntropyOutput(loss, z, (flat_labels != ignore_index).sum())
-
-
-def _gather_no_grad(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    out = torch.empty((group_size(group) * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype,
-                      device=t.device)
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
-    return out
 
 
 def vocab_parallel_linear_cross_entropy(

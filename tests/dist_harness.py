@@ -7,12 +7,14 @@ rank's traceback.
 """
 from __future__ import annotations
 
+import io
 import os
 import socket
 import tempfile
 import traceback
 from typing import Any, Callable, List
 
+import torch
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 180.0
@@ -37,7 +39,11 @@ def _worker(rank, world_size, port, fn, args, queue):
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=120))
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Tensors put on a torch Queue live in shared memory that vanishes when this process
+        # exits: send serialised bytes instead.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -73,7 +79,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
                                    f"{timeout:.0f} s (collective mismatch or deadlock?)") from None
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=5)

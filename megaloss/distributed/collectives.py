@@ -36,6 +36,7 @@ __all__ = [
     "gather_along_dim0",
     "gather_along_dim0_uneven",
     "all_gather_sizes",
+    "all_gather_dim0",
     "all_reduce_max_",
     "all_reduce_sum_",
 ]
@@ -64,18 +65,22 @@ def all_gather_sizes(n: int, group: Optional[ProcessGroup], device: torch.device
     """Every rank's ``n`` (e.g. its local batch size), in rank order. One small all-gather."""
     if _trivial(group):
         return [int(n)]
-    world = dist.get_world_size(group)
-    local = torch.tensor([n], dtype=torch.long, device=device)
-    out = torch.empty(world, dtype=torch.long, device=device)
-    dist.all_gather_into_tensor(out, local, group=group)
-    return out.tolist()
+    return all_gather_dim0(torch.tensor([n], dtype=torch.long, device=device), group).tolist()
 
 
-def _all_gather_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor for the *_single names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_dim0(x: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+    """Concatenate every rank's ``x`` (same shape everywhere) along dim 0; no autograd."""
+    if _trivial(group):
+        return x
     world = dist.get_world_size(group)
     x = x.contiguous()
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_single(out, x, group=group)
     return out
 
 
@@ -83,7 +88,7 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     world = dist.get_world_size(group)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group)
+    _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
@@ -132,7 +137,7 @@ class _GatherDim0(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _all_gather_dim0(x, group)
+        return all_gather_dim0(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -147,7 +152,7 @@ class _GatherDim0Uneven(torch.autograd.Function):
         width = max(sizes)
         padded = x.new_zeros((width,) + tuple(x.shape[1:]))
         padded[: x.shape[0]] = x
-        gathered = _all_gather_dim0(padded, group)
+        gathered = all_gather_dim0(padded, group)
         return torch.cat([gathered[r * width: r * width + n] for r, n in enumerate(sizes)])
 
     @staticmethod

@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from megaloss.distributed.collectives import all_reduce_sum, all_reduce_sum_, gather_along_dim0_uneven
+from megaloss.distributed.collectives import all_reduce_sum, all_reduce_sum_
 from megaloss.distributed.functional_gather import gather_dim0_uneven_autograd
 from megaloss.distributed.topology import group_rank, group_size
 
@@ -64,6 +64,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # metadata exchanged by every rank before anything else (one all-gather, one host sync)
 _OK, _B, _D, _K, _DTYPE, _GRAD, _IDS, _BAD_T, _NF_Q, _NF_P, _NF_N = range(11)
 _NAMES = ("query", "positive", "negatives")
+# torch 2.13 deprecates all_gather_into_tensor (FutureWarning) in favour of all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class MNROutput(NamedTuple):
@@ -218,7 +220,7 @@ def _exchange(query, positive, negatives, temperature, duplicate_ids, problem, g
         table = [local.tolist()]
     else:
         out = torch.empty(group_size(group) * local.numel(), dtype=torch.long, device=device)
-        dist.all_gather_into_tensor(out, local, group=group)
+        _all_gather_single(out, local, group=group)
         table = out.view(group_size(group), -1).tolist()
     _raise_if_inconsistent(table, problem, group)
     return table
@@ -314,9 +316,8 @@ def _mnr(query, positive, negatives, temperature, similarity, symmetric, gather,
         q_all = gathered.index_select(0, q_idx)
 
     ids_all = None
-    if duplicate_ids is not None:  # integers need no gradient: the plain (hand-written) gather
-        ids_all = gather_along_dim0_uneven(duplicate_ids.to(query.device), group, bs) \
-            if group is not None else duplicate_ids.to(query.device)
+    if duplicate_ids is not None:  # integers: no gradient, same uneven gather
+        ids_all = gather_dim0_uneven_autograd(duplicate_ids.to(query.device), group, bs)
 
     offset = sum(bs[:rank])
     if local_loss:

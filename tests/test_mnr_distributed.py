@@ -118,9 +118,8 @@ def run_case(c, rank, group=None):
             out.loss.backward()  # DDP averages the gradients over the group here
     finally:
         mnr_mod.gather_dim0_uneven_autograd = original
-    if not c["fallback"]:  # the default path uses no deprecated torch collective
-        deprecated = [str(w.message) for w in caught if "deprecated" in str(w.message)]
-        assert not deprecated, deprecated
+    deprecated = [str(w.message) for w in caught if "deprecated" in str(w.message)]
+    assert not deprecated, deprecated  # no deprecated torch collective on either gather path
     grads = {k.removeprefix("module."): v.grad.tolist() for k, v in model.named_parameters()}
     return out.loss.item(), (out.accuracy.item(), out.mean_rank.item()), grads
 

@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from megaloss.distributed.collectives import all_reduce_sum, all_reduce_sum_
+from megaloss.distributed.collectives import all_gather_dim0, all_reduce_sum, all_reduce_sum_
 from megaloss.distributed.functional_gather import gather_dim0_uneven_autograd
 from megaloss.distributed.topology import group_rank, group_size
 
@@ -64,8 +64,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # metadata exchanged by every rank before anything else (one all-gather, one host sync)
 _OK, _B, _D, _K, _DTYPE, _GRAD, _IDS, _BAD_T, _NF_Q, _NF_P, _NF_N = range(11)
 _NAMES = ("query", "positive", "negatives")
-# torch 2.13 deprecates all_gather_into_tensor (FutureWarning) in favour of all_gather_single
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class MNROutput(NamedTuple):
@@ -219,9 +217,7 @@ def _exchange(query, positive, negatives, temperature, duplicate_ids, problem, g
     if group is None:
         table = [local.tolist()]
     else:
-        out = torch.empty(group_size(group) * local.numel(), dtype=torch.long, device=device)
-        _all_gather_single(out, local, group=group)
-        table = out.view(group_size(group), -1).tolist()
+        table = all_gather_dim0(local, group).view(group_size(group), -1).tolist()
     _raise_if_inconsistent(table, problem, group)
     return table
 

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Time and peak memory per rank of the gathered MNR loss (forward + backward), CPU / gloo.
+
+    python tools/bench_mnr.py                      # default grid, ~1-2 min on 2 cores
+    python tools/bench_mnr.py --batches 256 512 1024 2048 4096 --worlds 1 2 4 --reps 3
+
+For each world size W, W fresh processes (spawn, gloo, 1 thread each) run, for every global batch
+N and ``local_loss`` on/off: one untimed warm-up, one memory-measured step, ``--reps`` timed steps
+of ``mnr_loss(q, p, negatives)`` + ``backward`` on leaf embeddings ``[N/W, D]`` (float32; the
+encoder is not part of the measurement). Time: the slowest rank, mean over reps, in ms.
+
+Peak memory, measured (not modelled): peak RSS of the rank's process above its RSS just before
+the step. Per step the process returns freed memory to the OS (``malloc_trim``), resets the
+kernel's high-water mark (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0) and reads ``VmHWM``
+afterwards. glibc's mmap threshold is pinned to 64 KiB (``MALLOC_MMAP_THRESHOLD_``) so every
+tensor buffer is its own mapping, given back to the OS on free: RSS then follows the live tensor
+bytes plus allocator slack. It includes gloo's communication buffers and everything autograd keeps;
+it excludes the pre-existing inputs. The "scores" column is the modelled size of one score matrix
+(rows x columns x 4 bytes) for comparison: ``local_loss`` keeps ``B x C`` rows, otherwise ``N x C``.
+With W ranks sharing fewer cores than W, times include the contention (the table says how many
+cores there were).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+_MMAP_THRESHOLD = "65536"
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _step(mnr_loss, q, p, neg, local_loss):
+    q.grad = p.grad = None
+    if neg is not None:
+        neg.grad = None
+    loss = mnr_loss(q, p, neg, local_loss=local_loss)
+    loss.backward()
+    return loss
+
+
+def _worker(rank, world, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from megaloss.contrastive import mnr_loss
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        rows = []
+        gen = torch.Generator().manual_seed(rank)
+        for n in args.batches:
+            b = n // world
+            q = torch.randn(b, args.dim, generator=gen).requires_grad_()
+            p = torch.randn(b, args.dim, generator=gen).requires_grad_()
+            neg = (torch.randn(b, args.k, args.dim, generator=gen).requires_grad_()
+                   if args.k else None)
+            for local_loss in args.local:
+                _step(mnr_loss, q, p, neg, local_loss)  # warm-up (gloo buffers, thread pools)
+                _trim()
+                dist.barrier()
+                honest = _reset_peak()
+                base = _rss_kib("VmRSS")
+                _step(mnr_loss, q, p, neg, local_loss)
+                peak_kib = (_rss_kib("VmHWM") if honest else _rss_kib("VmRSS")) - base
+                elapsed = 0.0
+                for _ in range(args.reps):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    _step(mnr_loss, q, p, neg, local_loss)
+                    elapsed += time.perf_counter() - t0
+                stats = torch.tensor([elapsed / args.reps, float(peak_kib)], dtype=torch.float64)
+                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+                rows.append((n, b, local_loss, stats[0].item(), stats[1].item(), honest))
+            del q, p, neg
+            _trim()
+        queue.put((rank, rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world: int, args) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=args.timeout) for _ in range(world))
+    for p in procs:
+        p.join(timeout=30)
+    return results[0]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[256, 1024, 4096],
+                    help="global batch sizes N (each divisible by every world size)")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--dim", type=int, default=768)
+    ap.add_argument("--k", type=int, default=0, help="hard negatives per query")
+    ap.add_argument("--reps", type=int, default=2, help="timed steps per configuration")
+    ap.add_argument("--local", type=lambda s: s.lower() in ("1", "true", "on"), nargs="+",
+                    default=[True, False], help="local_loss values to run (on/off)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per world size")
+    args = ap.parse_args(argv)
+    for n in args.batches:
+        for w in args.worlds:
+            if n % w:
+                ap.error(f"global batch {n} is not divisible by world size {w}")
+    # inherited by the spawned workers; must be set before they start (read by glibc at startup)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD
+
+    print(f"mnr_loss fwd+bwd, cosine, D={args.dim}, K={args.k}, float32, CPU gloo, "
+          f"{os.cpu_count()} cores, 1 thread/rank, torch {torch.__version__}")
+    print("peak = peak RSS above the pre-step RSS of the rank's process (VmHWM after "
+          "clear_refs; max over ranks); scores = one score matrix, modelled\n")
+    header = (f"{'world':>5} {'N':>5} {'B/rank':>6} {'local_loss':>10} {'time ms':>9} "
+              f"{'peak MiB/rank':>13} {'scores MiB':>10}")
+    print(header)
+    print("-" * len(header))
+    start = time.perf_counter()
+    for w in args.worlds:
+        for n, b, local, seconds, peak_kib, honest in run_world(w, args):
+            cols = n * (1 + args.k)
+            score_mib = (b if local else n) * cols * 4 / 2 ** 20
+            flag = "" if honest else " (RSS delta: clear_refs unavailable)"
+            print(f"{w:>5} {n:>5} {b:>6} {str(local):>10} {seconds * 1e3:>9.1f} "
+                  f"{peak_kib / 1024:>13.1f} {score_mib:>10.1f}{flag}", flush=True)
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

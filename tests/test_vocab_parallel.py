@@ -58,15 +58,23 @@ def shard(t, tp, rank):
     return padded[rank * rows: (rank + 1) * rows]
 
 
-def _worker(rank, world, tp, sequence_parallel):
+def _worker(rank, world, layouts):
+    """Runs every case under each layout ``(tp, sequence_parallel)``; ``tp < world`` means TP
+    subgroups of consecutive ranks (a dp x tp layout)."""
     import torch.distributed as dist
+    out = {}
+    for tp, sequence_parallel in layouts:
+        if tp == world:
+            group, tp_rank = None, rank  # None: the default group
+        else:
+            groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, world, tp)]
+            group, tp_rank = groups[rank // tp], rank % tp
+        out[(tp, sequence_parallel)] = (tp_rank, _run_cases(group, tp, tp_rank, sequence_parallel))
+    return out
 
+
+def _run_cases(group, tp, tp_rank, sequence_parallel):
     import megaloss
-    if tp == world:
-        group, tp_rank = None, rank  # None: the default group
-    else:  # dp x tp with tp groups {0,1}, {2,3}
-        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        group, tp_rank = groups[rank // 2], rank % 2
     results = []
     for case in cases():
         dtype = case["dtype"]
@@ -87,12 +95,13 @@ def _worker(rank, world, tp, sequence_parallel):
         leaves = [h, ws] + ([bs] if bs is not None else [])
         grads = torch.autograd.grad(loss, leaves, go)
         results.append((loss.detach(), [g.detach() for g in grads]))
-    return tp_rank, results
+    return results
 
 
 def check(results, tp, sequence_parallel=False):
     by_rank = {}
-    for tp_rank, res in results:
+    for per_rank in results:
+        tp_rank, res = per_rank[(tp, sequence_parallel)]
         by_rank.setdefault(tp_rank, []).append(res)
     for ci, case in enumerate(cases()):
         hidden, weight, labels, bias, w, grad_out = full_inputs(case)
@@ -129,20 +138,16 @@ def check(results, tp, sequence_parallel=False):
                                                rtol=tol, atol=atol)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3, 4])
-def test_matches_unsharded_reference(tp):
-    results = run_distributed(_worker, tp, tp, False)
-    check(results, tp)
-
-
-def test_tp_subgroups_of_a_dp_x_tp_layout():
-    results = run_distributed(_worker, 4, 2, False)
-    check(results, 2)
-
-
-def test_sequence_parallel_matches_reference():
-    results = run_distributed(_worker, 2, 2, True)
-    check(results, 2, sequence_parallel=True)
+# Layouts grouped by process count to pay the spawn cost once per world size.
+@pytest.mark.parametrize("world,layouts", [
+    (2, [(2, False), (2, True), (1, False)]),   # TP=2, TP=2 with sequence parallelism, DP=2 x TP=1
+    (3, [(3, False)]),                          # V=36 divisible, 37/1001/5 not
+    (4, [(4, False), (2, False)]),              # TP=4 on WORLD; DP=2 x TP=2 subgroups
+])
+def test_matches_unsharded_reference(world, layouts):
+    results = run_distributed(_worker, world, layouts)
+    for tp, sequence_parallel in layouts:
+        check(results, tp, sequence_parallel)
 
 
 def _bad_label_worker(rank, world):
@@ -170,11 +175,14 @@ def _mismatch_worker(rank, world):
     return None
 
 
+def _error_worker(rank, world):
+    return _bad_label_worker(rank, world), _mismatch_worker(rank, world)
+
+
 def test_errors_raise_on_every_rank_instead_of_hanging():
-    msgs = run_distributed(_bad_label_worker, 2, timeout=120)
-    assert all(m is not None and "1000000" in m for m in msgs), msgs
-    msgs = run_distributed(_mismatch_worker, 2, timeout=120)
-    assert all(m is not None and "token count differs" in m for m in msgs), msgs
+    msgs = run_distributed(_error_worker, 2, timeout=120)
+    assert all(m is not None and "1000000" in m for m, _ in msgs), msgs
+    assert all(m is not None and "token count differs" in m for _, m in msgs), msgs
 
 
 def test_single_process_is_the_plain_loss():

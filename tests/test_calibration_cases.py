@@ -93,10 +93,13 @@ class TinyLM(torch.nn.Module):
         return (per_token * weights.reshape(-1)).sum()
 
 
-def train_step(model_call, backward, batches_of_rank, calibrator, dtype):
-    """Run one calibrated optimizer step on this rank. ``model_call(x, labels, w)`` returns the
-    local weighted sum through the engine; ``backward(loss, is_last)`` does the engine's backward
-    (and step). Returns the step's global loss."""
+def train_step(micro_step, batches_of_rank, calibrator, dtype):
+    """Run one calibrated optimizer step on this rank.
+
+    ``micro_step(inputs, finalize, is_last)`` runs the engine's forward on ``inputs`` (``x,
+    labels, weights``), passes the local weighted sum through ``finalize`` (the calibrator's
+    ``loss_for_backward``) and backwards the result the engine's way. Returns the step's global
+    loss and valid-token count."""
     from megaloss.calibration import split_for_sequence_parallel
     topo = calibrator.topology
     step = calibrator.begin_step([mb["labels"] for mb in batches_of_rank],
@@ -104,8 +107,8 @@ def train_step(model_call, backward, batches_of_rank, calibrator, dtype):
                                  position_ids=[mb["position_ids"] for mb in batches_of_rank])
     for i, mb in enumerate(batches_of_rank):
         x = split_for_sequence_parallel(mb["x"], topo.sp_rank, topo.sp_size, 0.0, dim=1)
-        local = model_call(x.to(dtype), step.local_labels(i), step.weights(i))
-        backward(step.loss_for_backward(local), i == len(batches_of_rank) - 1)
+        inputs = (x.to(dtype), step.local_labels(i), step.weights(i).to(dtype))
+        micro_step(inputs, step.loss_for_backward, i == len(batches_of_rank) - 1)
     return step.global_loss(), step.num_tokens
 
 
@@ -142,14 +145,21 @@ class Toy(torch.nn.Module):
         return (w * a * self.theta).sum()
 
 
-def run_toy(calibrator, dp_rank, model_call, backward):
-    """One toy step on this rank; returns the global loss (theta = 1)."""
+def run_toy(calibrator, dp_rank, micro_step, dtype=torch.float64):
+    """One toy step on this rank (``micro_step`` as in :func:`train_step`, inputs ``a, w``);
+    returns the global loss (theta = 1)."""
     coeffs = toy_batches()[dp_rank]
     step = calibrator.begin_step([torch.zeros(len(a), dtype=torch.long) for a in coeffs])
     for i, a in enumerate(coeffs):
-        local = model_call(a, step.weights(i))
-        backward(step.loss_for_backward(local), i == len(coeffs) - 1)
+        micro_step((a.to(dtype), step.weights(i).to(dtype)), step.loss_for_backward,
+                   i == len(coeffs) - 1)
     return step.global_loss()
+
+
+def plain_micro_step(model):
+    def micro_step(inputs, finalize, is_last):
+        finalize(model(*inputs)).backward()
+    return micro_step
 
 
 # single process, no engine ------------------------------------------------------------------
@@ -161,8 +171,7 @@ def test_no_engine_matches_reference(gas, reduction):
     model = TinyLM(torch.float64)
     calib = LossCalibrator(reduction=reduction, engine_scale=probe_no_engine(gas=gas),
                            weight_dtype=torch.float64)
-    loss, ntok = train_step(model, lambda loss, last: loss.backward(), batches[0], calib,
-                            torch.float64)
+    loss, ntok = train_step(plain_micro_step(model), batches[0], calib, torch.float64)
     ref_loss, ref_grad = reference(batches, reduction)
     torch.testing.assert_close(model.head.weight.grad, ref_grad, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-14)

@@ -70,10 +70,12 @@ def test_matches_reference_loss_grads_and_metrics(similarity, symmetric, k, dup,
     inputs = [t.clone().requires_grad_() for t in (q, p) + ((neg,) if k else ())]
     ref_inputs = [t.detach().clone().requires_grad_() for t in inputs]
     out = mnr_loss_with_metrics(*inputs, temperature=temperature, similarity=similarity,
-                                symmetric=symmetric, local_loss=local_loss, duplicate_ids=ids)
+                                symmetric=symmetric, local_loss=local_loss, duplicate_ids=ids,
+                                chunk_size=3)  # 7 rows: blocks of 3, 3, 1
     ref = reference_mnr(*ref_inputs, temperature=temperature, similarity=similarity,
                         symmetric=symmetric, ids=ids)
     torch.testing.assert_close(out.loss, ref, **TOL)
+    assert out.num_queries == 7
     out.loss.backward()
     ref.backward()
     for a, b in zip(inputs, ref_inputs):
@@ -94,6 +96,31 @@ def test_plain_function_equals_metrics_variant_and_duplicates_matter():
     assert not torch.allclose(plain, mnr_loss(q, p, neg))  # ... and masking them changes the loss
 
 
+def test_chunk_size_invariance_grad_output_and_no_grad():
+    """Blocks of 1, 2, 5 or all rows give the same loss and gradients (temperature included); the
+    saved gradients are multiplied by grad_output; under no_grad nothing is prepared."""
+    q, p, neg, ids = make_batch(5, 2, dup=True, seed=9)
+    results = []
+    for chunk in (1, 2, 5, 1024):
+        leaves = [t.clone().requires_grad_() for t in (q, p, neg)]
+        scale = torch.tensor(2.5, dtype=torch.float64, requires_grad=True)
+        out = mnr_loss_with_metrics(*leaves, temperature=torch.exp(-scale), symmetric=True,
+                                    duplicate_ids=ids, chunk_size=chunk)
+        (3.0 * out.loss).backward()
+        results.append([out.loss, out.mean_rank, scale.grad] + [t.grad for t in leaves])
+    leaves = [t.clone().requires_grad_() for t in (q, p, neg)]
+    scale = torch.tensor(2.5, dtype=torch.float64, requires_grad=True)
+    ref = reference_mnr(*leaves, temperature=torch.exp(-scale), symmetric=True, ids=ids)
+    (3.0 * ref).backward()
+    want = [ref, results[0][1], scale.grad] + [t.grad for t in leaves]
+    for got in results:
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(mnr_loss(q, p, neg, duplicate_ids=ids, chunk_size=2),
+                                   reference_mnr(q, p, neg, ids=ids), **TOL)
+
+
 def test_perfect_retrieval_metrics():
     q = torch.eye(4, dtype=torch.float64)
     out = mnr_loss_with_metrics(q, q.clone(), similarity="dot", temperature=0.1)
@@ -110,7 +137,7 @@ def test_low_precision_inputs_accumulate_in_float32():
 def test_empty_global_batch_gives_zero_loss_and_gradients():
     q = torch.zeros(0, 4, requires_grad=True)
     out = mnr_loss_with_metrics(q, torch.zeros(0, 4), torch.zeros(0, 2, 4))
-    assert out.loss.item() == 0.0 and math.isnan(out.accuracy.item())
+    assert out.loss.item() == 0.0 and math.isnan(out.accuracy.item()) and out.num_queries == 0
     out.loss.backward()
     assert q.grad.shape == (0, 4)
 
@@ -166,6 +193,7 @@ def _errors():
         (ValueError, "temperature", dict(query=q, positive=p, temperature=-1.0)),
         (ValueError, "temperature", dict(query=q, positive=p, temperature=torch.tensor(-0.5))),
         (ValueError, "similarity", dict(query=q, positive=p, similarity="l2")),
+        (ValueError, "chunk_size", dict(query=q, positive=p, chunk_size=0)),
         (ValueError, "query contains NaN", dict(query=nan_q, positive=p)),
         (ValueError, "negatives contains NaN or inf", dict(query=q, positive=p, negatives=inf_n)),
         (TypeError, "duplicate_ids must be an integer",

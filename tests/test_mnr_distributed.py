@@ -120,6 +120,7 @@ def run_case(c, rank, group=None):
         mnr_mod.gather_dim0_uneven_autograd = original
     deprecated = [str(w.message) for w in caught if "deprecated" in str(w.message)]
     assert not deprecated, deprecated  # no deprecated torch collective on either gather path
+    assert out.num_queries == sum(c["sizes"])
     grads = {k.removeprefix("module."): v.grad.tolist() for k, v in model.named_parameters()}
     return out.loss.item(), (out.accuracy.item(), out.mean_rank.item()), grads
 

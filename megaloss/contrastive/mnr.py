@@ -23,18 +23,23 @@ SUM reduce-scatter, so rank r's embeddings receive the gradient of the *sum of e
 loss*. Then:
 
 * ``local_loss=True`` (open_clip's ``local_loss``): rank r scores only its own ``B_r`` rows
-  (memory ``B_r x C``), forms its share ``S_r = sum_{g on r} l_g / N`` and returns
+  (``B_r x C`` scores, computed ``chunk_size`` rows at a time with gradients formed in forward), forms its share ``S_r = sum_{g on r} l_g / N`` and returns
   ``all_reduce_sum(S_r)`` -- the global ``L`` on every rank, whose backward multiplies each share's
   gradient by the group size ``W``.
-* ``local_loss=False``: every rank scores all ``N`` rows (memory ``N x C``) and returns ``L``.
+* ``local_loss=False``: every rank scores all ``N`` rows (``N x C`` scores, W times the work)
+  and returns ``L``.
 
-Either way every rank's parameter gradient is ``W * dL/dtheta_r`` summed appropriately, and the
-data-parallel engine's *average* over ``group`` (DDP, DeepSpeed ZeRO 0-2) yields exactly the
-single-device gradient of ``L`` on the concatenated global batch. Requirements: ``group`` is the
-group the engine averages over (the DP group), and every rank calls the loss once per step. An
-engine that also divides by gradient-accumulation steps (DeepSpeed's ``engine.backward`` divides
-by GAS) needs the loss multiplied by GAS to keep the per-step sum (the DeepSpeed integration's
-compensation); with plain ``loss.backward()`` and no averaging, divide gradients by ``W``.
+Either way rank r's gradient is ``W x`` (its part of ``dL``) for the embeddings it produced, and
+the data-parallel engine's *average* over ``group`` (DDP, DeepSpeed ZeRO 0-2) of the ranks'
+parameter gradients is exactly the single-device gradient of ``L`` on the concatenated global
+batch (a replicated learnable temperature included). The returned value is ``L`` on every rank.
+Requirements: ``group`` is the group the engine averages over (the DP group) and every rank calls
+the loss once per micro-step. Gradient accumulation: DeepSpeed's ``engine.backward`` divides by
+GAS, so the DeepSpeed integration multiplies the loss by its compensation (``GAS * N_m / N_step``
+for micro-batch ``m`` of a step with ``N_step`` global queries; ``GAS`` for equal micro-batches;
+``N_m`` is :attr:`MNROutput.num_queries`); with plain ``loss.backward()`` and no averaging,
+divide the gradients by ``W`` instead. (The gather trims its padding, so no padded column ever
+enters a softmax.)
 
 Collectives per call (all entered by every rank, whatever its ``B_r``, including 0): one small
 all-gather of per-rank metadata (sizes, ``D``, flags -- also the only host sync), one autograd
@@ -45,7 +50,7 @@ reduce-scatter, plus one all-reduce with ``local_loss``.
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import List, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -55,6 +60,8 @@ from torch.distributed import ProcessGroup
 from megaloss.distributed.collectives import all_gather_dim0, all_reduce_sum, all_reduce_sum_
 from megaloss.distributed.functional_gather import gather_dim0_uneven_autograd
 from megaloss.distributed.topology import group_rank, group_size
+
+from .infonce_rows import infonce_rows
 
 __all__ = ["mnr_loss", "mnr_loss_with_metrics", "MNROutput", "SIMILARITIES"]
 
@@ -71,15 +78,19 @@ class MNROutput(NamedTuple):
 
     Attributes:
         loss: the global loss (what :func:`mnr_loss` returns; carries the gradient).
-        accuracy: fraction of the ``N`` global queries whose positive scores strictly above every
-            unmasked candidate (query -> document direction; no gradient). NaN when ``N == 0``.
+        accuracy: fraction of the ``N`` global queries whose positive no unmasked candidate
+            outscores (ties count as hits; query -> document direction; no gradient). NaN when
+            ``N == 0``.
         mean_rank: mean over global queries of ``1 + #(unmasked candidates scoring strictly above
             the positive)``; 1.0 is perfect. Float64, no gradient. NaN when ``N == 0``.
+        num_queries: ``N``, the number of queries of the global batch (a Python int, known from the
+            metadata exchange at no extra cost; what a gradient-accumulation compensation needs).
     """
 
     loss: torch.Tensor
     accuracy: torch.Tensor
     mean_rank: torch.Tensor
+    num_queries: int
 
 
 Temperature = Union[float, torch.Tensor]
@@ -89,7 +100,7 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
              negatives: Optional[torch.Tensor] = None, *, temperature: Temperature = 0.05,
              similarity: str = "cosine", symmetric: bool = False, gather: bool = True,
              group: Optional[ProcessGroup] = None, local_loss: bool = True,
-             duplicate_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+             duplicate_ids: Optional[torch.Tensor] = None, chunk_size: int = 1024) -> torch.Tensor:
     """Multiple Negatives Ranking / InfoNCE loss against every document of the global batch.
 
     Args:
@@ -107,6 +118,10 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
             ``False`` scores all ``N`` rows on every rank (memory ``N x C``), same value/gradients.
         duplicate_ids: ``[B]`` integer id per pair; positives of other pairs sharing the query's id
             are removed from its softmax (and queries sharing it, in the symmetric direction).
+        chunk_size: score rows per block; with gradients computed in forward
+            (:mod:`megaloss.contrastive.infonce_rows`) the loss's working memory is
+            ``chunk_size x C`` floats instead of several ``rows x C`` matrices. Any value gives
+            the same result up to summation order.
 
     Returns:
         0-dim tensor, the global mean loss ``L`` (same value on every rank), in
@@ -121,7 +136,7 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
         TypeError: non-floating embeddings, non-integer ``duplicate_ids``.
     """
     return _mnr(query, positive, negatives, temperature, similarity, symmetric, gather, group,
-                local_loss, duplicate_ids, metrics=False).loss
+                local_loss, duplicate_ids, chunk_size, metrics=False).loss
 
 
 def mnr_loss_with_metrics(query: torch.Tensor, positive: torch.Tensor,
@@ -129,12 +144,13 @@ def mnr_loss_with_metrics(query: torch.Tensor, positive: torch.Tensor,
                           temperature: Temperature = 0.05, similarity: str = "cosine",
                           symmetric: bool = False, gather: bool = True,
                           group: Optional[ProcessGroup] = None, local_loss: bool = True,
-                          duplicate_ids: Optional[torch.Tensor] = None) -> MNROutput:
+                          duplicate_ids: Optional[torch.Tensor] = None,
+                          chunk_size: int = 1024) -> MNROutput:
     """:func:`mnr_loss` plus in-batch top-1 accuracy and mean rank of the positive (see
     :class:`MNROutput`). Same arguments and errors; costs one extra small all-reduce with
     ``local_loss=True``."""
     return _mnr(query, positive, negatives, temperature, similarity, symmetric, gather, group,
-                local_loss, duplicate_ids, metrics=True)
+                local_loss, duplicate_ids, chunk_size, metrics=True)
 
 
 # validation and metadata exchange ------------------------------------------------------------
@@ -146,9 +162,11 @@ def _resolve_group(gather: bool, group: Optional[ProcessGroup]) -> Optional[Proc
     return group if group_size(group) > 1 else None
 
 
-def _local_problem(query, positive, negatives, temperature, similarity,
-                   duplicate_ids) -> Optional[Exception]:
+def _local_problem(query, positive, negatives, temperature, similarity, duplicate_ids,
+                   chunk_size) -> Optional[Exception]:
     """Everything checkable on this rank without a host sync; the error to raise, or None."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        return ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     if similarity not in SIMILARITIES:
         return ValueError(f"similarity must be one of {SIMILARITIES}, got {similarity!r}")
     if isinstance(temperature, torch.Tensor):
@@ -248,28 +266,11 @@ def _raise_if_inconsistent(table: List[List[int]], problem: Optional[Exception],
 
 
 # the loss --------------------------------------------------------------------------------------
-def _row_losses(scores: torch.Tensor, targets: torch.Tensor,
-                mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """``logsumexp`` over unmasked columns minus the target column, per row. ``scores [R, C]``."""
-    if mask is not None:
-        scores = scores.masked_fill(mask, float("-inf"))
-    return torch.logsumexp(scores, dim=1) - scores.gather(1, targets[:, None]).squeeze(1)
-
-
-def _dup_mask(ids_all: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
-    """``[R, width]``: True where column ``j < N`` is another pair with row's id (a false negative)."""
-    n = ids_all.shape[0]
-    cols = torch.arange(n, device=rows.device)
-    mask = (ids_all[rows][:, None] == ids_all[None, :]) & (cols[None, :] != rows[:, None])
-    if width > n:
-        mask = torch.cat([mask, mask.new_zeros(mask.shape[0], width - n)], dim=1)
-    return mask
-
-
 def _mnr(query, positive, negatives, temperature, similarity, symmetric, gather, group,
-         local_loss, duplicate_ids, *, metrics: bool) -> MNROutput:
+         local_loss, duplicate_ids, chunk_size, *, metrics: bool) -> MNROutput:
     group = _resolve_group(gather, group)
-    problem = _local_problem(query, positive, negatives, temperature, similarity, duplicate_ids)
+    problem = _local_problem(query, positive, negatives, temperature, similarity, duplicate_ids,
+                             chunk_size)
     if problem is not None and group is None:
         raise problem
     table = _exchange(query, positive, negatives, temperature, duplicate_ids, problem, group)
@@ -285,7 +286,7 @@ def _mnr(query, positive, negatives, temperature, similarity, symmetric, gather,
         if isinstance(temperature, torch.Tensor):
             zero = zero + temperature.sum() * 0
         nan = torch.full((), float("nan"), dtype=torch.float64, device=query.device)
-        return MNROutput(zero.to(acc_dtype), nan, nan.clone())
+        return MNROutput(zero.to(acc_dtype), nan, nan.clone(), 0)
 
     b, d = query.shape
     if negatives is None:
@@ -323,24 +324,21 @@ def _mnr(query, positive, negatives, temperature, similarity, symmetric, gather,
         rows = torch.arange(n, device=query.device)
         q_rows, p_rows = q_all, docs[:n]
 
-    scores = (q_rows @ docs.T).to(acc_dtype) / temperature  # [R, C], C = sum_r B_r (1 + K_r)
-    mask = None if ids_all is None else _dup_mask(ids_all, rows, scores.shape[1])
-    total = _row_losses(scores, rows, mask).sum()
-    if symmetric:
-        back = (p_rows @ q_all.T).to(acc_dtype) / temperature  # [R, N]
-        back_mask = None if mask is None else mask[:, :n]
-        total = (total + _row_losses(back, rows, back_mask).sum()) / 2
+    row_ids = None if ids_all is None else ids_all[rows]
+    total, above = infonce_rows(q_rows, docs, temperature, rows, row_ids=row_ids, col_ids=ids_all,
+                                chunk_size=chunk_size, ranks=metrics)
+    if symmetric:  # positives against every query of the global batch: [R, N]
+        back, _ = infonce_rows(p_rows, q_all, temperature, rows, row_ids=row_ids,
+                               col_ids=ids_all, chunk_size=chunk_size)
+        total = (total + back) / 2
     share = total / n
     loss = all_reduce_sum(share, group) if local_loss else share
 
     if not metrics:
         nan = torch.full((), float("nan"), dtype=torch.float64, device=query.device)
-        return MNROutput(loss, nan, nan)
-    with torch.no_grad():
-        s = scores if mask is None else scores.masked_fill(mask, float("-inf"))
-        above = (s > s.gather(1, rows[:, None])).sum(1)
-        stats = torch.stack([(above == 0).sum(), (above + 1).sum()]).to(torch.float64)
-        if local_loss:
-            all_reduce_sum_(stats, group)
-        stats = stats / n
-    return MNROutput(loss, stats[0], stats[1])
+        return MNROutput(loss, nan, nan, n)
+    stats = torch.stack([(above == 0).sum(), (above + 1).sum()]).to(torch.float64)
+    if local_loss:
+        all_reduce_sum_(stats, group)
+    stats = stats / n
+    return MNROutput(loss, stats[0], stats[1], n)

@@ -24,7 +24,8 @@ class MultipleNegativesRankingLoss(nn.Module):
             2021; open_clip). Its value is clamped to ``max_logit_scale`` in forward (no gradient
             past the clamp), i.e. ``T >= exp(-max_logit_scale)``.
         max_logit_scale: upper clamp of ``logit_scale``; CLIP's ``ln(100)``.
-        similarity, symmetric, gather, group, local_loss: as in :func:`mnr_loss` (keyword-only).
+        similarity, symmetric, gather, group, local_loss, chunk_size: as in :func:`mnr_loss`
+            (keyword-only).
 
     ``forward(query [B, D], positive [B, D], negatives [B, K, D] | None, duplicate_ids [B] | None)``
     returns the 0-dim global loss; :meth:`forward_with_metrics` returns an :class:`MNROutput`.
@@ -38,7 +39,8 @@ class MultipleNegativesRankingLoss(nn.Module):
     def __init__(self, temperature: float = 0.05, *, learnable_temperature: bool = False,
                  max_logit_scale: float = math.log(100.0), similarity: str = "cosine",
                  symmetric: bool = False, gather: bool = True,
-                 group: Optional[ProcessGroup] = None, local_loss: bool = True) -> None:
+                 group: Optional[ProcessGroup] = None, local_loss: bool = True,
+                 chunk_size: int = 1024) -> None:
         super().__init__()
         if not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
             raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
@@ -51,7 +53,9 @@ class MultipleNegativesRankingLoss(nn.Module):
         self.learnable_temperature = learnable_temperature
         self.max_logit_scale = float(max_logit_scale)
         self.similarity, self.symmetric, self.gather = similarity, symmetric, gather
-        self.group, self.local_loss = group, local_loss
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        self.group, self.local_loss, self.chunk_size = group, local_loss, chunk_size
         if learnable_temperature:
             self.logit_scale = nn.Parameter(torch.tensor(init_scale, dtype=torch.float32))
         else:
@@ -68,7 +72,7 @@ class MultipleNegativesRankingLoss(nn.Module):
     def _options(self):
         return dict(temperature=self.temperature, similarity=self.similarity,
                     symmetric=self.symmetric, gather=self.gather, group=self.group,
-                    local_loss=self.local_loss)
+                    local_loss=self.local_loss, chunk_size=self.chunk_size)
 
     def forward(self, query: torch.Tensor, positive: torch.Tensor,
                 negatives: Optional[torch.Tensor] = None,

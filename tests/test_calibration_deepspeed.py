@@ -1,6 +1,8 @@
 """Calibration under real DeepSpeed engines (CPU, gloo, ZeRO 0-3, ``engine.backward`` and direct
 ``loss.backward``): the start-up probe, issue 4's toy case, and gradients equal to the float64
 single-device reference for a covering set of DP x SP x GAS layouts and all three reductions.
+The same processes also run the DDP cases of worlds 2 and 3 (test_calibration_ddp.py), to share
+their start-up cost.
 
 The engine's DP group is WORLD; for the SP layouts (dp=1, sp=2) it therefore reduces over the
 ``dp x sp`` group, as DeepSpeed does with its sequence-data-parallel group. The model is fp32:
@@ -12,6 +14,7 @@ import torch
 from dist_harness import run_distributed
 from test_calibration_cases import (TOY_EXPECTED, TinyLM, Toy, make_groups, make_step,
                                     reference, run_toy, train_step)
+from test_calibration_ddp import DDP_LAYOUTS, check_ddp, ddp_part
 
 pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow]
 REDUCTIONS = ("token", "sample", "square")
@@ -50,6 +53,7 @@ def _ds_micro_step(engine, backward, param, sink):
 
 
 def _ds_worker(rank, world, toy_paths, layouts):
+    out = {"ddp": ddp_part(rank, world, DDP_LAYOUTS[world], toy=world == 2)}
     # DeepSpeed's CPU comm backend JIT-builds a shared-memory op used only for inference
     # all-reduce; skip it so no C++ build runs in the tests (training uses torch.distributed).
     import deepspeed.comm.torch as ds_comm_torch
@@ -57,7 +61,6 @@ def _ds_worker(rank, world, toy_paths, layouts):
 
     from megaloss.calibration import LossCalibrator, probe_deepspeed
     from megaloss.distributed import Topology
-    out = {}
     for stage, backward in toy_paths:
         topo = Topology.default()
         scale = probe_deepspeed(_config(stage, 2), group=topo.dp_sp_group, backward=backward)
@@ -114,6 +117,7 @@ def _check(results, world, toy_paths, layouts):
     (2, TOY_PATHS, LAYOUTS_2),
     (3, [], LAYOUTS_3),
 ], ids=["world2", "world3"])
-def test_deepspeed_matches_single_device(world, toy_paths, layouts):
+def test_ddp_and_deepspeed_match_single_device(world, toy_paths, layouts):
     results = run_distributed(_ds_worker, world, toy_paths, layouts, timeout=360)
+    check_ddp([r["ddp"] for r in results], DDP_LAYOUTS[world], world == 2, world)
     _check(results, world, toy_paths, layouts)

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaloss.contrastive import MNROutput, MultipleNegativesRankingLoss, mnr_loss, mnr_loss_with_metrics
+from megaloss.contrastive import (MNROutput, MultipleNegativesRankingLoss, mnr_loss,
+                                  mnr_loss_with_metrics)
 
 TOL = dict(rtol=1e-9, atol=1e-11)  # float64 end to end; only summation order differs
 
@@ -82,7 +83,8 @@ def test_matches_reference_loss_grads_and_metrics(similarity, symmetric, k, dup,
         torch.testing.assert_close(a.grad, b.grad, **TOL)
     acc, mean_rank = reference_metrics(q, p, neg, temperature=temperature, similarity=similarity,
                                        ids=ids)
-    assert out.accuracy.item() == pytest.approx(acc) and out.mean_rank.item() == pytest.approx(mean_rank)
+    assert out.accuracy.item() == pytest.approx(acc)
+    assert out.mean_rank.item() == pytest.approx(mean_rank)
     assert 0 < acc < 1 and mean_rank > 1  # the case discriminates
 
 
@@ -192,6 +194,8 @@ def _errors():
         (ValueError, "temperature", dict(query=q, positive=p, temperature=0.0)),
         (ValueError, "temperature", dict(query=q, positive=p, temperature=-1.0)),
         (ValueError, "temperature", dict(query=q, positive=p, temperature=torch.tensor(-0.5))),
+        (ValueError, "temperature", dict(query=q, positive=p,
+                                         temperature=torch.tensor(float("nan")))),
         (ValueError, "similarity", dict(query=q, positive=p, similarity="l2")),
         (ValueError, "chunk_size", dict(query=q, positive=p, chunk_size=0)),
         (ValueError, "query contains NaN", dict(query=nan_q, positive=p)),

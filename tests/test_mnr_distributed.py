@@ -33,7 +33,8 @@ CASES = {
         case([4, 1], k=2, similarity="dot", symmetric=True, learnable=True, seed=1),
         case([0, 4], k=2, symmetric=True, local_loss=False, seed=2),
         case([3, 3], k=2, dup=True, seed=3),
-        case([2, 3], similarity="dot", symmetric=True, dup=True, local_loss=False, seed=4),
+        case([2, 3], similarity="dot", symmetric=True, dup=True, local_loss=False, learnable=True,
+             seed=4),
         case([4, 1], k=2, symmetric=True, dup=True, learnable=True, fallback=True, seed=5)],
     3: [case([2, 0, 3], k=2, symmetric=True, learnable=True, seed=6),
         case([1, 2, 1], similarity="dot", dup=True, local_loss=False, seed=7)],
@@ -176,7 +177,8 @@ def rank0_only_recipe(rank, group):
     model = nn.parallel.DistributedDataParallel(Tower(c, group), process_group=group)
     xq, xp, xn, _ = local_data(c, rank)
     q, p, _ = model.module.embed(xq, xp, xn)
-    gq, gp = [torch.empty_like(q) for _ in range(world)], [torch.empty_like(p) for _ in range(world)]
+    gq = [torch.empty_like(q) for _ in range(world)]
+    gp = [torch.empty_like(p) for _ in range(world)]
     dist.all_gather(gq, q.detach(), group=group)
     dist.all_gather(gp, p.detach(), group=group)
     gq[rank], gp[rank] = q, p

@@ -1,4 +1,4 @@
-r"""Chunked InfoNCE rows with gradients computed in the forward pass (single device, no collectives).
+r"""Chunked InfoNCE rows, gradients computed in the forward pass (single device, no collectives).
 
 For rows ``a [R, D]``, columns ``b [C, D]``, targets ``t [R]`` and temperature ``T``, with column
 ``j`` masked out of row ``i``'s softmax when ``row_ids[i] == col_ids[j]`` and ``j != t_i`` (only

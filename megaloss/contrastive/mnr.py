@@ -23,7 +23,8 @@ SUM reduce-scatter, so rank r's embeddings receive the gradient of the *sum of e
 loss*. Then:
 
 * ``local_loss=True`` (open_clip's ``local_loss``): rank r scores only its own ``B_r`` rows
-  (``B_r x C`` scores, computed ``chunk_size`` rows at a time with gradients formed in forward), forms its share ``S_r = sum_{g on r} l_g / N`` and returns
+  (``B_r x C`` scores, computed ``chunk_size`` rows at a time with gradients formed in forward),
+  forms its share ``S_r = sum_{g on r} l_g / N`` and returns
   ``all_reduce_sum(S_r)`` -- the global ``L`` on every rank, whose backward multiplies each share's
   gradient by the group size ``W``.
 * ``local_loss=False``: every rank scores all ``N`` rows (``N x C`` scores, W times the work)
@@ -104,7 +105,8 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
     """Multiple Negatives Ranking / InfoNCE loss against every document of the global batch.
 
     Args:
-        query: ``[B, D]`` float embeddings of this rank's queries (``B`` may differ per rank, 0 too).
+        query: ``[B, D]`` float embeddings of this rank's queries (``B`` may differ per rank, or
+            be 0).
         positive: ``[B, D]``, ``positive[i]`` is the document that ``query[i]`` must rank first.
         negatives: ``[B, K, D]`` hard negatives (``K >= 0``; may differ per rank) or ``None``.
         temperature: ``T > 0``, a float or a 0-dim tensor (e.g. ``exp(-logit_scale)``, learnable).
@@ -173,7 +175,8 @@ def _local_problem(query, positive, negatives, temperature, similarity, duplicat
         if temperature.numel() != 1:
             return ValueError(f"temperature must be a float or a 1-element tensor, got shape "
                               f"{tuple(temperature.shape)}")
-    elif not isinstance(temperature, (int, float)) or not temperature > 0 or math.isinf(temperature):
+    elif (not isinstance(temperature, (int, float)) or not temperature > 0
+          or math.isinf(temperature)):
         return ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     for name, t in zip(_NAMES, (query, positive, negatives)):
         if t is None:
@@ -225,8 +228,11 @@ def _exchange(query, positive, negatives, temperature, duplicate_ids, problem, g
         grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (query, positive, negatives))
         fixed = [1, b, d, k, _DTYPES.index(query.dtype), int(grad), int(duplicate_ids is not None)]
-        bad_t = (temperature.detach().reshape(()) <= 0).long().to(device) \
-            if isinstance(temperature, torch.Tensor) else torch.zeros((), dtype=torch.long, device=device)
+        if isinstance(temperature, torch.Tensor):
+            t = temperature.detach().reshape(())
+            bad_t = ((t <= 0) | ~torch.isfinite(t)).long().to(device)
+        else:
+            bad_t = torch.zeros((), dtype=torch.long, device=device)
         flags = torch.stack([bad_t.to(device), _nonfinite(query, device),
                              _nonfinite(positive, device), _nonfinite(negatives, device)])
         local = torch.cat([torch.tensor(fixed, dtype=torch.long, device=device), flags])
@@ -255,7 +261,7 @@ def _raise_if_inconsistent(table: List[List[int]], problem: Optional[Exception],
             raise ValueError(f"{name} contains NaN or inf" + where.format(bad))
     bad = [r for r, row in enumerate(table) if row[_BAD_T]]
     if bad:
-        raise ValueError("temperature must be > 0" + where.format(bad))
+        raise ValueError("temperature must be finite and > 0" + where.format(bad))
     for col, what in ((_D, "embedding size D"), (_DTYPE, "dtype"),
                       (_GRAD, "requires_grad (backward would deadlock)"),
                       (_IDS, "use of duplicate_ids")):

@@ -60,7 +60,7 @@ _FUNCTIONAL_GATHER = _find_functional_gather()
 
 
 def functional_gather_available() -> bool:
-    """Whether this torch offers an autograd-aware functional all-gather (else the fallback runs)."""
+    """Whether torch offers an autograd-aware functional all-gather (else the fallback runs)."""
     return _FUNCTIONAL_GATHER is not None
 
 
@@ -88,7 +88,7 @@ def gather_dim0_uneven_autograd(x: torch.Tensor, group: Optional[ProcessGroup],
     if not use_functional or _FUNCTIONAL_GATHER is None:
         return gather_along_dim0_uneven(x, group, sizes)
     width = max(sizes)
-    if width == 0:  # nothing anywhere: every rank takes this branch, so no collective is skipped unevenly
+    if width == 0:  # nothing anywhere: every rank returns here, none waits in a collective
         return x
     pad = width - x.shape[0]
     if pad:

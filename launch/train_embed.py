@@ -67,7 +67,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--eval_fraction", type=float, default=0.1)
     p.add_argument("--max_train", type=int, default=None, help="cap on training pairs")
     p.add_argument("--max_eval", type=int, default=None, help="cap on held-out pairs")
-    p.add_argument("--steps", type=int, default=250, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--micro_batch_size", type=int, default=None,
                    help="pairs per rank per micro-batch (overrides the ds_config)")
     p.add_argument("--gradient_accumulation_steps", type=int, default=None,
@@ -75,6 +75,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup_steps", type=int, default=20)
     p.add_argument("--model_size", choices=sorted(MODEL_SIZES), default="small")
+    p.add_argument("--dropout", type=float, default=0.1,
+                   help="encoder dropout (the training set is small: it curbs memorisation)")
     p.add_argument("--vocab_size", type=int, default=4096)
     p.add_argument("--max_query_len", type=int, default=32)
     p.add_argument("--max_doc_len", type=int, default=128)
@@ -261,14 +263,15 @@ def evaluate(engine, queries, documents, args, pad_id: int, group) -> Dict[str, 
 
 
 # model and config -------------------------------------------------------------------------------
-def build_encoder(size: str, vocab_size: int, max_len: int, pad_id: int) -> torch.nn.Module:
+def build_encoder(size: str, vocab_size: int, max_len: int, pad_id: int,
+                  dropout: float = 0.1) -> torch.nn.Module:
     from transformers import BertConfig, BertModel
 
     hidden, layers, heads, ffn = MODEL_SIZES[size]
     config = BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=heads, intermediate_size=ffn,
                         max_position_embeddings=max_len, pad_token_id=pad_id,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     return BertModel(config, add_pooling_layer=False)
 
 
@@ -382,17 +385,25 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     mnr_cfg = load_megaloss_config(ds_config).mnr
     micro, gas = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
 
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(f"[embed {time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+
     train, held = load_pairs_cached(args)
+    log(f"{len(train)} train / {len(held)} held-out pairs")
     tokenizer = train_tokenizer_cached([t for p in train for t in (p.query, p.document)],
                                        args.vocab_size, args.cache_dir, args.local_rank)
     pad_id = tokenizer.token_to_id(PAD)
+    log(f"tokenizer: {tokenizer.get_vocab_size()} tokens")
     tq = encode_texts(tokenizer, [p.query for p in train], args.max_query_len)
     td = encode_texts(tokenizer, [p.document for p in train], args.max_doc_len)
     eq = encode_texts(tokenizer, [p.query for p in held], args.max_query_len)
     ed = encode_texts(tokenizer, [p.document for p in held], args.max_doc_len)
 
     encoder = build_encoder(args.model_size, tokenizer.get_vocab_size(),
-                            max(args.max_query_len, args.max_doc_len), pad_id)
+                            max(args.max_query_len, args.max_doc_len), pad_id, args.dropout)
     model = EmbeddingModelWithMNR(encoder, temperature=mnr_cfg.temperature,
                                   symmetric=mnr_cfg.symmetric, gather=mnr_cfg.gather_across_ranks,
                                   group=group)
@@ -412,14 +423,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                                            config=ds_config, **extra)
 
     show = rank == 0
-    if show:
-        print(f"[embed] {len(train)} train / {len(held)} held-out pairs, world {world}, "
-              f"micro-batch {micro} x GAS {gas}, {n_params / 1e6:.2f} M params, "
-              f"MNR {mnr_cfg.model_dump()}", flush=True)
+    log(f"engine ready: world {world}, ZeRO-{engine.zero_optimization_stage()}, micro-batch "
+        f"{micro} x GAS {gas}, {n_params / 1e6:.2f} M params, MNR {mnr_cfg.model_dump()}")
     before = evaluate(engine, eq, ed, args, pad_id, group)
-    if show:
-        print(f"[embed] before training: MRR@10 {before['mrr@10']:.4f}  "
-              f"recall@1 {before['recall@1']:.4f}", flush=True)
+    log(f"before training: MRR@10 {before['mrr@10']:.4f}  recall@1 {before['recall@1']:.4f}")
 
     batches = MicroBatches(tq, td, micro, world, rank, args.seed, pad_id)
     bar = None
@@ -465,7 +472,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     if bar is not None:
         bar.close()
 
+    log(f"trained {args.steps} steps in {train_seconds:.1f} s")
     after = evaluate(engine, eq, ed, args, pad_id, group)
+    log(f"after training: MRR@10 {after['mrr@10']:.4f}  recall@1 {after['recall@1']:.4f}")
     summary = {"eval_before": before, "eval_after": after, "steps": args.steps,
                "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
                "first_accuracy": rows[0]["accuracy"], "last_accuracy": rows[-1]["accuracy"],
@@ -476,8 +485,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     if rank == 0:
         write_outputs(out_dir, rows, summary)
         print_summary(summary)
-        print(f"[embed] wrote {out_dir / 'metrics.csv'}, {out_dir / 'loss_curve.png'}, "
-              f"{out_dir / 'summary.json'}", flush=True)
+        log(f"wrote {out_dir / 'metrics.csv'}, {out_dir / 'loss_curve.png'}, "
+            f"{out_dir / 'summary.json'}")
     _barrier()
     return summary
 

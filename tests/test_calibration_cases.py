@@ -125,6 +125,19 @@ def make_groups(dp: int, sp: int):
                     dp_sp_group=world)
 
 
+def make_tp_groups(dp: int, tp: int):
+    """Topology of rank = dp_rank * tp + tp_rank: TP replicas hold the same tokens, so the
+    calibration group (dp x sp) is the DP group."""
+    import torch.distributed as dist
+
+    from megaloss.distributed import Topology
+    rank = dist.get_rank()
+    dp_groups = [dist.new_group([d * tp + t for d in range(dp)]) for t in range(tp)]
+    tp_groups = [dist.new_group([d * tp + t for t in range(tp)]) for d in range(dp)]
+    dp_group = dp_groups[rank % tp]
+    return Topology(dp_group=dp_group, tp_group=tp_groups[rank // tp], dp_sp_group=dp_group)
+
+
 def toy_batches():
     """Issue 4's toy case: per DP rank, 2 micro-batches of per-token coefficients a_t."""
     return [[torch.tensor([4.0]), torch.tensor([0.0, 0.0, 0.0])],

@@ -1,5 +1,6 @@
 """Calibration under torch DDP on real gloo processes: issue 4's toy case (with and without
-compensation), the probe refusing an engine that reduces over part of dp x sp, and gradients
+compensation), the probe refusing an engine that reduces over part of dp x sp, TP replicas not
+counted twice (DP=2 x TP=2), and gradients
 equal to a float64 single-device reference for DP in {1, 2, 3} x SP in {1, 2} x GAS in {1, 2, 3}
 (a covering set: every (DP, GAS) and (SP, GAS) pair; DP=3 x SP=2 would need 6 processes), with
 uneven valid tokens, an all-ignored micro-batch, rows, cu_seqlens- and position_ids-packed samples,
@@ -12,7 +13,7 @@ import torch
 
 from dist_harness import run_distributed
 from test_calibration_cases import (TOY_EXPECTED, TinyLM, Toy, make_groups, make_step,
-                                    reference, run_toy, train_step)
+                                    make_tp_groups, reference, run_toy, train_step)
 
 pytestmark = [pytest.mark.distributed]
 REDUCTIONS = ("token", "sample", "square")
@@ -26,7 +27,7 @@ def _ddp_micro_step(ddp):
     return micro_step
 
 
-def ddp_part(rank, world, layouts, toy, bad_probe=False):
+def ddp_part(rank, world, layouts, toy, bad_probe=False, tp_layouts=()):
     """This rank's DDP results (a dict) for the toy case and ``layouts`` ``(dp, sp, gas)``.
     Also called inside the DeepSpeed test's processes, to share their start-up cost."""
     import torch.distributed as dist
@@ -64,6 +65,20 @@ def ddp_part(rank, world, layouts, toy, bad_probe=False):
             loss, ntok = train_step(_ddp_micro_step(DDP(model)), batches[rank // sp], calib,
                                     torch.float64)
             out[(dp, sp, gas, reduction)] = (loss, ntok, model.head.weight.grad.clone())
+    for dp, tp, gas in tp_layouts:
+        # TP replicas (here: the same replicated head) hold the same tokens: DDP and the
+        # calibration run over the DP group only, and nothing may be counted twice.
+        topo = make_tp_groups(dp, tp)
+        scale = probe_ddp(gas=gas, group=topo.dp_sp_group, process_group=topo.dp_group)
+        batches = make_step(dp, gas)
+        for reduction in REDUCTIONS:
+            model = TinyLM(torch.float64)
+            calib = LossCalibrator(topo, reduction=reduction, engine_scale=scale,
+                                   weight_dtype=torch.float64)
+            ddp = DDP(model, process_group=topo.dp_group)
+            loss, ntok = train_step(_ddp_micro_step(ddp), batches[rank // tp], calib,
+                                    torch.float64)
+            out[("tp", dp, tp, gas, reduction)] = (loss, ntok, model.head.weight.grad.clone())
     if bad_probe:
         # DDP reducing over the DP group only while the loss is spread over dp x sp: the SP
         # ranks' gradients are never summed; the probe must refuse it.
@@ -77,11 +92,11 @@ def ddp_part(rank, world, layouts, toy, bad_probe=False):
     return out
 
 
-def _ddp_worker(rank, world, layouts, toy, bad_probe):
-    return ddp_part(rank, world, layouts, toy, bad_probe)
+def _ddp_worker(rank, world, layouts, toy, bad_probe, tp_layouts):
+    return ddp_part(rank, world, layouts, toy, bad_probe, tp_layouts)
 
 
-def check_ddp(results, layouts, toy, world):
+def check_ddp(results, layouts, toy, world, tp_layouts=()):
     """Compare ``ddp_part``'s results of every rank with the float64 reference."""
     if toy:
         for rank in range(world):
@@ -103,6 +118,17 @@ def check_ddp(results, layouts, toy, world):
                 torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-13, msg=where)
                 torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-13, msg=where)
                 assert float(ntok) == want_tokens, where
+    for dp, tp, gas in tp_layouts:
+        batches = make_step(dp, gas)
+        want_tokens = sum(int((mb["labels"] != -100).sum()) for row in batches for mb in row)
+        for reduction in REDUCTIONS:
+            ref_loss, ref_grad = reference(batches, reduction)
+            for rank in range(world):
+                loss, ntok, grad = results[rank][("tp", dp, tp, gas, reduction)]
+                where = f"dp={dp} tp={tp} gas={gas} {reduction} rank {rank}"
+                torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-13, msg=where)
+                torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-13, msg=where)
+                assert float(ntok) == want_tokens, where
 
 
 # The world-2 and world-3 DDP layouts run inside the DeepSpeed test's processes
@@ -113,9 +139,10 @@ DDP_LAYOUTS = {2: [(2, 1, 1), (2, 1, 2), (2, 1, 3), (1, 2, 1), (1, 2, 2), (1, 2,
 
 
 @pytest.mark.timeout(240)
-def test_ddp_dp2_x_sp2_and_probe_refuses_partial_reduction():
-    world = 4
-    results = run_distributed(_ddp_worker, world, DDP_LAYOUTS[4], False, True, timeout=200)
-    check_ddp(results, DDP_LAYOUTS[4], False, world)
+def test_ddp_dp2_x_sp2_dp2_x_tp2_and_probe_refuses_partial_reduction():
+    world, tp_layouts = 4, [(2, 2, 2)]
+    results = run_distributed(_ddp_worker, world, DDP_LAYOUTS[4], False, True, tp_layouts,
+                              timeout=200)
+    check_ddp(results, DDP_LAYOUTS[4], False, world, tp_layouts)
     for rank in range(world):
         assert "does not reduce over the whole dp x sp group" in results[rank]["bad_probe"]

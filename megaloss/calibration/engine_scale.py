@@ -230,6 +230,11 @@ def probe_deepspeed(config: Mapping[str, Any], *, group: Optional[ProcessGroup] 
     ``deepspeed.utils.safe_get_full_grad`` after the last backward of the step. Call it on every
     rank of the world, with the ``config`` and ``mpu`` given to ``deepspeed.initialize``.
 
+    The probe's loss is computed inside the module's forward and returned by ``engine.forward``,
+    as megaloss requires of models: with a direct ``loss.backward()`` DeepSpeed divides by GAS
+    through hooks on forward outputs, so a gradient that bypasses them (a parameter used outside
+    forward) is not divided and is not what this probe measures.
+
     Args:
         config: the ds_config dict (not modified). Mixed precision, optimizer, scheduler,
             clipping and monitor sections are left out of the probe (see ``_DROPPED_DS_KEYS``).

@@ -138,7 +138,8 @@ def raw_token_weights(labels: torch.Tensor, reduction: str, *, ignore_index: int
     flat_valid = valid.reshape(-1)
     if sid.numel() == 0:
         return valid.to(dtype)
-    n_s = torch.zeros(int(sid[-1]) + 1, dtype=dtype, device=labels.device)
+    # Sample ids are < numel: sizing by numel avoids reading sid[-1] back to the host.
+    n_s = torch.zeros(sid.numel(), dtype=dtype, device=labels.device)
     n_s.index_add_(0, sid, flat_valid.to(dtype))
     n_t = n_s[sid].clamp_min(1)  # invalid tokens may sit in an all-ignored sample (n_s = 0)
     per_token = n_t.reciprocal() if reduction == "sample" else n_t.rsqrt()

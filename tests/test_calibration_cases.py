@@ -204,3 +204,24 @@ def test_toy_case_single_process_as_four_micro_batches():
             step.loss_for_backward(toy(a.double(), step.weights(i))).backward()
         assert float(step.global_loss()) == pytest.approx(want, rel=1e-12)
         assert float(toy.theta.grad) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["token", "sample", "square"])
+def test_weights_feed_linear_cross_entropy(reduction):
+    """The calibrated weights through megaloss's chunked CE (reduction="sum", loss_weights=w)
+    give the reference loss and gradient (one process, 3 micro-batches, float64)."""
+    from megaloss import linear_cross_entropy
+    from megaloss.calibration import LossCalibrator
+    batches = make_step(1, 3)
+    weight = init_weight().requires_grad_(True)
+    step = LossCalibrator(reduction=reduction, weight_dtype=torch.float64).begin_step(
+        [mb["labels"] for mb in batches[0]], cu_seqlens=[mb["cu_seqlens"] for mb in batches[0]],
+        position_ids=[mb["position_ids"] for mb in batches[0]])
+    for i, mb in enumerate(batches[0]):
+        local = linear_cross_entropy(mb["x"], weight, step.local_labels(i), reduction="sum",
+                                     loss_weights=step.weights(i), chunk_size=3,
+                                     accum_dtype=torch.float64)
+        step.loss_for_backward(local).backward()
+    ref_loss, ref_grad = reference(batches, reduction)
+    torch.testing.assert_close(step.global_loss(), ref_loss, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(weight.grad, ref_grad, rtol=1e-10, atol=1e-13)

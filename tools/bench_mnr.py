@@ -4,19 +4,21 @@
     python tools/bench_mnr.py                      # default grid, ~1-2 min on 2 cores
     python tools/bench_mnr.py --batches 256 512 1024 2048 4096 --worlds 1 2 4 --reps 3
 
-For each world size W, W fresh processes (spawn, gloo, 1 thread each) run, for every global batch
-N and ``local_loss`` on/off: one untimed warm-up, one memory-measured step, ``--reps`` timed steps
-of ``mnr_loss(q, p, negatives)`` + ``backward`` on leaf embeddings ``[N/W, D]`` (float32; the
-encoder is not part of the measurement). Time: the slowest rank, mean over reps, in ms.
+For each world size W, W fresh processes (spawn, gloo, 1 thread each) run one small untimed
+warm-up, then for every global batch N and ``local_loss`` on/off ``--reps`` timed steps of
+``mnr_loss(q, p, negatives)`` + ``backward`` on leaf embeddings ``[N/W, D]`` (float32; the encoder
+is not part of the measurement). Time: the slowest rank, mean over reps, in ms. Memory: measured
+during the first timed step.
 
 Peak memory, measured (not modelled): peak RSS of the rank's process above its RSS just before
-the step. Per step the process returns freed memory to the OS (``malloc_trim``), resets the
+the step. Before the step the process returns freed memory to the OS (``malloc_trim``), resets the
 kernel's high-water mark (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0) and reads ``VmHWM``
 afterwards. glibc's mmap threshold is pinned to 64 KiB (``MALLOC_MMAP_THRESHOLD_``) so every
 tensor buffer is its own mapping, given back to the OS on free: RSS then follows the live tensor
 bytes plus allocator slack. It includes gloo's communication buffers and everything autograd keeps;
-it excludes the pre-existing inputs. The "scores" column is the modelled size of one score matrix
-(rows x columns x 4 bytes) for comparison: ``local_loss`` keeps ``B x C`` rows, otherwise ``N x C``.
+it excludes the pre-existing inputs. The "rows x C MiB" column is the modelled size one unchunked
+float32 score matrix would take (``local_loss``: ``B x C``, otherwise ``N x C``), for comparison;
+the loss itself holds ``chunk_size x C`` scores at a time.
 With W ranks sharing fewer cores than W, times include the contention (the table says how many
 cores there were).
 """
@@ -62,11 +64,11 @@ def _trim() -> None:
         pass
 
 
-def _step(mnr_loss, q, p, neg, local_loss):
+def _step(mnr_loss, q, p, neg, local_loss, chunk_size):
     q.grad = p.grad = None
     if neg is not None:
         neg.grad = None
-    loss = mnr_loss(q, p, neg, local_loss=local_loss)
+    loss = mnr_loss(q, p, neg, local_loss=local_loss, chunk_size=chunk_size)
     loss.backward()
     return loss
 
@@ -82,31 +84,36 @@ def _worker(rank, world, port, args, queue):
     try:
         rows = []
         gen = torch.Generator().manual_seed(rank)
-        for n in args.batches:
-            b = n // world
+
+        def inputs(b):
             q = torch.randn(b, args.dim, generator=gen).requires_grad_()
             p = torch.randn(b, args.dim, generator=gen).requires_grad_()
             neg = (torch.randn(b, args.k, args.dim, generator=gen).requires_grad_()
                    if args.k else None)
+            return q, p, neg
+
+        for local_loss in args.local:  # warm-up once: gloo buffers, thread pools, first calls
+            _step(mnr_loss, *inputs(min(args.batches) // world), local_loss, args.chunk_size)
+        for n in args.batches:
+            b = n // world
+            q, p, neg = inputs(b)
             for local_loss in args.local:
-                _step(mnr_loss, q, p, neg, local_loss)  # warm-up (gloo buffers, thread pools)
-                _trim()
-                dist.barrier()
-                honest = _reset_peak()
-                base = _rss_kib("VmRSS")
-                _step(mnr_loss, q, p, neg, local_loss)
-                peak_kib = (_rss_kib("VmHWM") if honest else _rss_kib("VmRSS")) - base
-                elapsed = 0.0
-                for _ in range(args.reps):
+                elapsed, peak_kib, honest = 0.0, 0, True
+                for rep in range(args.reps):
+                    _trim()
                     dist.barrier()
+                    if rep == 0:  # the first timed step also measures the peak
+                        honest = _reset_peak()
+                        base = _rss_kib("VmRSS")
                     t0 = time.perf_counter()
-                    _step(mnr_loss, q, p, neg, local_loss)
+                    _step(mnr_loss, q, p, neg, local_loss, args.chunk_size)
                     elapsed += time.perf_counter() - t0
+                    if rep == 0:
+                        peak_kib = (_rss_kib("VmHWM") if honest else _rss_kib("VmRSS")) - base
                 stats = torch.tensor([elapsed / args.reps, float(peak_kib)], dtype=torch.float64)
                 dist.all_reduce(stats, op=dist.ReduceOp.MAX)
                 rows.append((n, b, local_loss, stats[0].item(), stats[1].item(), honest))
             del q, p, neg
-            _trim()
         queue.put((rank, rows))
     finally:
         dist.destroy_process_group()
@@ -139,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--k", type=int, default=0, help="hard negatives per query")
     ap.add_argument("--reps", type=int, default=2, help="timed steps per configuration")
+    ap.add_argument("--chunk-size", type=int, default=1024,
+                    help="mnr_loss chunk_size (rows scored per block)")
     ap.add_argument("--local", type=lambda s: s.lower() in ("1", "true", "on"), nargs="+",
                     default=[True, False], help="local_loss values to run (on/off)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per world size")
@@ -150,12 +159,13 @@ def main(argv=None) -> int:
     # inherited by the spawned workers; must be set before they start (read by glibc at startup)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD
 
-    print(f"mnr_loss fwd+bwd, cosine, D={args.dim}, K={args.k}, float32, CPU gloo, "
+    print(f"mnr_loss fwd+bwd, cosine, D={args.dim}, K={args.k}, chunk_size={args.chunk_size}, "
+          f"float32, CPU gloo, "
           f"{os.cpu_count()} cores, 1 thread/rank, torch {torch.__version__}")
     print("peak = peak RSS above the pre-step RSS of the rank's process (VmHWM after "
-          "clear_refs; max over ranks); scores = one score matrix, modelled\n")
+          "clear_refs; max over ranks); rows x C = one unchunked score matrix, modelled\n")
     header = (f"{'world':>5} {'N':>5} {'B/rank':>6} {'local_loss':>10} {'time ms':>9} "
-              f"{'peak MiB/rank':>13} {'scores MiB':>10}")
+              f"{'peak MiB/rank':>13} {'rows x C MiB':>12}")
     print(header)
     print("-" * len(header))
     start = time.perf_counter()
@@ -165,7 +175,7 @@ def main(argv=None) -> int:
             score_mib = (b if local else n) * cols * 4 / 2 ** 20
             flag = "" if honest else " (RSS delta: clear_refs unavailable)"
             print(f"{w:>5} {n:>5} {b:>6} {str(local):>10} {seconds * 1e3:>9.1f} "
-                  f"{peak_kib / 1024:>13.1f} {score_mib:>10.1f}{flag}", flush=True)
+                  f"{peak_kib / 1024:>13.1f} {score_mib:>12.1f}{flag}", flush=True)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     return 0
 

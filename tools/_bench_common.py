@@ -31,10 +31,9 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-__all__ = ["MALLOC_ENV", "MemoryProbe", "time_repeats", "run_worker", "format_table",
+__all__ = ["MALLOC_ENV", "MemoryProbe", "median", "run_worker", "format_table",
            "write_csv", "mib", "worker_env"]
 
 # Fixed glibc malloc behaviour in every worker process (see the module docstring).
@@ -132,24 +131,6 @@ class MemoryProbe:
         if self.method.startswith("VmHWM"):
             return _read_status_kib("VmHWM") * 1024 - self._base
         return _ru_maxrss_bytes() - self._base
-
-
-def time_repeats(fn: Callable[[], None], repeats: int, budget_s: float,
-                 sync: Callable[[], None] = lambda: None) -> List[float]:
-    """Seconds of each call of ``fn`` (already warmed up by the caller): ``repeats`` calls, but
-    stop early once ``budget_s`` is spent (at least one call). Median them."""
-    times: List[float] = []
-    spent = 0.0
-    for _ in range(max(1, repeats)):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-        spent += times[-1]
-        if spent >= budget_s:
-            break
-    return times
 
 
 def median(xs: Sequence[float]) -> float:

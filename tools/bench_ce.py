@@ -4,12 +4,14 @@
 For every token count N, on the same inputs (``hidden [N, H]``, ``weight [V, H]``, both requiring
 grad, random labels), one forward+backward of each loss is measured for
 
-* time: median of ``--repeats`` warm runs (fewer if ``--time-budget`` seconds per case run out;
-  the count is in the CSV),
 * extra peak memory: peak above the memory of inputs, weight and their (preallocated) ``.grad``
-  buffers, in a fresh process per case (see ``tools/_bench_common.py`` for the method),
-* roofline ratio: time of the 3 bare GEMMs of the loss's shapes, ``[N,H]x[H,V]``,
-  ``[N,V]x[V,H]`` and ``[V,N]x[N,H]`` (2*N*H*V FLOPs each), divided by the loss's time.
+  buffers, one fresh process per loss and size running it once (method: ``tools/_bench_common.py``),
+* time: in a third fresh process, after one full-size warm-up round, ``--repeats`` rounds that
+  each run eager, megaloss and the 3 bare GEMMs of the loss's shapes (``[N,H]x[H,V]``,
+  ``[N,V]x[V,H]``, ``[V,N]x[N,H]``, 2*N*H*V FLOPs each), order rotated per round (fewer rounds
+  once ``--time-budget`` seconds are spent). Times are medians; ``time_ratio`` (megaloss / eager)
+  and ``roofline`` (GEMMs / megaloss) are medians of the per-round ratios, so that load from
+  other processes on a shared machine hits both sides of a ratio alike.
 
 fp32 on CPU always; bf16 on CUDA too when ``torch.cuda.is_available()`` (unless ``--no-cuda``).
 The eager baseline upcasts the logits to fp32 before the loss, as Hugging Face's causal-LM loss
@@ -30,20 +32,22 @@ from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import (MALLOC_ENV, MemoryProbe, format_table, median, mib,  # noqa: E402
-                           run_worker, time_repeats, write_csv)
+                           run_worker, write_csv)
 
-METHODS = ("eager", "megaloss", "gemm3")
+# Three fresh processes per size: the memory of each loss, then the timing of all three.
+JOBS = (("memory", "eager"), ("memory", "megaloss"), ("timing", "all"))
 
 COLUMNS = ["device", "dtype", "tokens", "hidden", "vocab", "chunk_size", "threads",
            "eager_s", "megaloss_s", "time_ratio", "gemm3_s", "roofline", "eager_roofline",
-           "eager_MiB", "megaloss_MiB", "mem_ratio", "eager_repeats", "megaloss_repeats",
-           "gemm3_repeats", "loss_eager", "loss_megaloss", "loss_abs_diff", "mem_method"]
+           "eager_MiB", "megaloss_MiB", "mem_ratio", "repeats", "loss_eager", "loss_megaloss", "loss_abs_diff", "mem_method"]
 TABLE_COLUMNS = ["device", "dtype", "tokens", "eager_s", "megaloss_s", "time_ratio", "gemm3_s",
                  "roofline", "eager_MiB", "megaloss_MiB", "mem_ratio", "loss_abs_diff"]
 
 
 # worker (runs in a fresh process) ------------------------------------------------------------
 def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """``mode="memory"``: one fwd+bwd of ``spec["method"]`` under the memory probe.
+    ``mode="timing"``: warm runs of eager, megaloss and the 3 bare GEMMs, interleaved."""
     import gc
 
     import torch
@@ -58,30 +62,24 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def eager(h, w, y):
-        return F.cross_entropy(F.linear(h, w).float(), y)
+        F.cross_entropy(F.linear(h, w).float(), y).backward()
 
     def mega(h, w, y):
-        return linear_cross_entropy(h, w, y, chunk_size=chunk)
+        linear_cross_entropy(h, w, y, chunk_size=chunk).backward()
 
-    if spec["method"] == "gemm3":
-        def gemms(h, w):
+    def gemm3(h, w, y):
+        with torch.no_grad():
             logits = torch.mm(h, w.t())        # [N,H] x [H,V]
             torch.mm(logits, w)                # [N,V] x [V,H]  (d hidden)
             torch.mm(logits.t(), h)            # [V,N] x [N,H]  (d weight)
 
-        small = min(n, 256)  # warm-up: kernels and thread pool, without a second full run
-        gemms(torch.randn(small, hidden, device=dev, dtype=dtype),
-              torch.randn(vocab, hidden, device=dev, dtype=dtype))
-        h = torch.randn(n, hidden, device=dev, dtype=dtype)
-        w = torch.randn(vocab, hidden, device=dev, dtype=dtype)
-        times = time_repeats(lambda: gemms(h, w), spec["repeats"], spec["budget"], sync)
-        return {"times": times}
-
-    fn = eager if spec["method"] == "eager" else mega
+    fns = {"eager": eager, "megaloss": mega, "gemm3": gemm3}
+    methods = [spec["method"]] if spec["mode"] == "memory" else list(fns)
     # Tiny warm-up so that lazily created state (thread pool, kernels) is in the baseline.
     hw = torch.randn(16, hidden, device=dev, dtype=dtype, requires_grad=True)
     ww = torch.randn(64, hidden, device=dev, dtype=dtype, requires_grad=True)
-    fn(hw, ww, torch.randint(0, 64, (16,), device=dev)).backward()
+    for m in methods:
+        fns[m](hw, ww, torch.randint(0, 64, (16,), device=dev))
     del hw, ww
 
     h = torch.randn(n, hidden, device=dev, dtype=dtype).requires_grad_()
@@ -92,23 +90,35 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)
     gc.collect()
 
-    def step():
-        loss = fn(h, w, y)
-        loss.backward()
-        return loss
+    if spec["mode"] == "memory":
+        probe = MemoryProbe(dev)
+        probe.start()
+        if spec["method"] == "eager":
+            loss = F.cross_entropy(F.linear(h, w).float(), y)
+        else:
+            loss = linear_cross_entropy(h, w, y, chunk_size=chunk)
+        loss.backward()  # the one run this process makes: the high-water mark covers it only
+        extra = probe.peak_above_baseline()
+        return {"extra_bytes": extra, "loss": float(loss.detach().float()),
+                "mem_method": probe.method, "baseline_slack": probe.baseline_slack}
 
-    probe = MemoryProbe(dev)
-    probe.start()
-    t0 = time.perf_counter()
-    loss = step()  # the one run that the memory figure covers; also the full-size warm-up
-    sync()
-    cold = time.perf_counter() - t0
-    extra = probe.peak_above_baseline()
-    loss_value = float(loss.detach().float())
-    del loss
-    times = time_repeats(step, spec["repeats"], spec["budget"], sync)
-    return {"times": times, "cold_s": cold, "extra_bytes": extra, "loss": loss_value,
-            "mem_method": probe.method, "baseline_slack": probe.baseline_slack}
+    # Interleaved rounds (order rotated each round) so that all three see the same machine
+    # load: the ratios are taken within a round. The first round is a full-size warm-up.
+    times: Dict[str, List[float]] = {m: [] for m in methods}
+    spent, rounds = 0.0, spec["repeats"] + 1
+    for r in range(rounds):
+        for m in methods[r % 3:] + methods[:r % 3]:
+            sync()
+            t0 = time.perf_counter()
+            fns[m](h, w, y)
+            sync()
+            dt = time.perf_counter() - t0
+            if r > 0:
+                times[m].append(dt)
+                spent += dt
+        if r > 0 and spent >= spec["budget"]:
+            break
+    return {"times": times}
 
 
 # driver ---------------------------------------------------------------------------------------
@@ -122,28 +132,30 @@ def _configs(no_cuda: bool) -> List[Dict[str, str]]:
 
 
 def _row(cfg: Dict[str, str], args, n: int, res: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    times = res["timing"].get("times", {})
+
     def t(m):
-        return median(res[m].get("times", []))
+        return median(times.get(m, []))
+
+    def paired(a, b):  # median over rounds of time(a) / time(b) in the same round
+        pairs = list(zip(times.get(a, []), times.get(b, [])))
+        return median([x / y for x, y in pairs if y > 0])
 
     def mem(m):
         return mib(res[m]["extra_bytes"]) if "extra_bytes" in res[m] else math.nan
 
-    def ratio(a, b):
-        return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
-
     loss_e, loss_m = res["eager"].get("loss", math.nan), res["megaloss"].get("loss", math.nan)
+    mem_e, mem_m = mem("eager"), mem("megaloss")
     return {
         **cfg, "tokens": n, "hidden": args.hidden, "vocab": args.vocab,
         "chunk_size": args.chunk_size, "threads": args.threads,
         "eager_s": t("eager"), "megaloss_s": t("megaloss"),
-        "time_ratio": ratio(t("megaloss"), t("eager")),
-        "gemm3_s": t("gemm3"), "roofline": ratio(t("gemm3"), t("megaloss")),
-        "eager_roofline": ratio(t("gemm3"), t("eager")),
-        "eager_MiB": mem("eager"), "megaloss_MiB": mem("megaloss"),
-        "mem_ratio": ratio(mem("megaloss"), mem("eager")),
-        "eager_repeats": len(res["eager"].get("times", [])),
-        "megaloss_repeats": len(res["megaloss"].get("times", [])),
-        "gemm3_repeats": len(res["gemm3"].get("times", [])),
+        "time_ratio": paired("megaloss", "eager"),
+        "gemm3_s": t("gemm3"), "roofline": paired("gemm3", "megaloss"),
+        "eager_roofline": paired("gemm3", "eager"),
+        "eager_MiB": mem_e, "megaloss_MiB": mem_m,
+        "mem_ratio": mem_m / mem_e if mem_e > 0 else math.nan,
+        "repeats": len(times.get("megaloss", [])),
         "loss_eager": loss_e, "loss_megaloss": loss_m, "loss_abs_diff": abs(loss_e - loss_m),
         "mem_method": res["megaloss"].get("mem_method", ""),
     }
@@ -183,10 +195,10 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=1024, help="hidden size H (default 1024)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size V (default 32000)")
     p.add_argument("--chunk-size", type=int, default=1024, help="megaloss chunk (default 1024)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per case (default 3)")
-    p.add_argument("--time-budget", type=float, default=15.0,
-                   help="stop repeating a case once its timed runs took this many seconds "
-                        "(at least one timed run; default 15)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per size (default 3)")
+    p.add_argument("--time-budget", type=float, default=30.0,
+                   help="stop adding rounds for a size once its timed runs took this many "
+                        "seconds (at least one round; default 30)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads per worker (default: all CPUs)")
     p.add_argument("--seed", type=int, default=0)
@@ -213,16 +225,17 @@ def main(argv=None) -> int:
     for cfg in _configs(args.no_cuda):
         for n in args.sizes:
             res = {}
-            for method in METHODS:
-                spec = {**cfg, "method": method, "tokens": n, "hidden": args.hidden,
+            for mode, method in JOBS:
+                spec = {**cfg, "mode": mode, "method": method, "tokens": n, "hidden": args.hidden,
                         "vocab": args.vocab, "chunk_size": args.chunk_size,
                         "repeats": args.repeats, "budget": args.time_budget,
                         "threads": args.threads, "seed": args.seed}
                 t0 = time.perf_counter()
-                res[method] = run_worker(script, spec, args.threads, args.timeout)
-                status = res[method].get("error", "ok")
-                failed |= "error" in res[method]
-                print(f"# {cfg['device']} {cfg['dtype']} N={n} {method}: {status} "
+                key = method if mode == "memory" else mode
+                res[key] = run_worker(script, spec, args.threads, args.timeout)
+                status = res[key].get("error", "ok")
+                failed |= "error" in res[key]
+                print(f"# {cfg['device']} {cfg['dtype']} N={n} {mode} {method}: {status} "
                       f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
             rows.append(_row(cfg, args, n, res))
 

@@ -3,14 +3,17 @@
 
 Run through the launcher (it passes ``--local_rank``)::
 
-    deepspeed --num_gpus 2 launch/train_embed.py --deepspeed_config configs/embed_zero1.json
+    deepspeed --num_gpus 2 launch/train_embed.py                 # built-in ZeRO-2 config
+    deepspeed --num_gpus 2 launch/train_embed.py --deepspeed_config configs/zero3.json \
+        --micro_batch_size 32 --gradient_accumulation_steps 1
 
 With no data arguments the job uses built-in real data: (docstring -> function source) pairs
 extracted from this interpreter's standard library, whole files held out for evaluation
 (``megaloss.data.code_search``). It trains a byte-level BPE tokenizer on the training texts
-(cached), a small BERT-style encoder from a ``transformers`` config (random init, no download),
-mean pooling, and the gathered MNR loss computed inside the module ``engine.forward`` runs
-(``megaloss.integrations.embedding``). It reports held-out MRR@10 and recall@1 before and after
+(cached; ``megaloss.data.stdlib_text``), a small BERT-style encoder from a ``transformers``
+config (random init, no download), mean pooling, and the gathered MNR loss computed inside the
+module ``engine.forward`` runs (``megaloss.integrations.embedding``); every step's loss is the
+query mean over the global batch, with the engine's gradient scale measured at start-up. It reports held-out MRR@10 and recall@1 before and after
 training, a progress bar and a summary table on rank 0, metrics through ``engine.monitor``
 (so the ds_config's ``csv_monitor`` / ``tensorboard`` / ``wandb`` sections work), and writes
 ``metrics.csv``, ``loss_curve.png`` and ``summary.json`` to ``--output_dir``.
@@ -21,15 +24,15 @@ import argparse
 import csv
 import hashlib
 import json
+import logging
 import math
 import os
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
-
-import warnings
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch 2.13 deprecates all_gather_into_tensor (used by megaloss's gathers) with one warning per
@@ -40,8 +43,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megaloss.data.code_search import CodePair, load_code_search, python_files  # noqa: E402
+from megaloss.data.stdlib_text import EOS, train_bpe_tokenizer  # noqa: E402
 from megaloss.distributed.collectives import gather_along_dim0_uneven  # noqa: E402
-from megaloss.integrations.config import load_megaloss_config  # noqa: E402
 from megaloss.integrations.embedding import EmbeddingModelWithMNR, step_loss_weights  # noqa: E402
 
 # hidden, layers, heads, feed-forward
@@ -50,7 +53,7 @@ MODEL_SIZES: Dict[str, Tuple[int, int, int, int]] = {
     "small": (128, 2, 4, 512),
     "base": (256, 4, 4, 1024),
 }
-PAD, CLS = "<pad>", "<cls>"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -58,7 +61,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--deepspeed_config", type=str, default=None,
                    help="ds_config JSON (its 'megaloss.mnr' section sets the loss); default: "
-                        "a built-in ZeRO-1 config")
+                        "a built-in ZeRO-2 config (micro-batch 32, GAS 1)")
     p.add_argument("--train_data", nargs="+", default=None,
                    help=".py files, directories or .jsonl files of {query, document}; "
                         "default: the Python standard library")
@@ -129,7 +132,8 @@ def _source_fingerprint(sources: Optional[Sequence[str]]) -> List:
 
 
 def load_pairs_cached(args: argparse.Namespace) -> Tuple[List[CodePair], List[CodePair]]:
-    key = _key("pairs-v1", _source_fingerprint(args.train_data), _source_fingerprint(args.eval_data),
+    key = _key("pairs-v1", _source_fingerprint(args.train_data),
+               _source_fingerprint(args.eval_data),
                args.eval_fraction, args.max_train, args.max_eval)
     path = Path(args.cache_dir) / f"code_search-{key}.json"
 
@@ -149,31 +153,20 @@ def load_pairs_cached(args: argparse.Namespace) -> Tuple[List[CodePair], List[Co
     return ([CodePair(**d) for d in data["train"]], [CodePair(**d) for d in data["eval"]])
 
 
-def train_tokenizer_cached(texts: List[str], vocab_size: int, cache_dir: str, local_rank: int):
-    """Byte-level BPE (GPT-2 style) trained on ``texts``; cached by content hash."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    digest = hashlib.sha256()
-    for t in texts:
-        digest.update(t.encode("utf-8") + b"\0")
-    path = Path(cache_dir) / f"bpe-{vocab_size}-{digest.hexdigest()[:16]}.json"
-    if local_rank == 0 and not path.exists():
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
-                                      special_tokens=[PAD, CLS], show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tok.train_from_iterator(texts, trainer)
-        _atomic_write(path, tok.to_str())
+def tokenizer_cached(texts: List[str], vocab_size: int, cache_dir: str, local_rank: int):
+    """Byte-level BPE trained on the training texts (megaloss.data.stdlib_text), built once per
+    node by local rank 0 and read from the cache by the others."""
+    if local_rank == 0:
+        train_bpe_tokenizer(texts, vocab_size, cache_dir=cache_dir)
     _barrier()
-    return Tokenizer.from_file(str(path))
+    return train_bpe_tokenizer(texts, vocab_size, cache_dir=cache_dir)
 
 
 # batching ---------------------------------------------------------------------------------------
 def encode_texts(tokenizer, texts: List[str], max_len: int) -> List[List[int]]:
-    cls = tokenizer.token_to_id(CLS)
-    return [[cls] + e.ids[: max_len - 1] for e in tokenizer.encode_batch(texts)]
+    """Token ids, truncated to ``max_len`` (at least one token per text)."""
+    eos = tokenizer.token_to_id(EOS)
+    return [e.ids[:max_len] or [eos] for e in tokenizer.encode_batch(texts)]
 
 
 def pad_batch(seqs: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -275,18 +268,24 @@ def build_encoder(size: str, vocab_size: int, max_len: int, pad_id: int,
     return BertModel(config, add_pooling_layer=False)
 
 
+# Used when --deepspeed_config is not given. Same conventions as configs/*.json (torch AdamW via
+# the launcher, huge steps_per_print, csv_monitor on); ZeRO-2 like the LM job's default.
 DEFAULT_DS_CONFIG = {
     "train_micro_batch_size_per_gpu": 32,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 1.0,
-    "zero_optimization": {"stage": 1},
-    "steps_per_print": 1000000,
-    "wall_clock_breakdown": False,
+    "zero_optimization": {"stage": 2},
+    "zero_allow_untested_optimizer": True,
+    "steps_per_print": 1000000000,
+    "csv_monitor": {"enabled": True, "output_path": "", "job_name": "megaloss"},
     "megaloss": {"mnr": {"temperature": 0.05, "symmetric": True}},
 }
 
 
-def load_ds_config(args: argparse.Namespace, world: int) -> dict:
+def prepare_ds_config(args: argparse.Namespace) -> dict:
+    """The ds_config dict: the file (or :data:`DEFAULT_DS_CONFIG`) with the command line's batch
+    overrides. The embedding job is data parallel only: ``megaloss.tensor_parallel_size`` is set
+    to 1 (the same JSON can drive the TP=2 LM job)."""
     if args.deepspeed_config:
         with open(args.deepspeed_config, encoding="utf-8") as f:
             config = json.load(f)
@@ -300,13 +299,9 @@ def load_ds_config(args: argparse.Namespace, world: int) -> dict:
     config.pop("train_batch_size", None)
     config.setdefault("train_micro_batch_size_per_gpu", 32)
     config.setdefault("gradient_accumulation_steps", 1)
-    # A csv_monitor without a path writes under ~/csv_monitor: send it to the run directory.
-    csv_cfg = config.get("csv_monitor")
-    if csv_cfg is None:
-        config["csv_monitor"] = {"enabled": True, "output_path": args.output_dir,
-                                 "job_name": "monitor"}
-    elif csv_cfg.get("enabled") and not csv_cfg.get("output_path"):
-        csv_cfg["output_path"] = args.output_dir
+    section = config.setdefault("megaloss", {})
+    if isinstance(section, dict):
+        section["tensor_parallel_size"] = 1
     return config
 
 
@@ -372,122 +367,147 @@ def print_summary(summary: Dict) -> None:
 # main -------------------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     args = parse_args(argv)
+    t_start = time.perf_counter()
     import deepspeed
+    from deepspeed.utils import logger as ds_logger
 
+    from megaloss.integrations.deepspeed import (build_parallel, initialize, load_ds_config,
+                                                 skip_cpu_shm_comm_build, write_metrics)
+    from megaloss.integrations.trainer import peak_memory_mib
+
+    ds_logger.setLevel(logging.WARNING)
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        # One process per "GPU": on CPU each would otherwise use every core and fight the others.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    skip_cpu_shm_comm_build()
     deepspeed.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD if world > 1 else None  # pure data parallel: DP group = world
+    rank = dist.get_rank()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     out_dir = Path(args.output_dir)
-
-    ds_config = load_ds_config(args, world)
-    mnr_cfg = load_megaloss_config(ds_config).mnr
-    micro, gas = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
-
-    t_start = time.perf_counter()
 
     def log(msg: str) -> None:
         if rank == 0:
             print(f"[embed {time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
 
+    ds_config, ml = load_ds_config(prepare_ds_config(args), output_dir=str(out_dir))
+    parallel = build_parallel(1)
+    group = parallel.topology.dp_group  # pure data parallel: the DP group is the world
+    dp_size, dp_rank = parallel.dp_size, parallel.topology.dp_rank
+    micro = int(ds_config["train_micro_batch_size_per_gpu"])
+    gas = int(ds_config["gradient_accumulation_steps"])
+
     train, held = load_pairs_cached(args)
-    log(f"{len(train)} train / {len(held)} held-out pairs")
-    tokenizer = train_tokenizer_cached([t for p in train for t in (p.query, p.document)],
-                                       args.vocab_size, args.cache_dir, args.local_rank)
-    pad_id = tokenizer.token_to_id(PAD)
-    log(f"tokenizer: {tokenizer.get_vocab_size()} tokens")
+    tokenizer = tokenizer_cached([t for p in train for t in (p.query, p.document)],
+                                 args.vocab_size, args.cache_dir, args.local_rank)
+    pad_id = tokenizer.token_to_id(EOS)  # any id works under the attention mask
     tq = encode_texts(tokenizer, [p.query for p in train], args.max_query_len)
     td = encode_texts(tokenizer, [p.document for p in train], args.max_doc_len)
     eq = encode_texts(tokenizer, [p.query for p in held], args.max_query_len)
     ed = encode_texts(tokenizer, [p.document for p in held], args.max_doc_len)
+    log(f"data: {len(train)} train / {len(held)} held-out pairs "
+        f"({'stdlib' if args.train_data is None else 'user data'}), BPE vocab "
+        f"{tokenizer.get_vocab_size()}")
 
     encoder = build_encoder(args.model_size, tokenizer.get_vocab_size(),
                             max(args.max_query_len, args.max_doc_len), pad_id, args.dropout)
-    model = EmbeddingModelWithMNR(encoder, temperature=mnr_cfg.temperature,
-                                  symmetric=mnr_cfg.symmetric, gather=mnr_cfg.gather_across_ranks,
+    model = EmbeddingModelWithMNR(encoder, temperature=ml.mnr.temperature,
+                                  symmetric=ml.mnr.symmetric, gather=ml.mnr.gather_across_ranks,
                                   group=group)
     n_params = sum(p.numel() for p in model.parameters())
-    extra = {}
+    optimizer = lr_scheduler = None
     if "optimizer" not in ds_config:
         # A torch optimizer: DeepSpeed's FusedAdam / CPUAdam would JIT-compile ops on CPU.
-        extra["optimizer"] = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
         if "scheduler" not in ds_config:
             def schedule(step: int) -> float:  # linear warm-up, cosine decay to 10 %
                 if step < args.warmup_steps:
                     return (step + 1) / args.warmup_steps
                 t = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
                 return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
-            extra["lr_scheduler"] = torch.optim.lr_scheduler.LambdaLR(extra["optimizer"], schedule)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config, **extra)
+            lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    me = initialize(model, ds_config, parallel=parallel, optimizer=optimizer,
+                    lr_scheduler=lr_scheduler, output_dir=str(out_dir))
+    engine = me.engine
+    # The engine leaves c * (sum of all ranks' micro-batch gradients); the probe measured 1/c.
+    multiplier = me.engine_scale.loss_multiplier
+    log(f"engine ready: DP={dp_size}, ZeRO-{engine.zero_optimization_stage()}, micro-batch "
+        f"{micro} x GAS {gas} x DP {dp_size} = {micro * gas * dp_size} pairs/step, "
+        f"{n_params / 1e6:.2f} M params, measured engine loss multiplier {multiplier:g} "
+        f"({me.engine_scale.engine}), MNR {ml.mnr.model_dump()}")
 
-    show = rank == 0
-    log(f"engine ready: world {world}, ZeRO-{engine.zero_optimization_stage()}, micro-batch "
-        f"{micro} x GAS {gas}, {n_params / 1e6:.2f} M params, MNR {mnr_cfg.model_dump()}")
     before = evaluate(engine, eq, ed, args, pad_id, group)
-    log(f"before training: MRR@10 {before['mrr@10']:.4f}  recall@1 {before['recall@1']:.4f}")
+    write_metrics(engine, before, 0, prefix="Eval/megaloss/")
+    log(f"before training: held-out MRR@10 {before['mrr@10']:.4f}, "
+        f"recall@1 {before['recall@1']:.4f}")
 
-    batches = MicroBatches(tq, td, micro, world, rank, args.seed, pad_id)
+    batches = MicroBatches(tq, td, micro, dp_size, dp_rank, args.seed, pad_id)
     bar = None
-    if show and not args.no_progress:
+    if rank == 0 and not args.no_progress:
         from tqdm import tqdm
         bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
     rows: List[Dict[str, float]] = []
-    start = time.perf_counter()
+    t_train = time.perf_counter()
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        # Prefetch the step's micro-batches: their sizes give the GAS compensation weights.
+        # Prefetch the step's micro-batches: their sizes give the GAS compensation weights
+        # (one all-reduce); all ones when every micro-batch has the same global size.
         micro_batches = [next(batches) for _ in range(gas)]
-        weights = step_loss_weights([len(b["query_input_ids"]) for b in micro_batches], group)
-        loss_sum = torch.zeros(()); acc_sum = torch.zeros(())
+        weights = step_loss_weights([len(b["query_input_ids"]) for b in micro_batches], group,
+                                    loss_multiplier=multiplier)
+        loss_sum = torch.zeros(())
+        acc_sum = torch.zeros(())
         for b, w in zip(micro_batches, weights):
             out = engine(**{k: v.to(engine.device) for k, v in b.items()}, loss_weight=w)
             engine.backward(out.loss)
             engine.step()
-            # Step value = sum_m (n_m / N) L_m = mean_m w_m L_m (no host sync until logging).
-            loss_sum += w * out.value.float().cpu() / gas
-            acc_sum += w * out.accuracy.float().cpu() / gas
+            # The step's global value sum_m (n_m / N) L_m, kept on device until logging.
+            share = w * (dp_size / multiplier)
+            loss_sum += share * out.value.float().cpu()
+            acc_sum += share * out.accuracy.float().cpu()
+        seconds = time.perf_counter() - t0
+        norm = engine.get_global_grad_norm()
+        row = {"step": int(engine.global_steps), "loss": float(loss_sum),
+               "accuracy": float(acc_sum), "lr": float(engine.get_lr()[0]),
+               "grad_norm": float(norm) if norm is not None else float("nan"),
+               "pairs_per_s": micro * gas * dp_size / seconds, "step_time_s": seconds,
+               "peak_memory_mib": peak_memory_mib(engine.device)}
+        rows.append(row)
         if step % args.log_every == 0 or step == args.steps:
-            seconds = time.perf_counter() - t0
-            lr = engine.get_lr()[0]
-            norm = engine.get_global_grad_norm()
-            row = {"step": step, "loss": loss_sum.item(), "accuracy": acc_sum.item(), "lr": lr,
-                   "grad_norm": float(norm) if norm is not None else float("nan"),
-                   "pairs_per_s": micro * world * gas / seconds, "seconds": seconds}
-            rows.append(row)
-            samples = engine.global_samples
-            engine.monitor.write_events([
-                ("Train/Samples/mnr_loss", row["loss"], samples),
-                ("Train/Samples/mnr_accuracy", row["accuracy"], samples),
-                ("Train/Samples/lr", lr, samples),
-                ("Train/Samples/grad_norm", row["grad_norm"], samples),
-                ("Train/Samples/pairs_per_s", row["pairs_per_s"], samples),
-            ])
-            if bar is not None:
-                bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.2f}")
+            events = {("mnr_" + k if k in ("loss", "accuracy") else k): v
+                      for k, v in row.items() if k != "step"}
+            write_metrics(engine, events, row["step"])  # Train/megaloss/mnr_loss, ...
         if bar is not None:
+            bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.2f}")
             bar.update(1)
-    train_seconds = time.perf_counter() - start
+    train_seconds = time.perf_counter() - t_train
     if bar is not None:
         bar.close()
-
     log(f"trained {args.steps} steps in {train_seconds:.1f} s")
     after = evaluate(engine, eq, ed, args, pad_id, group)
-    log(f"after training: MRR@10 {after['mrr@10']:.4f}  recall@1 {after['recall@1']:.4f}")
+    write_metrics(engine, after, rows[-1]["step"], prefix="Eval/megaloss/")
+    log(f"after training: held-out MRR@10 {after['mrr@10']:.4f}, "
+        f"recall@1 {after['recall@1']:.4f}")
+
     summary = {"eval_before": before, "eval_after": after, "steps": args.steps,
                "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
                "first_accuracy": rows[0]["accuracy"], "last_accuracy": rows[-1]["accuracy"],
-               "train_pairs": len(train), "eval_pairs": len(held), "world_size": world,
-               "global_batch": micro * world * gas, "parameters": n_params,
-               "train_seconds": train_seconds, "mnr": mnr_cfg.model_dump(),
-               "zero_stage": engine.zero_optimization_stage()}
+               "train_pairs": len(train), "eval_pairs": len(held), "dp": dp_size,
+               "micro_batch": micro, "gas": gas, "global_batch": micro * gas * dp_size,
+               "parameters": n_params, "model": f"BERT {args.model_size} "
+               f"({encoder.config.num_hidden_layers}L x {encoder.config.hidden_size})",
+               "zero_stage": engine.zero_optimization_stage(),
+               "engine_loss_multiplier": multiplier, "mnr": ml.mnr.model_dump(),
+               "data": "stdlib" if args.train_data is None else "user data",
+               "peak_memory_mib": max(r["peak_memory_mib"] for r in rows),
+               "train_seconds": train_seconds, "total_seconds": time.perf_counter() - t_start}
     if rank == 0:
         write_outputs(out_dir, rows, summary)
         print_summary(summary)
         log(f"wrote {out_dir / 'metrics.csv'}, {out_dir / 'loss_curve.png'}, "
             f"{out_dir / 'summary.json'}")
-    _barrier()
+    dist.barrier()
     return summary
 
 

@@ -114,7 +114,8 @@ def _write_tree(root: Path, n_files: int, order):
             f'def f{i}_{j}(x):\n    """Function {j} of module {i} computes something."""\n'
             f"    return x + {i * 100 + j}\n" for j in range(3))
         # an identical function in every file: must never appear in both splits
-        body += '\ndef shared(x):\n    """The same helper copied into every module."""\n    return -x\n'
+        body += ('\ndef shared(x):\n    """The same helper copied into every module."""\n'
+                 "    return -x\n")
         (root / f"mod_{i:02d}.py").write_text(body, encoding="utf-8")
 
 

@@ -1,20 +1,24 @@
-"""Embedding model + gathered MNR loss as ONE module, so DeepSpeed's ``engine.forward`` runs the loss.
+"""Embedding model + gathered MNR loss as ONE module, so ``engine.forward`` runs the loss.
 
-Why the loss lives inside the module (FIELD-NOTES, measured on DeepSpeed 0.19.8): ``engine.forward``
-registers the hooks that divide gradients by the gradient-accumulation steps (GAS) on its outputs,
-and under ZeRO-3 a parameter is only materialised inside its module's forward. Encoding queries and
-documents and computing :func:`megaloss.contrastive.mnr.mnr_loss` in one ``forward`` keeps both right for any
-ZeRO stage and for ``engine.backward(out.loss)`` as well as ``out.loss.backward()``.
+Why the loss lives inside the module (FIELD-NOTES, measured on DeepSpeed 0.19.8): a direct
+``loss.backward()`` is divided by the gradient-accumulation steps ``G`` only through hooks that
+``engine.forward`` puts on its outputs, and under ZeRO-3 a parameter is only materialised inside
+its module's forward. Encoding queries and documents and computing
+:func:`megaloss.contrastive.mnr.mnr_loss_with_metrics` in one ``forward`` keeps both right for
+any ZeRO stage, with ``engine.backward(out.loss)`` as well as ``out.loss.backward()``.
 
-Gradient scaling. ``mnr_loss`` returns the loss of the micro-batch's *global* batch (every DP
-rank's queries, every rank's documents as negatives) on every rank, with gradients prepared for the
-engine's average over the DP group. DeepSpeed then divides by ``G`` (GAS) and averages over DP, so
-a step's gradient is ``(1/G) sum_m grad L_m``: the mean of the micro-batch losses, which is the
-global mean over the step's queries whenever every micro-batch holds the same global number of
-queries. When they differ (a last short batch, uneven shards), pass ``loss_weight = G * n_m / N``
-from :func:`step_loss_weights` (``n_m`` = global queries of micro-batch m, ``N`` = of the whole
-step; one all-reduce per step): the step gradient is then that of ``sum_m (n_m / N) L_m``, the
-query-weighted global mean, as the token calibration does for language models.
+Gradient scaling. ``mnr_loss`` returns the loss ``L_m`` of micro-batch m's *global* batch (every
+DP rank's queries, every rank's documents as negatives) on every rank, with gradients prepared for
+an engine that *averages* over the DP group: ``sum_r grad(loss_r) = D * grad(L_m)``. DeepSpeed's
+``engine.backward`` also divides by ``G``, so without compensation a step's gradient is
+``(1/G) sum_m grad L_m``, the mean of micro-batch means. That is the global mean over the step's
+queries only when every micro-batch holds the same global number of queries. The compensation
+(:func:`step_loss_weights`, one all-reduce per step) weights micro-batch m by
+``w_m = (n_m / N) * M / D``, ``n_m`` its global queries, ``N`` the step's, ``M`` the engine's
+loss multiplier (``1 / c``, measured on the real engine by
+:func:`megaloss.calibration.probe_deepspeed`; ``G * D`` for ``engine.backward``, so
+``w_m = G n_m / N``). The step gradient is then that of ``sum_m (n_m / N) L_m``, the query mean
+over the whole step, as the token calibration does for language models.
 
 Math of the pooled embedding (Sentence-BERT mean pooling):
 ``e_b = sum_t m_bt h_bt / max(sum_t m_bt, 1)`` with ``h [B, T, H]`` the encoder's last hidden

@@ -20,22 +20,26 @@ pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow]
 REDUCTIONS = ("token", "sample", "square")
 
 # (stage, backward, toy) and (stage, backward, dp, sp, gas): pairwise-covering, small.
-TOY_PATHS = [(0, "engine"), (1, "loss"), (2, "engine"), (2, "loss"), (3, "engine"), (3, "loss")]
+# Extra ds_config options that change how DeepSpeed reduces: the probe must follow them.
+SUM_OP = {"gradient_allreduce_op": "sum"}
+PREDIVIDE = {"prescale_gradients": True, "gradient_predivide_factor": 2.0}
+TOY_PATHS = [(0, "engine", {}), (1, "loss", {}), (2, "engine", {}), (2, "loss", {}),
+             (3, "engine", {}), (3, "loss", {}), (1, "engine", SUM_OP), (0, "engine", PREDIVIDE)]
 LAYOUTS_2 = [(0, "engine", 2, 1, 3), (0, "engine", 1, 2, 1), (1, "loss", 2, 1, 1),
              (1, "engine", 1, 2, 2), (2, "engine", 2, 1, 2), (2, "loss", 1, 2, 3),
              (3, "loss", 2, 1, 3), (3, "engine", 1, 2, 2)]
 LAYOUTS_3 = [(1, "engine", 3, 1, 2), (2, "loss", 3, 1, 3), (3, "engine", 3, 1, 1)]
 
 
-def _config(stage, gas):
+def _config(stage, gas, extra=None):
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
             "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10 ** 9}
+            "steps_per_print": 10 ** 9, **(extra or {})}
 
 
-def _engine(module, stage, gas):
+def _engine(module, stage, gas, extra=None):
     import deepspeed
-    engine, *_ = deepspeed.initialize(model=module, config=_config(stage, gas),
+    engine, *_ = deepspeed.initialize(model=module, config=_config(stage, gas, extra),
                                       optimizer=torch.optim.SGD(module.parameters(), lr=0.0))
     return engine
 
@@ -61,17 +65,18 @@ def _ds_worker(rank, world, toy_paths, layouts):
 
     from megaloss.calibration import LossCalibrator, probe_deepspeed
     from megaloss.distributed import Topology
-    for stage, backward in toy_paths:
+    for k, (stage, backward, extra) in enumerate(toy_paths):
         topo = Topology.default()
-        scale = probe_deepspeed(_config(stage, 2), group=topo.dp_sp_group, backward=backward)
-        out[("toy_multiplier", stage, backward)] = scale.loss_multiplier
-        engine = _engine(Toy(), stage, 2)
+        scale = probe_deepspeed(_config(stage, 2, extra), group=topo.dp_sp_group,
+                                backward=backward)
+        out[("toy_multiplier", k)] = scale.loss_multiplier
+        engine = _engine(Toy(), stage, 2, extra)
         for reduction in REDUCTIONS:
             calib = LossCalibrator(topo, reduction=reduction, engine_scale=scale)
             grads = []
             loss = run_toy(calib, rank, _ds_micro_step(engine, backward, engine.module.theta,
                                                        grads), dtype=torch.float32)
-            out[("toy", stage, backward, reduction)] = (float(loss), float(grads[0].sum()))
+            out[("toy", k, reduction)] = (float(loss), float(grads[0].sum()))
         engine.destroy()
     for stage, backward, dp, sp, gas in layouts:
         topo = make_groups(dp, sp)
@@ -92,12 +97,14 @@ def _ds_worker(rank, world, toy_paths, layouts):
 
 def _check(results, world, toy_paths, layouts):
     for rank in range(world):
-        for stage, backward in toy_paths:
-            # DeepSpeed divides by GAS and averages over DP: c = 1 / (2 * 2)
-            assert results[rank][("toy_multiplier", stage, backward)] == 4.0
+        for k, (stage, backward, extra) in enumerate(toy_paths):
+            # DeepSpeed divides by GAS and averages over DP: c = 1 / (2 * 2); with the "sum"
+            # all-reduce op it only divides by GAS.
+            want_multiplier = 2.0 if extra == SUM_OP else 4.0
+            assert results[rank][("toy_multiplier", k)] == want_multiplier, (stage, extra)
             for reduction, want in TOY_EXPECTED.items():
-                loss, grad = results[rank][("toy", stage, backward, reduction)]
-                where = f"toy zero{stage} {backward}.backward {reduction} rank {rank}"
+                loss, grad = results[rank][("toy", k, reduction)]
+                where = f"toy zero{stage} {backward}.backward {extra} {reduction} rank {rank}"
                 assert loss == pytest.approx(want, rel=1e-6), where
                 assert grad == pytest.approx(want, rel=1e-6), where
     for stage, backward, dp, sp, gas in layouts:

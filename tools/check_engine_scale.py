@@ -33,7 +33,10 @@ def _worker(rank, world, port, gas, queue):
 
 
 def _probe_all(gas):
+    import deepspeed.comm.torch as ds_comm_torch
     import torch.distributed as dist
+    # DeepSpeed's CPU backend would JIT-build a shared-memory op used only by inference.
+    ds_comm_torch.build_shm_op = lambda: None
 
     from megaloss.calibration import EngineScaleError, probe_ddp, probe_deepspeed
     group = dist.group.WORLD

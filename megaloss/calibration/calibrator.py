@@ -149,7 +149,8 @@ class LossCalibrator:
             raise TypeError(f"topology must be a megaloss Topology, got {type(topology).__name__}")
         engine_scale = EngineScale.identity() if engine_scale is None else engine_scale
         if not isinstance(engine_scale, EngineScale):
-            raise TypeError(f"engine_scale must be an EngineScale, got {type(engine_scale).__name__}")
+            raise TypeError("engine_scale must be an EngineScale, got "
+                            f"{type(engine_scale).__name__}")
         self.topology = topology
         self.reduction = reduction
         self.engine_scale = engine_scale

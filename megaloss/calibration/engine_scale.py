@@ -23,6 +23,7 @@ non-linear step such as clipping or loss scaling leaked into the gradient).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass
@@ -51,7 +52,8 @@ class EngineScale:
     """Measured effective gradient scale of an engine path.
 
     Attributes:
-        engine: short name of the probed path, e.g. ``"ddp"``, ``"deepspeed-zero2/engine.backward"``.
+        engine: short name of the probed path, e.g. ``"ddp"``,
+            ``"deepspeed-zero2/engine.backward"``.
         grad_scale: ``c`` (module docstring), as snapped to ``1/k`` or ``k``.
         loss_multiplier: ``1 / c``: multiply each rank's calibrated micro-batch loss by it.
         gradient_accumulation_steps: ``G`` used by the probe.
@@ -196,20 +198,12 @@ def probe_ddp(*, gas: int = 1, group: Optional[ProcessGroup] = None,
     def run(coeffs):
         for i, a in enumerate(coeffs):
             last = i == len(coeffs) - 1
-            ctx = ddp.no_sync() if use_no_sync and not last else _nullcontext()
+            ctx = ddp.no_sync() if use_no_sync and not last else contextlib.nullcontext()
             with ctx:
                 ddp(torch.tensor(a, device=device)).backward()
         return module.theta.grad
 
     return measure_grad_scale(run, group=group, gas=gas, engine="ddp", device=device)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # Sections that do not change the effective scale but would change what the probe reads or

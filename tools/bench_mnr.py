@@ -2,7 +2,7 @@
 """Time and peak memory per rank of the gathered MNR loss (forward + backward), CPU / gloo.
 
     python tools/bench_mnr.py                      # default grid, ~1-2 min on 2 cores
-    python tools/bench_mnr.py --batches 256 512 1024 2048 4096 --worlds 1 2 4 --reps 3
+    python tools/bench_mnr.py --batches 256 512 1024 2048 4096 --reps 3     # full grid, steadier
 
 For each world size W, W fresh processes (spawn, gloo, 1 thread each) run one small untimed
 warm-up, then for every global batch N and ``local_loss`` on/off ``--reps`` timed steps of
@@ -64,11 +64,33 @@ def _trim() -> None:
         pass
 
 
-def _step(mnr_loss, q, p, neg, local_loss, chunk_size):
+def naive_mnr_loss(q, p, neg, *, local_loss, chunk_size, temperature=0.05):
+    """For comparison: the plain-autograd formulation (sentence-transformers / open_clip style:
+    full score matrix, ``F.cross_entropy``) with the same exact gather and scaling, K=0 only."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from megaloss.distributed import all_reduce_sum
+    from megaloss.distributed.functional_gather import gather_dim0_uneven_autograd
+    assert neg is None, "the naive comparison supports K=0 only"
+    group = dist.group.WORLD if dist.get_world_size() > 1 else None
+    q, p = F.normalize(q, dim=-1), F.normalize(p, dim=-1)
+    world, rank, b = dist.get_world_size(), dist.get_rank(), q.shape[0]
+    docs = gather_dim0_uneven_autograd(p, group, [b] * world)
+    n = b * world
+    if local_loss:
+        rows, target = q, torch.arange(rank * b, rank * b + b)
+    else:
+        rows, target = gather_dim0_uneven_autograd(q, group, [b] * world), torch.arange(n)
+    loss = F.cross_entropy(rows @ docs.T / temperature, target, reduction="sum") / n
+    return all_reduce_sum(loss, group) if local_loss else loss
+
+
+def _step(loss_fn, q, p, neg, local_loss, chunk_size):
     q.grad = p.grad = None
     if neg is not None:
         neg.grad = None
-    loss = mnr_loss(q, p, neg, local_loss=local_loss, chunk_size=chunk_size)
+    loss = loss_fn(q, p, neg, local_loss=local_loss, chunk_size=chunk_size)
     loss.backward()
     return loss
 
@@ -79,6 +101,8 @@ def _worker(rank, world, port, args, queue):
     import torch.distributed as dist
 
     from megaloss.contrastive import mnr_loss
+    if args.impl == "naive":
+        mnr_loss = naive_mnr_loss  # noqa: F811 - the comparison implementation
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     try:
@@ -103,6 +127,10 @@ def _worker(rank, world, port, args, queue):
                     _trim()
                     dist.barrier()
                     if rep == 0:  # the first timed step also measures the peak
+                        q.grad = p.grad = None  # the step allocates its input gradients anew
+                        if neg is not None:
+                            neg.grad = None
+                        _trim()
                         honest = _reset_peak()
                         base = _rss_kib("VmRSS")
                     t0 = time.perf_counter()
@@ -145,11 +173,13 @@ def main(argv=None) -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--k", type=int, default=0, help="hard negatives per query")
-    ap.add_argument("--reps", type=int, default=2, help="timed steps per configuration")
+    ap.add_argument("--reps", type=int, default=1, help="timed steps per configuration")
     ap.add_argument("--chunk-size", type=int, default=1024,
                     help="mnr_loss chunk_size (rows scored per block)")
     ap.add_argument("--local", type=lambda s: s.lower() in ("1", "true", "on"), nargs="+",
                     default=[True, False], help="local_loss values to run (on/off)")
+    ap.add_argument("--impl", choices=("megaloss", "naive"), default="megaloss",
+                    help="naive: plain autograd cross-entropy on the full score matrix (K=0)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per world size")
     args = ap.parse_args(argv)
     for n in args.batches:
@@ -159,7 +189,10 @@ def main(argv=None) -> int:
     # inherited by the spawned workers; must be set before they start (read by glibc at startup)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD
 
-    print(f"mnr_loss fwd+bwd, cosine, D={args.dim}, K={args.k}, chunk_size={args.chunk_size}, "
+    if args.impl == "naive" and args.k:
+        ap.error("--impl naive supports --k 0 only")
+    print(f"{args.impl} mnr_loss fwd+bwd, cosine, D={args.dim}, K={args.k}, "
+          f"chunk_size={args.chunk_size}, "
           f"float32, CPU gloo, "
           f"{os.cpu_count()} cores, 1 thread/rank, torch {torch.__version__}")
     print("peak = peak RSS above the pre-step RSS of the rank's process (VmHWM after "

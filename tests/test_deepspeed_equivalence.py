@@ -7,9 +7,10 @@ under DP=2 x TP=1 (ZeRO-2), DP=1 x TP=2 (ZeRO-1) and DP=2 x TP=2 (ZeRO-3), all i
 cost). The reference is one process, no engine, float64: the token-mean CE (+ z-loss) over each
 step's global batch, gradient clipping by the global norm, SGD.
 
-Tolerance: every parameter tensor within 2e-5 relative (Frobenius norm of the difference over
+Tolerance: every parameter tensor within 1e-5 relative (Frobenius norm of the difference over
 that of the reference) after 3 steps of fp32 training; the logged global loss and the engine's
-gradient norm match the reference's to 1e-5 relative. Clipping is active at every step (the test
+gradient norm match the reference's to 1e-5 relative (measured: at most 7.4e-8 on parameters,
+5.8e-8 on losses). Clipping is active at every step (the test
 checks it), so a TP shard counted twice or not at all in the gradient norm, a wrong
 GAS / DP / TP factor, or a per-rank denominator all fail it.
 """
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow]
 VOCAB, HIDDEN, SEQ = 37, 16, 12
 STEPS, GAS, GLOBAL_ROWS = 3, 2, 8
 LR, CLIP, Z_LOSS = 0.5, 0.3, 1e-3
-REL_TOL = 2e-5
+REL_TOL = 1e-5
 
 
 def _llama_config():

@@ -7,17 +7,18 @@ the first ``len(col_ids)`` columns carry ids; duplicates are false negatives)::
     z_ij = (a_i . b_j) / T        (masked: -inf)
     loss = sum_i  logsumexp_j z_ij - z_{i, t_i}
 
-and with ``G = softmax(z) - onehot(t)`` (zero on masked columns), the gradients
-(the usual softmax cross-entropy algebra, e.g. Liger's fused linear CE):
+and with ``p = softmax(z)``, ``G = p - onehot(t)`` (zero on masked columns), the gradients
+(the usual softmax cross-entropy algebra, e.g. Liger's fused linear CE)::
 
-    dloss/da = G b / T,   dloss/db = G^T a / T,   dloss/dT = -sum_ij G_ij (a_i . b_j) / T^2
+    dloss/da = G b / T,   dloss/db = G^T a / T,
+    dloss/dT = -(1/T) sum_ij G_ij z_ij = -(1/T) sum_i (sum_j p_ij log p_ij + lse_i - z_it)
 
 Rows are processed ``chunk_size`` at a time, so beyond the inputs and their gradients only one
-``[chunk, C]`` block (and two of its temporaries) is alive, instead of the several full ``[R, C]``
-matrices autograd keeps for ``logsumexp``/``gather``/``matmul`` (the same trick as XTuner's and
-Liger's chunked linear cross-entropy). Backward only multiplies the saved gradients by
-``grad_output``, so DeepSpeed's 1/GAS and fp16 loss scaling are honoured. Double backward is not
-supported. Scores and gradients accumulate in ``promote_types(dtype, float32)``; gradients are
+``[chunk, C]`` block (plus ``logsumexp``'s temporary; one more for a learnable ``T``) is alive,
+instead of the several full ``[R, C]`` matrices autograd keeps for ``logsumexp`` / ``gather`` /
+``matmul`` (the same trick as XTuner's and Liger's chunked linear cross-entropy). Backward only
+multiplies the saved gradients by ``grad_output``, so DeepSpeed's 1/GAS and fp16 loss scaling are
+honoured. Double backward is not supported. Scores and gradients accumulate in ``promote_types(dtype, float32)``; gradients are
 cast back to the input dtype.
 """
 from __future__ import annotations
@@ -45,8 +46,7 @@ class _InfoNCERows(torch.autograd.Function):
         for lo in range(0, rows, chunk_size):
             hi = min(lo + chunk_size, rows)
             a_c = a[lo:hi].to(acc)
-            raw = a_c @ b_acc.T                                    # [c, C]
-            z = raw / t
+            z = (a_c @ b_acc.T).div_(t)                            # [c, C], the one big buffer
             if row_ids is not None:  # the mask of this block only: [c, len(col_ids)] bools
                 n = col_ids.shape[0]
                 same = row_ids[lo:hi, None] == col_ids[None, :]
@@ -59,13 +59,15 @@ class _InfoNCERows(torch.autograd.Function):
                 above[lo:hi] = (z > tgt).sum(1)
             if da is None and db is None and dt is None:
                 continue
-            g = z.sub_(lse).exp_()                                 # softmax, in place of z
-            g.scatter_add_(1, targets[lo:hi, None], g.new_full((hi - lo, 1), -1.0))
+            g = z.sub_(lse).exp_()                                 # softmax p, in place of z
             if dt is not None:
-                dt -= (g * raw).sum() / (t * t)
-            del raw
+                # sum_j p_ij z_ij = sum_j p log p + lse_i (masked p = 0): no -inf * 0 and no copy
+                # of z kept; dloss/dT = -(1/T) sum_i (sum_j p_ij z_ij - z_it)
+                dt -= (torch.special.xlogy(g, g).sum() + (lse - tgt).sum()) / t
+            g.scatter_add_(1, targets[lo:hi, None], g.new_full((hi - lo, 1), -1.0))  # G = p - 1_t
             if da is not None:
-                da[lo:hi] = (g @ b_acc) / t
+                torch.matmul(g, b_acc, out=da[lo:hi])
+                da[lo:hi].div_(t)
             if db is not None:
                 db.addmm_(g.T, a_c / t)
         ctx.save_for_backward(*(x for x in (da, db, dt) if x is not None))

@@ -311,7 +311,8 @@ def _mnr(query, positive, negatives, temperature, similarity, symmetric, gather,
     pos_idx = [torch.arange(s, s + bb) for s, bb in zip(starts, bs)]
     neg_idx = [torch.arange(s + bb, s + bb * (1 + kk)) for s, bb, kk in zip(starts, bs, ks)]
     doc_idx = torch.cat(pos_idx + neg_idx).to(query.device)  # positive of pair g is column g
-    docs = gathered if len(bs) == 1 and not need_queries else gathered.index_select(0, doc_idx)
+    identity = not need_queries and (len(bs) == 1 or not any(ks))  # gathered is already docs
+    docs = gathered if identity else gathered.index_select(0, doc_idx)
     q_all = None
     if need_queries:
         q_idx = torch.cat([torch.arange(s + bb * (1 + kk), s + bb * (2 + kk))

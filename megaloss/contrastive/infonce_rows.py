@@ -18,8 +18,8 @@ Rows are processed ``chunk_size`` at a time, so beyond the inputs and their grad
 instead of the several full ``[R, C]`` matrices autograd keeps for ``logsumexp`` / ``gather`` /
 ``matmul`` (the same trick as XTuner's and Liger's chunked linear cross-entropy). Backward only
 multiplies the saved gradients by ``grad_output``, so DeepSpeed's 1/GAS and fp16 loss scaling are
-honoured. Double backward is not supported. Scores and gradients accumulate in ``promote_types(dtype, float32)``; gradients are
-cast back to the input dtype.
+honoured. Double backward is not supported. Scores and gradients accumulate in
+``promote_types(dtype, float32)``; gradients are cast back to the input dtype.
 """
 from __future__ import annotations
 

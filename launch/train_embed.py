@@ -331,7 +331,7 @@ def write_outputs(out_dir: Path, rows: List[Dict[str, float]], summary: Dict) ->
     ax2.set_ylabel("in-batch top-1 accuracy")
     b, a = summary["eval_before"], summary["eval_after"]
     ax.set_title(f"code-search embedding: MRR@10 {b['mrr@10']:.3f} -> {a['mrr@10']:.3f}")
-    fig.legend(loc="upper right")
+    fig.legend(loc="center right", bbox_to_anchor=(0.88, 0.5))
     fig.tight_layout()
     fig.savefig(out_dir / "loss_curve.png", dpi=120)
     plt.close(fig)

@@ -25,9 +25,11 @@ cores there were).
 from __future__ import annotations
 
 import argparse
+import csv
 import ctypes
 import datetime
 import gc
+import itertools
 import os
 import socket
 import sys
@@ -101,27 +103,32 @@ def _worker(rank, world, port, args, queue):
     import torch.distributed as dist
 
     from megaloss.contrastive import mnr_loss
-    if args.impl == "naive":
-        mnr_loss = naive_mnr_loss  # noqa: F811 - the comparison implementation
+    impls = {"megaloss": mnr_loss, "naive": naive_mnr_loss}
+    impls = impls if args.impl == "both" else {args.impl: impls[args.impl]}
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     try:
         rows = []
-        gen = torch.Generator().manual_seed(rank)
 
-        def inputs(b):
-            q = torch.randn(b, args.dim, generator=gen).requires_grad_()
-            p = torch.randn(b, args.dim, generator=gen).requires_grad_()
-            neg = (torch.randn(b, args.k, args.dim, generator=gen).requires_grad_()
-                   if args.k else None)
-            return q, p, neg
+        def inputs(n):
+            """This rank's slice of one global batch (same for every world size: the loss column
+            must then agree across rows with the same N)."""
+            gen = torch.Generator().manual_seed(n)
+            b = n // world
+            q = torch.randn(n, args.dim, generator=gen)
+            p = q + torch.randn(n, args.dim, generator=gen)
+            neg = torch.randn(n, args.k, args.dim, generator=gen) if args.k else None
+            own = slice(rank * b, rank * b + b)
+            return (q[own].clone().requires_grad_(), p[own].clone().requires_grad_(),
+                    None if neg is None else neg[own].clone().requires_grad_())
 
-        for local_loss in args.local:  # warm-up once: gloo buffers, thread pools, first calls
-            _step(mnr_loss, *inputs(min(args.batches) // world), local_loss, args.chunk_size)
+        for fn in impls.values():  # warm-up once: gloo buffers, thread pools, first calls
+            for local_loss in args.local:
+                _step(fn, *inputs(min(args.batches)), local_loss, args.chunk_size)
         for n in args.batches:
             b = n // world
-            q, p, neg = inputs(b)
-            for local_loss in args.local:
+            q, p, neg = inputs(n)
+            for (impl, fn), local_loss in itertools.product(impls.items(), args.local):
                 elapsed, peak_kib, honest = 0.0, 0, True
                 for rep in range(args.reps):
                     _trim()
@@ -134,13 +141,14 @@ def _worker(rank, world, port, args, queue):
                         honest = _reset_peak()
                         base = _rss_kib("VmRSS")
                     t0 = time.perf_counter()
-                    _step(mnr_loss, q, p, neg, local_loss, args.chunk_size)
+                    loss = _step(fn, q, p, neg, local_loss, args.chunk_size)
                     elapsed += time.perf_counter() - t0
                     if rep == 0:
                         peak_kib = (_rss_kib("VmHWM") if honest else _rss_kib("VmRSS")) - base
                 stats = torch.tensor([elapsed / args.reps, float(peak_kib)], dtype=torch.float64)
                 dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-                rows.append((n, b, local_loss, stats[0].item(), stats[1].item(), honest))
+                rows.append((impl, n, b, local_loss, stats[0].item(), stats[1].item(), honest,
+                             loss.item()))
             del q, p, neg
         queue.put((rank, rows))
     finally:
@@ -178,8 +186,10 @@ def main(argv=None) -> int:
                     help="mnr_loss chunk_size (rows scored per block)")
     ap.add_argument("--local", type=lambda s: s.lower() in ("1", "true", "on"), nargs="+",
                     default=[True, False], help="local_loss values to run (on/off)")
-    ap.add_argument("--impl", choices=("megaloss", "naive"), default="megaloss",
-                    help="naive: plain autograd cross-entropy on the full score matrix (K=0)")
+    ap.add_argument("--impl", choices=("megaloss", "naive", "both"), default="megaloss",
+                    help="naive: plain autograd cross-entropy on the full score matrix, same "
+                         "gather and scaling (K=0 only); both: each configuration with each")
+    ap.add_argument("--csv", help="also write the table to this CSV file")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per world size")
     args = ap.parse_args(argv)
     for n in args.batches:
@@ -189,26 +199,36 @@ def main(argv=None) -> int:
     # inherited by the spawned workers; must be set before they start (read by glibc at startup)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD
 
-    if args.impl == "naive" and args.k:
-        ap.error("--impl naive supports --k 0 only")
-    print(f"{args.impl} mnr_loss fwd+bwd, cosine, D={args.dim}, K={args.k}, "
+    if args.impl != "megaloss" and args.k:
+        ap.error("--impl naive/both supports --k 0 only")
+    print(f"mnr_loss fwd+bwd, cosine, D={args.dim}, K={args.k}, "
           f"chunk_size={args.chunk_size}, "
           f"float32, CPU gloo, "
           f"{os.cpu_count()} cores, 1 thread/rank, torch {torch.__version__}")
     print("peak = peak RSS above the pre-step RSS of the rank's process (VmHWM after "
           "clear_refs; max over ranks); rows x C = one unchunked score matrix, modelled\n")
-    header = (f"{'world':>5} {'N':>5} {'B/rank':>6} {'local_loss':>10} {'time ms':>9} "
-              f"{'peak MiB/rank':>13} {'rows x C MiB':>12}")
+    header = (f"{'impl':>8} {'world':>5} {'N':>5} {'B/rank':>6} {'local_loss':>10} {'time ms':>9} "
+              f"{'peak MiB/rank':>13} {'rows x C MiB':>12} {'loss':>10}")
     print(header)
     print("-" * len(header))
     start = time.perf_counter()
+    table = []
     for w in args.worlds:
-        for n, b, local, seconds, peak_kib, honest in run_world(w, args):
+        for impl, n, b, local, seconds, peak_kib, honest, loss in run_world(w, args):
             cols = n * (1 + args.k)
             score_mib = (b if local else n) * cols * 4 / 2 ** 20
             flag = "" if honest else " (RSS delta: clear_refs unavailable)"
-            print(f"{w:>5} {n:>5} {b:>6} {str(local):>10} {seconds * 1e3:>9.1f} "
-                  f"{peak_kib / 1024:>13.1f} {score_mib:>12.1f}{flag}", flush=True)
+            print(f"{impl:>8} {w:>5} {n:>5} {b:>6} {str(local):>10} {seconds * 1e3:>9.1f} "
+                  f"{peak_kib / 1024:>13.1f} {score_mib:>12.1f} {loss:>10.6f}{flag}", flush=True)
+            table.append(dict(impl=impl, world=w, N=n, B_per_rank=b, local_loss=local,
+                              time_ms=round(seconds * 1e3, 3), peak_MiB=round(peak_kib / 1024, 3),
+                              rows_x_C_MiB=round(score_mib, 3), loss=loss,
+                              peak_method="VmHWM" if honest else "VmRSS"))
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(table[0]))
+            writer.writeheader()
+            writer.writerows(table)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     return 0
 

@@ -116,8 +116,8 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
         gather: use every rank's documents as candidates (``False``: this rank's batch only).
         group: the data-parallel group to gather over; ``None`` follows torch.distributed:
             ``WORLD`` when it is initialised, a single process otherwise.
-        local_loss: score only this rank's rows (memory ``B x C``) and all-reduce the loss share;
-            ``False`` scores all ``N`` rows on every rank (memory ``N x C``), same value/gradients.
+        local_loss: score only this rank's ``B`` rows and all-reduce the loss share; ``False``
+            scores all ``N`` rows on every rank (W times the compute; same value and gradients).
         duplicate_ids: ``[B]`` integer id per pair; positives of other pairs sharing the query's id
             are removed from its softmax (and queries sharing it, in the symmetric direction).
         chunk_size: score rows per block; with gradients computed in forward
@@ -133,7 +133,8 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
 
     Raises:
         ValueError: bad shapes, ``D`` / dtype / ``requires_grad`` / use of ``duplicate_ids``
-            differing across ranks, ``T <= 0``, NaN or inf in an embedding, unknown ``similarity``.
+            differing across ranks, ``T <= 0``, NaN or inf in an embedding, unknown ``similarity``,
+            ``chunk_size < 1``.
             Raised on *every* rank (after one metadata all-gather) so no rank waits forever.
         TypeError: non-floating embeddings, non-integer ``duplicate_ids``.
     """

@@ -53,7 +53,6 @@ MODEL_SIZES: Dict[str, Tuple[int, int, int, int]] = {
     "small": (128, 2, 4, 512),
     "base": (256, 4, 4, 1024),
 }
-REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -84,7 +83,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--max_query_len", type=int, default=32)
     p.add_argument("--max_doc_len", type=int, default=128)
     p.add_argument("--eval_batch_size", type=int, default=128)
-    p.add_argument("--log_every", type=int, default=1, help="monitor/CSV rows every N steps")
+    p.add_argument("--log_every", type=int, default=1, help="write monitor events every N steps (metrics.csv gets every step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", type=str, default="runs/embed")
     p.add_argument("--cache_dir", type=str,

@@ -134,3 +134,53 @@ def test_deepspeed_gas_uneven_matches_single_process():
             torch.testing.assert_close(plain[name], g, rtol=2e-4, atol=2e-6)
         diff = max(float((plain[n] - ref[n]).abs().max() / ref[n].abs().max()) for n in ref)
         assert diff > 1e-2
+
+
+# single-process checks of the wrapper's pieces (no engine, no processes) ---------------------
+def test_mean_pool_and_errors():
+    from megaloss.integrations.embedding import mean_pool
+
+    h = torch.arange(24, dtype=torch.float64).reshape(2, 3, 4)
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    out = mean_pool(h, mask)
+    torch.testing.assert_close(out[0], h[0, :2].mean(0))
+    assert torch.equal(out[1], torch.zeros(4, dtype=torch.float64))  # all padding: zeros, no NaN
+    with pytest.raises(ValueError, match="attention_mask"):
+        mean_pool(h, mask[:, :2])
+
+
+def test_wrapper_single_process_matches_reference_and_validates():
+    from megaloss.integrations.embedding import EmbeddingModelWithMNR
+
+    enc = _Encoder().double()
+    enc.load_state_dict({k: v.double() for k, v in _initial_state().items()})
+    model = EmbeddingModelWithMNR(enc, temperature=TEMP, symmetric=True, group=None)
+    total_n = sum(b[0].shape[0] for b in _data())
+    for q, qm, d, dm in _data():
+        out = model(q, qm, d, dm, loss_weight=torch.tensor(q.shape[0] / total_n))
+        out.loss.backward()
+        assert out.value.requires_grad is False and 0 <= float(out.accuracy) <= 1
+    ref, _ = _reference_grads(weighted=True)
+    for name, p in model.encoder.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name], rtol=1e-10, atol=1e-12)
+    assert "temperature=0.1" in repr(model)
+    with pytest.raises(TypeError, match="encoder"):
+        EmbeddingModelWithMNR(lambda x: x)
+    with pytest.raises(ValueError, match="temperature"):
+        EmbeddingModelWithMNR(enc, temperature=0.0)
+    with pytest.raises(ValueError, match="similarity"):
+        EmbeddingModelWithMNR(enc, similarity="l2")
+
+
+def test_step_loss_weights_single_process():
+    from megaloss.integrations.embedding import step_loss_weights
+
+    torch.testing.assert_close(step_loss_weights([3, 1], None), torch.tensor([1.5, 0.5]))
+    torch.testing.assert_close(step_loss_weights([2, 2, 2], None), torch.ones(3))
+    torch.testing.assert_close(step_loss_weights([3, 1], None, loss_multiplier=1.0),
+                               torch.tensor([0.75, 0.25]))
+    assert torch.equal(step_loss_weights([0, 0], None), torch.zeros(2))
+    with pytest.raises(ValueError, match="local_sizes"):
+        step_loss_weights([], None)
+    with pytest.raises(ValueError, match="loss_multiplier"):
+        step_loss_weights([1], None, loss_multiplier=0.0)

@@ -14,7 +14,7 @@ and with ``p = softmax(z)``, ``G = p - onehot(t)`` (zero on masked columns), the
     dloss/dT = -(1/T) sum_ij G_ij z_ij = -(1/T) sum_i (sum_j p_ij log p_ij + lse_i - z_it)
 
 Rows are processed ``chunk_size`` at a time, so beyond the inputs and their gradients only one
-``[chunk, C]`` block (plus ``logsumexp``'s temporary; one more for a learnable ``T``) is alive,
+``[chunk, C]`` block (one more for a learnable ``T``) is alive,
 instead of the several full ``[R, C]`` matrices autograd keeps for ``logsumexp`` / ``gather`` /
 ``matmul`` (the same trick as XTuner's and Liger's chunked linear cross-entropy). Backward only
 multiplies the saved gradients by ``grad_output``, so DeepSpeed's 1/GAS and fp16 loss scaling are
@@ -52,14 +52,18 @@ class _InfoNCERows(torch.autograd.Function):
                 same = row_ids[lo:hi, None] == col_ids[None, :]
                 same &= torch.arange(n, device=a.device)[None, :] != targets[lo:hi, None]
                 z[:, :n].masked_fill_(same, float("-inf"))
-            lse = torch.logsumexp(z, dim=1, keepdim=True)
             tgt = z.gather(1, targets[lo:hi, None])
-            total = total + (lse - tgt).sum()
             if want_ranks:
                 above[lo:hi] = (z > tgt).sum(1)
+            # logsumexp by hand, in place, so no second [c, C] buffer: z <- exp(z - max)
+            zmax = z.amax(dim=1, keepdim=True)
+            z.sub_(zmax).exp_()
+            sumexp = z.sum(dim=1, keepdim=True)
+            lse = zmax + sumexp.log()
+            total = total + (lse - tgt).sum()
             if da is None and db is None and dt is None:
                 continue
-            g = z.sub_(lse).exp_()                                 # softmax p, in place of z
+            g = z.div_(sumexp)                                     # softmax p, in place
             if dt is not None:
                 # sum_j p_ij z_ij = sum_j p log p + lse_i (masked p = 0): no -inf * 0 and no copy
                 # of z kept; dloss/dT = -(1/T) sum_i (sum_j p_ij z_ij - z_it)

@@ -307,7 +307,9 @@ def _mnr(query, positive, negatives, temperature, similarity, symmetric, gather,
     need_queries = symmetric or not local_loss
     parts = [positive, negatives.reshape(-1, d)] + ([query] if need_queries else [])
     rows_per_rank = [bb * (1 + kk + int(need_queries)) for bb, kk in zip(bs, ks)]
-    gathered = gather_dim0_uneven_autograd(torch.cat(parts), group, rows_per_rank)
+    parts = [x for x in parts if x.shape[0]] or parts[:1]  # K=0: no copy of a lone positive
+    local_rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+    gathered = gather_dim0_uneven_autograd(local_rows, group, rows_per_rank)
     starts = [sum(rows_per_rank[:r]) for r in range(len(bs))]
     pos_idx = [torch.arange(s, s + bb) for s, bb in zip(starts, bs)]
     neg_idx = [torch.arange(s + bb, s + bb * (1 + kk)) for s, bb, kk in zip(starts, bs, ks)]

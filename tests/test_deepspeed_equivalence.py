@@ -2,7 +2,7 @@
 
 A tiny Llama (random init, odd vocab 37 so the TP=2 vocab shards need padding) trains 3 optimizer
 steps with GAS=2 on the same global batches (8 sequences per step, uneven valid-token counts)
-under DP=2 x TP=1 (ZeRO-2), DP=1 x TP=2 (ZeRO-1) and DP=2 x TP=2 (ZeRO-3), all in one spawn of
+under DP=2 x TP=1 (ZeRO-2), DP=1 x TP=2 (ZeRO-1) and DP=2 x TP=2 (ZeRO-3 and ZeRO-0), all in one spawn of
 4 processes (a 2-process layout runs as two independent replicas; process imports dominate the
 cost). The reference is one process, no engine, float64: the token-mean CE (+ z-loss) over each
 step's global batch, gradient clipping by the global norm, SGD.
@@ -78,7 +78,7 @@ def _reference(state, ids, labels):
     return {k: v.detach() for k, v in model.named_parameters()}, losses, norms
 
 
-LAYOUTS = [(2, 1, 2), (1, 2, 1), (2, 2, 3)]  # (dp, tp, ZeRO stage)
+LAYOUTS = [(2, 1, 2), (1, 2, 1), (2, 2, 3), (2, 2, 0)]  # (dp, tp, ZeRO stage)
 WORLD = 4
 
 
@@ -135,7 +135,8 @@ def _train_layout(dp, tp, stage, state, ids, labels):
     params = {}
     tp_group = parallel.topology.tp_group
     for name, p in wrapper.named_parameters():
-        full = safe_get_full_fp32_param(p).detach().clone()
+        full = safe_get_full_fp32_param(p)  # None without a ZeRO optimizer (stage 0)
+        full = (p.data if full is None else full).detach().clone()
         if getattr(p, "tensor_model_parallel", False) and tp > 1:
             parts = [torch.empty_like(full) for _ in range(tp)]
             dist.all_gather(parts, full, group=tp_group)

@@ -1,11 +1,11 @@
-"""End to end: ``deepspeed --num_gpus 2 launch/train_lm.py`` on CPU with the shipped ZeRO 1/2/3
+"""End to end: ``deepspeed --num_gpus 2 launch/train_lm.py`` on CPU with the shipped ZeRO 0/1/2/3
 configs (shrunk: tiny Llama, 32-token blocks, 6 steps, 200 kB of the built-in stdlib text).
 
 Checks what a user sees: exit status 0, ``metrics.csv`` with one row per optimizer step and the
 calibrated metrics, the ``csv_monitor`` files DeepSpeed writes from ``engine.monitor``, the PNG
 plot, and that training works: held-out cross-entropy and the train loss both fall.
-Layouts: ZeRO-1 and ZeRO-3 with DP=2 x TP=1 (ZeRO really partitions), ZeRO-2 with DP=1 x TP=2
-(the main job's layout: vocab-parallel CE). One launcher run drives all three jobs (this file's
+Layouts: ZeRO-0, ZeRO-1 and ZeRO-3 with DP=2 x TP=1 (ZeRO really partitions), ZeRO-2 with
+DP=1 x TP=2 (the main job's layout: vocab-parallel CE). One launcher run drives all four jobs (this file's
 ``__main__`` calls ``launch/train_lm.py``'s ``main`` per layout): process start-up dominates.
 """
 import csv
@@ -30,7 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-LAYOUTS = [(1, 1), (2, 2), (3, 1)]  # (ZeRO stage, TP) on 2 processes
+LAYOUTS = [(0, 1), (1, 1), (2, 2), (3, 1)]  # (ZeRO stage, TP) on 2 processes
 
 
 def _ds_config(stage: int, tp: int) -> dict:

@@ -18,7 +18,8 @@ What :func:`initialize` wires, and why:
   ``engine.monitor.write_events``, so the ds_config's ``csv_monitor`` / ``wandb`` /
   ``tensorboard`` sections work unchanged (the monitor writes on global rank 0).
 
-Importing this module imports ``deepspeed``.
+``deepspeed`` itself is imported inside the functions that need it, so importing this module is
+cheap.
 """
 from __future__ import annotations
 

@@ -28,6 +28,8 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
 import torch
 
 from ..distributed.collectives import all_reduce_sum_
+from ..distributed.mpu import is_tensor_parallel
+from ..distributed.topology import Topology
 from .deepspeed import MegalossEngine, write_metrics
 
 __all__ = ["StepMetrics", "EvalResult", "train_step", "evaluate", "peak_memory_mib"]
@@ -76,6 +78,19 @@ def peak_memory_mib(device: Optional[torch.device] = None) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
+def _reduced_grad_norm(module: torch.nn.Module, topology: Topology) -> torch.Tensor:
+    """L2 norm of the whole model's gradients (as DeepSpeed's clipping computes it): TP-sharded
+    parameters counted on every TP rank, replicated ones on TP rank 0 only, SUM over TP. For
+    ZeRO-0 with a plain torch optimizer, where DeepSpeed clips but does not keep the norm; call
+    it after the boundary's backward (gradients already averaged over DP), before ``step()``."""
+    first = next(module.parameters())
+    total = torch.zeros((), dtype=torch.float64, device=first.device)
+    for p in module.parameters():
+        if p.grad is not None and (is_tensor_parallel(p) or topology.tp_rank == 0):
+            total += p.grad.detach().to(torch.float64).pow(2).sum()
+    return all_reduce_sum_(total, topology.tp_group).sqrt()
+
+
 def _to_device(mb: Mapping[str, Any], device: torch.device) -> Dict[str, Any]:
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
             for k, v in mb.items()}
@@ -115,16 +130,21 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
     step = me.calibrator.begin_step([mb["labels"] for mb in mbs],
                                     cu_seqlens=cu if any(c is not None for c in cu) else None)
     z_local = torch.zeros((), dtype=torch.float64, device=device)
+    own_norm = None
     for i, mb in enumerate(mbs):
         out = engine(mb["input_ids"], step.local_labels(i), loss_weights=step.weights(i),
                      **_model_kwargs(mb))
         engine.backward(step.loss_for_backward(out.loss))
         z_local += out.z_loss.detach().to(torch.float64)
+        if i == gas - 1 and engine.zero_optimization_stage() == 0:
+            own_norm = _reduced_grad_norm(engine.module, me.topology)
         engine.step()
     loss = step.global_loss()
     z = all_reduce_sum_(z_local, me.topology.dp_sp_group)
     elapsed = time.perf_counter() - t0
     grad_norm = engine.get_global_grad_norm()
+    if grad_norm is None:
+        grad_norm = own_norm
     num_tokens = float(step.num_tokens)
     metrics = StepMetrics(
         step=int(engine.global_steps), loss=float(loss), z_loss=float(z), num_tokens=num_tokens,

@@ -40,9 +40,9 @@ warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*", categor
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megaloss.data.stdlib_text import (LMBatches, encode_stream, files_digest, lm_blocks,  # noqa: E402
-                                       read_texts, stdlib_split, strided_subset, text_files,
-                                       train_bpe_tokenizer)
+from megaloss.data.stdlib_text import (  # noqa: E402
+    LMBatches, encode_stream, files_digest, lm_blocks, read_texts, stdlib_split, strided_subset,
+    text_files, train_bpe_tokenizer)
 
 REPO = Path(__file__).resolve().parent.parent
 # hidden, layers, heads, kv heads, feed-forward
@@ -216,7 +216,8 @@ def print_summary(summary: Dict[str, Any]) -> None:
     info = (f"{summary['steps']} steps in {summary['train_seconds']:.1f} s, "
             f"{summary['tokens_per_s']:.0f} tokens/s, layout DP={summary['dp']} x "
             f"TP={summary['tp']}, ZeRO-{summary['zero_stage']}, engine loss multiplier "
-            f"{summary['engine_loss_multiplier']:g}, peak memory {summary['peak_memory_mib']:.0f} MiB/rank")
+            f"{summary['engine_loss_multiplier']:g}, peak memory "
+            f"{summary['peak_memory_mib']:.0f} MiB/rank")
     try:
         from rich.console import Console
         from rich.table import Table
@@ -251,6 +252,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     skip_cpu_shm_comm_build()
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        # Started as plain `python launch/train_lm.py`: one process (DeepSpeed would otherwise
+        # look for MPI).
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
     deepspeed.init_distributed()
     rank = dist.get_rank()
     out_dir = Path(args.output_dir)

@@ -5,8 +5,9 @@ Checks what a user sees: exit status 0, ``metrics.csv`` with one row per optimiz
 calibrated metrics, the ``csv_monitor`` files DeepSpeed writes from ``engine.monitor``, the PNG
 plot, and that training works: held-out cross-entropy and the train loss both fall.
 Layouts: ZeRO-0, ZeRO-1 and ZeRO-3 with DP=2 x TP=1 (ZeRO really partitions), ZeRO-2 with
-DP=1 x TP=2 (the main job's layout: vocab-parallel CE). One launcher run drives all four jobs (this file's
-``__main__`` calls ``launch/train_lm.py``'s ``main`` per layout): process start-up dominates.
+DP=1 x TP=2 (the main job's layout: vocab-parallel CE). One launcher run drives all four jobs
+(this file's ``__main__`` calls ``launch/train_lm.py``'s ``main`` per layout): process start-up
+dominates the cost.
 """
 import csv
 import json

@@ -3,8 +3,9 @@
 DeepSpeed asks an ``mpu`` (Megatron's "model parallel unit") for its groups: ZeRO partitions and
 averages gradients over ``get_data_parallel_group()`` only, and gradient clipping sums squared
 norms over ``get_model_parallel_group()``, counting a parameter on every model-parallel rank only
-if it carries ``tensor_model_parallel=True`` (``deepspeed.runtime.utils.is_model_parallel_parameter``
-in 0.19.8; replicated parameters are counted on model-parallel rank 0 only). Without an mpu, ZeRO
+if it carries ``tensor_model_parallel=True`` (read by
+``deepspeed.runtime.utils.is_model_parallel_parameter`` in 0.19.8; replicated parameters are
+counted on model-parallel rank 0 only). Without an mpu, ZeRO
 would average over ``WORLD`` and mix different TP shards.
 
 Layout: tensor parallelism is the innermost mesh dim (ranks ``0..tp-1`` form the first TP group),

@@ -4,8 +4,8 @@ A tiny Llama (random init, odd vocab 37 so the TP=2 vocab shards need padding) t
 steps with GAS=2 on the same global batches (8 sequences per step, uneven valid-token counts)
 under DP=2 x TP=1 (ZeRO-2), DP=1 x TP=2 (ZeRO-1) and DP=2 x TP=2 (ZeRO-3 and ZeRO-0), all in
 one spawn of 4 processes (a 2-process layout runs as two independent replicas; process imports
-dominate the cost). The reference is one process, no engine, float64: the token-mean CE (+ z-loss) over each
-step's global batch, gradient clipping by the global norm, SGD.
+dominate the cost). The reference is one process, no engine, float64: the token-mean CE
+(+ z-loss) over each step's global batch, gradient clipping by the global norm, SGD.
 
 Tolerance: every parameter tensor within 1e-5 relative (Frobenius norm of the difference over
 that of the reference) after 3 steps of fp32 training; the logged global loss and the engine's

@@ -200,7 +200,10 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
     if ml.tensor_parallel_size != parallel.tp_size:
         raise ValueError(f"megaloss.tensor_parallel_size={ml.tensor_parallel_size} but the process "
                          f"groups have tp={parallel.tp_size}")
-    scale = probe_deepspeed(cfg, group=parallel.topology.dp_sp_group, mpu=parallel.mpu,
+    # The probe engine brings its own torch.optim.SGD, which ZeRO refuses as "untested" unless
+    # allowed; the flag only affects that probe engine here, not the training engine.
+    probe_cfg = {**cfg, "zero_allow_untested_optimizer": True}
+    scale = probe_deepspeed(probe_cfg, group=parallel.topology.dp_sp_group, mpu=parallel.mpu,
                             backward="engine")
     params = [p for p in module.parameters() if p.requires_grad]
     engine, opt, _, sched = deepspeed.initialize(

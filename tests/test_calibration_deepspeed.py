@@ -58,17 +58,19 @@ def _ds_micro_step(engine, backward, param, sink):
 
 def _ds_worker(rank, world, toy_paths, layouts):
     out = {"ddp": ddp_part(rank, world, DDP_LAYOUTS[world], toy=world == 2)}
-    # DeepSpeed's CPU comm backend JIT-builds a shared-memory op used only for inference
-    # all-reduce; skip it so no C++ build runs in the tests (training uses torch.distributed).
-    import deepspeed.comm.torch as ds_comm_torch
-    ds_comm_torch.build_shm_op = lambda: None
+    # DeepSpeed's CPU comm backend JIT-builds an optional shared-memory all-reduce op; skip it
+    # so no C++ build runs in the tests (gloo does the same work).
+    from megaloss.distributed.deepspeed_compat import skip_cpu_shm_comm_build
+    skip_cpu_shm_comm_build()
 
     from megaloss.calibration import LossCalibrator, probe_deepspeed
     from megaloss.distributed import Topology
     for k, (stage, backward, extra) in enumerate(toy_paths):
         topo = Topology.default()
-        scale = probe_deepspeed(_config(stage, 2, extra), group=topo.dp_sp_group,
-                                backward=backward)
+        # Without zero_allow_untested_optimizer: the probe must allow its SGD on its own copy.
+        probe_cfg = {key: v for key, v in _config(stage, 2, extra).items()
+                     if key != "zero_allow_untested_optimizer"}
+        scale = probe_deepspeed(probe_cfg, group=topo.dp_sp_group, backward=backward)
         out[("toy_multiplier", k)] = scale.loss_multiplier
         engine = _engine(Toy(), stage, 2, extra)
         for reduction in REDUCTIONS:

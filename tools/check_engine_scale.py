@@ -33,12 +33,12 @@ def _worker(rank, world, port, gas, queue):
 
 
 def _probe_all(gas):
-    import deepspeed.comm.torch as ds_comm_torch
     import torch.distributed as dist
-    # DeepSpeed's CPU backend would JIT-build a shared-memory op used only by inference.
-    ds_comm_torch.build_shm_op = lambda: None
 
     from megaloss.calibration import EngineScaleError, probe_ddp, probe_deepspeed
+    from megaloss.distributed.deepspeed_compat import skip_cpu_shm_comm_build
+    # DeepSpeed's CPU backend would JIT-build an optional shared-memory all-reduce op.
+    skip_cpu_shm_comm_build()
     group = dist.group.WORLD
     rows = []
     rows.append(("ddp (no_sync accumulation)", probe_ddp(gas=gas, group=group)))

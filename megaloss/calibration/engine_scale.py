@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..distributed.collectives import all_reduce_max_
+from ..distributed.deepspeed_compat import skip_cpu_shm_comm_build
 from ..distributed.topology import group_rank, group_size
 
 __all__ = ["EngineScale", "EngineScaleError", "measure_grad_scale", "probe_no_engine",
@@ -231,7 +232,9 @@ def probe_deepspeed(config: Mapping[str, Any], *, group: Optional[ProcessGroup] 
 
     Args:
         config: the ds_config dict (not modified). Mixed precision, optimizer, scheduler,
-            clipping and monitor sections are left out of the probe (see ``_DROPPED_DS_KEYS``).
+            clipping and monitor sections are left out of the probe (see ``_DROPPED_DS_KEYS``);
+            ``zero_allow_untested_optimizer`` is set on the probe's copy (the probe uses
+            ``torch.optim.SGD``), so the config needs no such flag.
         group: the ``dp x sp`` group of the calibration (``Topology.dp_sp_group``).
         mpu: the ``mpu`` passed to ``deepspeed.initialize`` (or None).
         backward: ``"engine"`` for ``engine.backward(loss)``; ``"loss"`` for a direct
@@ -248,8 +251,11 @@ def probe_deepspeed(config: Mapping[str, Any], *, group: Optional[ProcessGroup] 
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
+    skip_cpu_shm_comm_build()  # the probe may be the first engine: no JIT build on CPU
     cfg = {k: copy.deepcopy(v) for k, v in config.items() if k not in _DROPPED_DS_KEYS}
-    # ZeRO only knows its own optimizers; the probe's torch SGD (lr 0) never updates anything.
+    # ZeRO only knows its own optimizers and refuses others as "untested" unless allowed; the
+    # probe's torch SGD (lr 0) never updates anything, and the flag is set on this copy only, so
+    # the caller's config (and its training engine) is unaffected.
     cfg["zero_allow_untested_optimizer"] = True
     module = _ProbeModule(torch.float32)
     engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
@@ -34,37 +35,36 @@ import torch.distributed as dist
 from torch import nn
 
 from ..calibration import EngineScale, LossCalibrator, probe_deepspeed
+from ..distributed.deepspeed_compat import skip_cpu_shm_comm_build
 from ..distributed.mpu import DeepSpeedMPU, init_dp_tp_mesh
 from ..distributed.topology import Topology
 from .config import MegalossConfig, load_megaloss_config
 
 __all__ = ["ParallelState", "MegalossEngine", "build_parallel", "load_ds_config", "initialize",
-           "write_metrics", "skip_cpu_shm_comm_build", "MONITOR_SECTIONS"]
+           "write_metrics", "skip_cpu_shm_comm_build", "configure_launched_process",
+           "MONITOR_SECTIONS"]
 
 MONITOR_SECTIONS = ("csv_monitor", "tensorboard", "wandb", "comet")
 
 
-def skip_cpu_shm_comm_build() -> bool:
-    """On DeepSpeed's CPU accelerator, do not JIT-compile its optional shared-memory all-reduce.
+def configure_launched_process(log_level: int = logging.WARNING) -> None:
+    """Per-process start-up of a job run by the ``deepspeed`` launcher, before
+    ``deepspeed.init_distributed``.
 
-    DeepSpeed 0.19.8 builds ``deepspeed_shm_comm`` (a C++ op, ~1-3 minutes on 2 busy cores, then
-    cached under ``~/.cache/torch_extensions``) the first time its comm backend starts on CPU.
-    It is only a faster intra-node all-reduce; gloo does the same work. Marking the op
-    incompatible in DeepSpeed's own cache of op compatibility (``deepspeed.ops.__compatible_ops__``,
-    which ``build_shm_op`` consults) keeps start-up free of compilation. Call it before the first
-    ``deepspeed.init_distributed`` / ``deepspeed.initialize``; a no-op on other accelerators.
-
-    Returns:
-        True when the build was disabled.
+    - DeepSpeed's logger at ``log_level`` (its INFO lines drown the job's own log).
+    - On CPU, unless ``OMP_NUM_THREADS`` is set: torch threads = cores / processes on this node
+      (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``). The launcher starts one process per "GPU";
+      on CPU each would otherwise use every core and they fight over them (measured: ~20x slower
+      steps on 2 cores).
+    - :func:`skip_cpu_shm_comm_build` (no JIT build of DeepSpeed's optional CPU all-reduce op).
     """
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils import logger as ds_logger
 
-    if get_accelerator().device_name() != "cpu":
-        return False
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    return True
+    ds_logger.setLevel(log_level)
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    skip_cpu_shm_comm_build()
 
 
 @dataclass(frozen=True)
@@ -200,10 +200,8 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
     if ml.tensor_parallel_size != parallel.tp_size:
         raise ValueError(f"megaloss.tensor_parallel_size={ml.tensor_parallel_size} but the process "
                          f"groups have tp={parallel.tp_size}")
-    # The probe engine brings its own torch.optim.SGD, which ZeRO refuses as "untested" unless
-    # allowed; the flag only affects that probe engine here, not the training engine.
-    probe_cfg = {**cfg, "zero_allow_untested_optimizer": True}
-    scale = probe_deepspeed(probe_cfg, group=parallel.topology.dp_sp_group, mpu=parallel.mpu,
+    # The probe allows its own SGD under ZeRO on its copy of the config (engine_scale).
+    scale = probe_deepspeed(cfg, group=parallel.topology.dp_sp_group, mpu=parallel.mpu,
                             backward="engine")
     params = [p for p in module.parameters() if p.requires_grad]
     engine, opt, _, sched = deepspeed.initialize(

@@ -13,18 +13,17 @@ extracted from this interpreter's standard library, whole files held out for eva
 (cached; ``megaloss.data.stdlib_text``), a small BERT-style encoder from a ``transformers``
 config (random init, no download), mean pooling, and the gathered MNR loss computed inside the
 module ``engine.forward`` runs (``megaloss.integrations.embedding``); every step's loss is the
-query mean over the global batch, with the engine's gradient scale measured at start-up. It reports held-out MRR@10 and recall@1 before and after
-training, a progress bar and a summary table on rank 0, metrics through ``engine.monitor``
-(so the ds_config's ``csv_monitor`` / ``tensorboard`` / ``wandb`` sections work), and writes
+query mean over the global batch, with the engine's gradient scale measured at start-up. It
+reports held-out MRR@10 and recall@1 before and after training, a progress bar and a summary
+table on rank 0, metrics through ``engine.monitor`` (so the ds_config's ``csv_monitor`` /
+``tensorboard`` / ``wandb`` sections work), and writes
 ``metrics.csv``, ``loss_curve.png`` and ``summary.json`` to ``--output_dir``.
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import json
-import logging
 import math
 import os
 import random
@@ -46,6 +45,9 @@ from megaloss.data.code_search import CodePair, load_code_search, python_files  
 from megaloss.data.stdlib_text import EOS, train_bpe_tokenizer  # noqa: E402
 from megaloss.distributed.collectives import gather_along_dim0_uneven  # noqa: E402
 from megaloss.integrations.embedding import EmbeddingModelWithMNR, step_loss_weights  # noqa: E402
+from megaloss.integrations.reporting import (  # noqa: E402
+    Curve, plot_loss_curve, print_summary_table, rank0_logger, write_metrics_csv,
+    write_summary_json)
 
 # hidden, layers, heads, feed-forward
 MODEL_SIZES: Dict[str, Tuple[int, int, int, int]] = {
@@ -83,7 +85,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--max_query_len", type=int, default=32)
     p.add_argument("--max_doc_len", type=int, default=128)
     p.add_argument("--eval_batch_size", type=int, default=128)
-    p.add_argument("--log_every", type=int, default=1, help="write monitor events every N steps (metrics.csv gets every step)")
+    p.add_argument("--log_every", type=int, default=1,
+                   help="write monitor events every N steps (metrics.csv gets every step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", type=str, default="runs/embed")
     p.add_argument("--cache_dir", type=str,
@@ -306,37 +309,23 @@ def prepare_ds_config(args: argparse.Namespace) -> dict:
 
 # reporting --------------------------------------------------------------------------------------
 def write_outputs(out_dir: Path, rows: List[Dict[str, float]], summary: Dict) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if rows:
-        with open(out_dir / "metrics.csv", "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # plotting is optional
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    """``metrics.csv`` (one row per step), ``summary.json`` and ``loss_curve.png`` (MNR loss and
+    in-batch accuracy) in ``out_dir``."""
+    write_metrics_csv(out_dir / "metrics.csv", rows)
+    write_summary_json(out_dir / "summary.json", summary)
     steps = [r["step"] for r in rows]
-    ax.plot(steps, [r["loss"] for r in rows], label="MNR loss (global batch)", lw=1)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax2 = ax.twinx()
-    ax2.plot(steps, [r["accuracy"] for r in rows], color="tab:orange", alpha=0.6, lw=1,
-             label="in-batch accuracy")
-    ax2.set_ylabel("in-batch top-1 accuracy")
     b, a = summary["eval_before"], summary["eval_after"]
-    ax.set_title(f"code-search embedding: MRR@10 {b['mrr@10']:.3f} -> {a['mrr@10']:.3f}")
-    fig.legend(loc="center right", bbox_to_anchor=(0.88, 0.5))
-    fig.tight_layout()
-    fig.savefig(out_dir / "loss_curve.png", dpi=120)
-    plt.close(fig)
+    plot_loss_curve(
+        out_dir / "loss_curve.png",
+        [Curve("MNR loss (global batch)", steps, [r["loss"] for r in rows], style={"lw": 1})],
+        secondary=[Curve("in-batch accuracy", steps, [r["accuracy"] for r in rows],
+                         style={"color": "tab:orange", "alpha": 0.6, "lw": 1})],
+        title=f"code-search embedding: MRR@10 {b['mrr@10']:.3f} -> {a['mrr@10']:.3f}",
+        ylabel="loss", secondary_ylabel="in-batch top-1 accuracy")
 
 
 def print_summary(summary: Dict) -> None:
+    """The before/after table of held-out retrieval metrics and training figures."""
     b, a = summary["eval_before"], summary["eval_after"]
     rows = [("held-out MRR@10", f"{b['mrr@10']:.4f}", f"{a['mrr@10']:.4f}"),
             ("held-out recall@1", f"{b['recall@1']:.4f}", f"{a['recall@1']:.4f}"),
@@ -347,20 +336,7 @@ def print_summary(summary: Dict) -> None:
     extra = (f"{summary['train_pairs']} train / {summary['eval_pairs']} held-out pairs, "
              f"{summary['steps']} steps x {summary['global_batch']} pairs, "
              f"{summary['parameters'] / 1e6:.2f} M params, {summary['train_seconds']:.0f} s")
-    try:
-        from rich.console import Console
-        from rich.table import Table
-        table = Table(title="code-search embedding (gathered MNR)", caption=extra)
-        for col in ("metric", "before", "after"):
-            table.add_column(col, justify="left" if col == "metric" else "right")
-        for r in rows:
-            table.add_row(*r)
-        Console().print(table)
-    except ImportError:
-        print(f"{'metric':34s} {'before':>8s} {'after':>8s}")
-        for r in rows:
-            print(f"{r[0]:34s} {r[1]:>8s} {r[2]:>8s}")
-        print(extra)
+    print_summary_table("code-search embedding (gathered MNR)", rows, extra)
 
 
 # main -------------------------------------------------------------------------------------------
@@ -368,27 +344,18 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
     import deepspeed
-    from deepspeed.utils import logger as ds_logger
 
-    from megaloss.integrations.deepspeed import (build_parallel, initialize, load_ds_config,
-                                                 skip_cpu_shm_comm_build, write_metrics)
+    from megaloss.integrations.deepspeed import (build_parallel, configure_launched_process,
+                                                 initialize, load_ds_config, write_metrics)
     from megaloss.integrations.trainer import peak_memory_mib
 
-    ds_logger.setLevel(logging.WARNING)
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        # One process per "GPU": on CPU each would otherwise use every core and fight the others.
-        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    skip_cpu_shm_comm_build()
+    configure_launched_process()  # quiet DeepSpeed, threads per process on CPU, no JIT build
     deepspeed.init_distributed()
     rank = dist.get_rank()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     out_dir = Path(args.output_dir)
-
-    def log(msg: str) -> None:
-        if rank == 0:
-            print(f"[embed {time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+    log = rank0_logger("embed", rank, t_start)
 
     ds_config, ml = load_ds_config(prepare_ds_config(args), output_dir=str(out_dir))
     parallel = build_parallel(1)

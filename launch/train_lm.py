@@ -22,9 +22,6 @@ rank 0, metrics through ``engine.monitor`` (the ds_config's ``csv_monitor`` / ``
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import logging
 import math
 import os
 import time
@@ -43,6 +40,9 @@ import torch.distributed as dist  # noqa: E402
 from megaloss.data.stdlib_text import (  # noqa: E402
     LMBatches, encode_stream, files_digest, lm_blocks, read_texts, stdlib_split, strided_subset,
     text_files, train_bpe_tokenizer)
+from megaloss.integrations.reporting import (  # noqa: E402
+    Curve, plot_loss_curve, print_summary_table, rank0_logger, write_metrics_csv,
+    write_summary_json)
 
 REPO = Path(__file__).resolve().parent.parent
 # hidden, layers, heads, kv heads, feed-forward
@@ -172,39 +172,23 @@ def eval_batches(blocks: Dict[str, torch.Tensor], micro: int, dp: int, dp_rank: 
 # outputs ----------------------------------------------------------------------------------------
 def write_outputs(out_dir: Path, rows: List[Dict[str, Any]], evals: List[Dict[str, float]],
                   summary: Dict[str, Any]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """``metrics.csv`` (the step rows plus the held-out CE / perplexity at evaluated steps),
+    ``summary.json`` and ``loss_curve.png`` in ``out_dir``."""
     eval_at = {e["step"]: e for e in evals}
-    with open(out_dir / "metrics.csv", "w", newline="") as f:
-        fields = list(rows[0]) + ["eval_loss", "eval_perplexity"]
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            e = eval_at.get(r["step"], {})
-            w.writerow({**r, "eval_loss": e.get("loss", ""),
-                        "eval_perplexity": e.get("perplexity", "")})
-    with open(out_dir / "summary.json", "w") as f:
-        json.dump(summary, f, indent=2)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # the plot is a convenience; metrics.csv has the numbers
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train (global loss)")
-    ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-",
-            label="held-out CE")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats / token)")
-    ax.set_title(f"megaloss LM: {summary['model']} on {summary['data']}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "loss_curve.png", dpi=120)
-    plt.close(fig)
+    write_metrics_csv(out_dir / "metrics.csv", [
+        {**r, "eval_loss": eval_at.get(r["step"], {}).get("loss", ""),
+         "eval_perplexity": eval_at.get(r["step"], {}).get("perplexity", "")} for r in rows])
+    write_summary_json(out_dir / "summary.json", summary)
+    plot_loss_curve(
+        out_dir / "loss_curve.png",
+        [Curve("train (global loss)", [r["step"] for r in rows], [r["loss"] for r in rows]),
+         Curve("held-out CE", [e["step"] for e in evals], [e["loss"] for e in evals], "o-")],
+        title=f"megaloss LM: {summary['model']} on {summary['data']}",
+        ylabel="cross-entropy (nats / token)", grid=True)
 
 
 def print_summary(summary: Dict[str, Any]) -> None:
+    """The before/after table of held-out perplexity and losses, with the run's figures."""
     rows = [
         ("held-out perplexity", f"{summary['eval_before']['perplexity']:.1f}",
          f"{summary['eval_after']['perplexity']:.1f}"),
@@ -218,19 +202,7 @@ def print_summary(summary: Dict[str, Any]) -> None:
             f"TP={summary['tp']}, ZeRO-{summary['zero_stage']}, engine loss multiplier "
             f"{summary['engine_loss_multiplier']:g}, peak memory "
             f"{summary['peak_memory_mib']:.0f} MiB/rank")
-    try:
-        from rich.console import Console
-        from rich.table import Table
-        table = Table(title="megaloss LM job", caption=info)
-        for col in ("metric", "before", "after"):
-            table.add_column(col, justify="left" if col == "metric" else "right")
-        for r in rows:
-            table.add_row(*r)
-        Console().print(table)
-    except ImportError:
-        for r in rows:
-            print(f"{r[0]:32s} {r[1]:>10s} {r[2]:>10s}")
-        print(info)
+    print_summary_table("megaloss LM job", rows, info)
 
 
 # main -------------------------------------------------------------------------------------------
@@ -238,20 +210,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = parse_args(argv)
     t_start = time.perf_counter()
     import deepspeed
-    from deepspeed.utils import logger as ds_logger
 
-    from megaloss.integrations.deepspeed import (build_parallel, initialize, load_ds_config,
-                                                 skip_cpu_shm_comm_build)
+    from megaloss.integrations.deepspeed import (build_parallel, configure_launched_process,
+                                                 initialize, load_ds_config)
     from megaloss.integrations.hf import CausalLMWithLoss
     from megaloss.integrations.trainer import evaluate, train_step
 
-    ds_logger.setLevel(logging.WARNING)
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        # The launcher starts one process per "GPU"; on CPU each would otherwise use every core
-        # and they would fight over them (measured: ~20x slower steps on 2 cores).
-        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    skip_cpu_shm_comm_build()
+    configure_launched_process()  # quiet DeepSpeed, threads per process on CPU, no JIT build
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         # Started as plain `python launch/train_lm.py`: one process (DeepSpeed would otherwise
         # look for MPI).
@@ -264,10 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     deepspeed.init_distributed()
     rank = dist.get_rank()
     out_dir = Path(args.output_dir)
-
-    def log(msg: str) -> None:
-        if rank == 0:
-            print(f"[lm {time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+    log = rank0_logger("lm", rank, t_start)
 
     ds_config, ml = load_ds_config(args.deepspeed_config, output_dir=str(out_dir))
     parallel = build_parallel(ml.tensor_parallel_size)

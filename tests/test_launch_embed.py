@@ -8,47 +8,29 @@ training works: the global MNR loss falls.
 """
 import csv
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from launch_helpers import REPO, monitor_column, run_deepspeed_launcher
 
 from megaloss.data.code_search import stdlib_root
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parent.parent
 STEPS = 24
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _column(path: Path):
-    with open(path) as f:
-        return [float(r[1]) for r in list(csv.reader(f))[1:]]
 
 
 @pytest.mark.timeout(420)
 def test_train_embed_launcher(tmp_path):
     out = tmp_path / "out"
     data = [str(stdlib_root() / d) for d in ("email", "asyncio", "http", "importlib")]
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-           "--master_port", str(_free_port()), str(REPO / "launch" / "train_embed.py"),
-           "--train_data", *data, "--eval_fraction", "0.2", "--max_eval", "96",
-           "--steps", str(STEPS), "--micro_batch_size", "8", "--gradient_accumulation_steps",
-           "2", "--model_size", "tiny", "--vocab_size", "512", "--max_doc_len", "64",
-           "--lr", "3e-3", "--warmup_steps", "2", "--output_dir", str(out),
-           "--cache_dir", str(tmp_path / "cache"), "--no_progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = run_deepspeed_launcher(
+        REPO / "launch" / "train_embed.py",
+        ["--train_data", *data, "--eval_fraction", "0.2", "--max_eval", "96",
+         "--steps", str(STEPS), "--micro_batch_size", "8", "--gradient_accumulation_steps",
+         "2", "--model_size", "tiny", "--vocab_size", "512", "--max_doc_len", "64",
+         "--lr", "3e-3", "--warmup_steps", "2", "--output_dir", str(out),
+         "--cache_dir", str(tmp_path / "cache"), "--no_progress"], timeout=400)
     assert "before training: held-out MRR@10" in proc.stdout
 
     with open(out / "metrics.csv") as f:
@@ -72,8 +54,8 @@ def test_train_embed_launcher(tmp_path):
 
     # engine.monitor -> csv_monitor: <output_dir>/monitor/<job_name>/<tag with / -> _>.csv
     monitor = out / "monitor" / "megaloss"
-    assert _column(monitor / "Train_megaloss_mnr_loss.csv") == pytest.approx(loss, rel=1e-6)
-    assert _column(monitor / "Train_megaloss_mnr_accuracy.csv") == pytest.approx(
+    assert monitor_column(monitor / "Train_megaloss_mnr_loss.csv") == pytest.approx(loss, rel=1e-6)
+    assert monitor_column(monitor / "Train_megaloss_mnr_accuracy.csv") == pytest.approx(
         [float(r["accuracy"]) for r in rows], rel=1e-6)
-    assert _column(monitor / "Eval_megaloss_mrr@10.csv") == pytest.approx(
+    assert monitor_column(monitor / "Eval_megaloss_mrr@10.csv") == pytest.approx(
         [summary["eval_before"]["mrr@10"], summary["eval_after"]["mrr@10"]], rel=1e-6)

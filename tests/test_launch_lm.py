@@ -11,24 +11,15 @@ dominates the cost.
 """
 import csv
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from launch_helpers import REPO, monitor_column, run_deepspeed_launcher
+
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parent.parent
 STEPS = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 LAYOUTS = [(0, 1), (1, 1), (2, 2), (3, 1)]  # (ZeRO stage, TP) on 2 processes
@@ -76,11 +67,7 @@ def test_train_lm_under_deepspeed_launcher(tmp_path):
         ds_config = tmp_path / f"zero{stage}-tp{tp}.json"
         ds_config.write_text(json.dumps(_ds_config(stage, tp)))
         jobs.append(_job_args(ds_config, tmp_path / f"out-zero{stage}", tmp_path / "cache"))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-           "--master_port", str(_free_port()), __file__, "--jobs", json.dumps(jobs)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=560)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    run_deepspeed_launcher(Path(__file__), ["--jobs", json.dumps(jobs)], timeout=560, tail=6000)
     for stage, tp in LAYOUTS:
         _check_outputs(tmp_path / f"out-zero{stage}", stage, tp)
 
@@ -102,8 +89,7 @@ def _check_outputs(out: Path, stage: int, tp: int) -> None:
 
     # engine.monitor -> csv_monitor: <output_dir>/monitor/<job_name>/<tag with / -> _>.csv
     monitor = out / "monitor" / "test"
-    with open(monitor / "Train_megaloss_loss.csv") as f:
-        logged = [float(r[1]) for r in list(csv.reader(f))[1:]]
+    logged = monitor_column(monitor / "Train_megaloss_loss.csv")
     assert logged == pytest.approx([float(r["loss"]) for r in rows], rel=1e-6)
     for tag in ("num_tokens", "z_loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_mib"):
         assert (monitor / f"Train_megaloss_{tag}.csv").exists(), tag

@@ -8,4 +8,8 @@ Modules (import them by path; importing this package does not import deepspeed o
 - :mod:`megaloss.integrations.deepspeed`: building the DP x TP engine, measuring its gradient
   scale, calibrated optimizer steps and metrics through ``engine.monitor``.
 - :mod:`megaloss.integrations.trainer`: a small training loop shared by the ``launch/`` jobs.
+- :mod:`megaloss.integrations.reporting`: what the ``launch/`` jobs write and print (metrics CSV,
+  loss-curve PNG, ``summary.json``, summary table, rank-0 log lines).
+
+``megaloss.deepspeed`` re-exports the public names of :mod:`megaloss.integrations.deepspeed`.
 """

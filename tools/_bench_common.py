@@ -11,8 +11,9 @@ How memory is measured (the README states the same):
   ``ru_maxrss`` is the fallback where ``/proc`` is missing). ``ru_maxrss`` alone is not used on
   Linux because it also carries the high-water mark of the image the process was exec'd from
   (for spawned ranks: the parent, torch already imported) and it cannot be reset.
-* The gradients that the run leaves in ``.grad`` are the caller's to subtract (the tools report
-  the memory *beyond* inputs, weight and their gradients).
+* The tools preallocate (and touch) the ``.grad`` buffers of the inputs and the weight before the
+  baseline, so autograd accumulates into them and the figure is the memory *beyond* inputs,
+  weight and their gradients (a gradient computed into a temporary and then added counts).
 * glibc malloc: worker processes start with ``MALLOC_MMAP_THRESHOLD_=65536`` (every block of
   64 KiB or more is its own ``mmap``, returned to the kernel on free; a fixed threshold also turns
   off glibc's dynamic threshold, which otherwise grows after frees and keeps freed chunks of up to

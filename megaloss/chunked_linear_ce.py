@@ -74,6 +74,9 @@ def _run_chunks(plan: _Plan, hidden: torch.Tensor, weight: torch.Tensor,
                 d_weight.add_(torch.mm(g.t(), h))
         if need_b:
             d_bias.add_(res.grad_logits.sum(dim=0))
+        # Drop this chunk's [C, V] buffers before the next chunk allocates its own; otherwise
+        # two chunk working sets are alive at once (measured +123 MiB at C=1024, V=32000).
+        del res, g
     sdt = torch.promote_types(compute_dtype, torch.float32)
     loss = torch.cat(losses) if losses else hidden.new_zeros(0, dtype=sdt)
     lse_all = torch.cat(lses) if lses else hidden.new_zeros(0, dtype=sdt)
@@ -121,11 +124,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             _, _, d_h, d_w, d_b = _run_chunks(plan, hidden, weight, bias, labels, coef, lse, need)
             return (d_h, None if d_w is None else d_w.to(weight.dtype),
                     None if d_b is None else d_b.to(bias.dtype), None, None, None)
-        d_h, d_w, d_b = ctx.saved_tensors
-        g = grad_loss
-        return (None if d_h is None else d_h * g.to(d_h.dtype),
-                None if d_w is None else d_w * g.to(d_w.dtype),
-                None if d_b is None else d_b * g.to(d_b.dtype), None, None, None)
+        # Out of place, unlike Liger's in-place scaling: that would save one gradient-sized copy
+        # at the backward peak but break retain_graph / gradcheck (saved tensors modified).
+        grads = tuple(None if d is None else d * grad_loss.to(d.dtype)
+                      for d in ctx.saved_tensors)
+        return grads + (None, None, None)
 
 
 def chunked_linear_cross_entropy(

@@ -38,24 +38,10 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_common import MemoryProbe  # noqa: E402  (one peak-memory method for every bench)
+
 _MMAP_THRESHOLD = "65536"
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _trim() -> None:
@@ -138,13 +124,14 @@ def _worker(rank, world, port, args, queue):
                         if neg is not None:
                             neg.grad = None
                         _trim()
-                        honest = _reset_peak()
-                        base = _rss_kib("VmRSS")
+                        probe = MemoryProbe()
+                        probe.start()
                     t0 = time.perf_counter()
                     loss = _step(fn, q, p, neg, local_loss, args.chunk_size)
                     elapsed += time.perf_counter() - t0
                     if rep == 0:
-                        peak_kib = (_rss_kib("VmHWM") if honest else _rss_kib("VmRSS")) - base
+                        peak_kib = probe.peak_above_baseline() / 1024
+                        honest = probe.method.startswith("VmHWM")
                 stats = torch.tensor([elapsed / args.reps, float(peak_kib)], dtype=torch.float64)
                 dist.all_reduce(stats, op=dist.ReduceOp.MAX)
                 rows.append((impl, n, b, local_loss, stats[0].item(), stats[1].item(), honest,

@@ -74,11 +74,20 @@ def check_ce_tensors(hidden_states: torch.Tensor, weight: torch.Tensor, labels: 
                          + ", ".join(f"{n} on {d}" for n, d in sorted(devices, key=str)))
 
 
-def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Raise ValueError for a label outside [0, vocab_size) that is not ignore_index (one host
-    sync: the alternative is a device-side assert or silent garbage)."""
+def first_bad_label(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> Optional[int]:
+    """The first label outside [0, vocab_size) that is not ignore_index, or None (one host sync:
+    the alternative is a device-side assert or silent garbage)."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
-    if bool(bad.any()):
-        value = int(labels[bad][0])
-        raise ValueError(f"labels must be in [0, {vocab_size}) or ignore_index={ignore_index}, "
-                         f"found {value}")
+    return int(labels[bad][0]) if bool(bad.any()) else None
+
+
+def label_range_error(value: int, vocab_size: int, ignore_index: int) -> ValueError:
+    return ValueError(f"labels must be in [0, {vocab_size}) or ignore_index={ignore_index}, "
+                      f"found {value}")
+
+
+def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raise :func:`label_range_error` for the first out-of-range label, if any."""
+    value = first_bad_label(labels, vocab_size, ignore_index)
+    if value is not None:
+        raise label_range_error(value, vocab_size, ignore_index)

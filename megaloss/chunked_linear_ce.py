@@ -14,19 +14,13 @@ forward keeps only the per-token log-sum-exp and backward recomputes the logits 
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from .ops.cross_entropy_chunk import CrossEntropyOptions, chunk_cross_entropy
+from .ops.cross_entropy_chunk import CrossEntropyOptions, Reduce, chunk_cross_entropy, no_reduce
 
 __all__ = ["chunked_linear_cross_entropy"]
-
-Reduce = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 class _Plan:
@@ -108,10 +102,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                                                coef if any(need) else None, None, need)
         total = (loss * coef).sum()
         z = (plan.opts.z_loss * lse * lse * coef).sum()
-        ctx.save_for_backward(
-            None if d_h is None else d_h,
-            None if d_w is None else d_w.to(weight.dtype),
-            None if d_b is None else d_b.to(bias.dtype))
+        ctx.save_for_backward(d_h, None if d_w is None else d_w.to(weight.dtype),
+                              None if d_b is None else d_b.to(bias.dtype))
         ctx.mark_non_differentiable(z)
         return total, z
 
@@ -135,7 +127,7 @@ def chunked_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     labels: torch.Tensor, token_weights: Optional[torch.Tensor], opts: CrossEntropyOptions, *,
     reduction: str, chunk_size: int, accum_dtype: torch.dtype,
-    reduce_max: Reduce = _identity, reduce_sum: Reduce = _identity,
+    reduce_max: Reduce = no_reduce, reduce_sum: Reduce = no_reduce,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Validated-input core: ``hidden [N, H]``, ``weight [V_local, H]`` (real vocab rows only),
     ``labels [N]`` int64, ``token_weights [N]`` or None. Returns ``(loss, z_loss)`` in fp32

@@ -54,9 +54,8 @@ def linear_cross_entropy_with_stats(
     vocab_size = weight.shape[0]
     check_label_range(labels, vocab_size, ignore_index)
     opts = CrossEntropyOptions(vocab_size=vocab_size, ignore_index=ignore_index,
-                               label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-                               logit_softcapping=None if logit_softcapping is None
-                               else float(logit_softcapping))
+                               label_smoothing=label_smoothing, z_loss=z_loss,
+                               logit_softcapping=logit_softcapping)
     shape = labels.shape
     flat_labels = labels.reshape(-1).long()
     loss, z = chunked_linear_cross_entropy(

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ._validation import check_ce_options, check_ce_tensors
+from ._validation import (check_ce_options, check_ce_tensors, first_bad_label,
+                          label_range_error)
 from .chunked_linear_ce import chunked_linear_cross_entropy
 from .distributed.collectives import (all_gather_dim0, all_reduce_max_, all_reduce_sum_,
                                       copy_to_group, gather_along_dim0)
@@ -55,10 +56,11 @@ def vocab_shard_range(vocab_size: int, tp_size: int, tp_rank: int) -> tuple:
 
 
 def _check_across_ranks(group, n_tokens: int, hidden: int, rows: int, vocab_size: int,
-                        bad_label: int, device) -> None:
+                        ignore_index: int, bad_label: Optional[int], device) -> None:
     """One small all-gather so that mismatched shapes or a bad label on any rank raise on every
     rank (instead of one rank raising while the others wait in a collective forever)."""
-    mine = torch.tensor([n_tokens, hidden, rows, vocab_size, bad_label], dtype=torch.long,
+    flag = _NO_BAD_LABEL if bad_label is None else bad_label
+    mine = torch.tensor([n_tokens, hidden, rows, vocab_size, flag], dtype=torch.long,
                         device=device)
     everyone = all_gather_dim0(mine, group).view(-1, mine.numel())
     names = ("token count", "hidden size", "weight_shard rows", "vocab_size")
@@ -68,11 +70,11 @@ def _check_across_ranks(group, n_tokens: int, hidden: int, rows: int, vocab_size
             raise ValueError(f"{name} differs across tensor-parallel ranks: {values}")
     flagged = everyone[:, 4]
     if bool((flagged != _NO_BAD_LABEL).any()):
-        value = int(flagged[flagged != _NO_BAD_LABEL][0])
-        raise ValueError(f"labels must be in [0, {vocab_size}) or ignore_index, found {value}")
+        raise label_range_error(int(flagged[flagged != _NO_BAD_LABEL][0]), vocab_size,
+                                ignore_index)
 
 
-_NO_BAD_LABEL = -(2 ** 62)
+_NO_BAD_LABEL = -(2 ** 62)  # "this rank's labels are fine" in the all-gathered check
 
 
 def vocab_parallel_linear_cross_entropy_with_stats(
@@ -112,10 +114,9 @@ def vocab_parallel_linear_cross_entropy_with_stats(
                          f"{math.ceil(vocab_size / tp)} rows for vocab_size={vocab_size}, tp={tp}; "
                          f"got {rows}")
     flat_labels = labels.reshape(-1).long()
-    bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab_size))
-    bad_label = int(flat_labels[bad][0]) if bool(bad.any()) else _NO_BAD_LABEL
     hidden_size = hidden_states.shape[-1]
-    _check_across_ranks(group, flat_labels.numel(), hidden_size, rows, vocab_size, bad_label,
+    _check_across_ranks(group, flat_labels.numel(), hidden_size, rows, vocab_size, ignore_index,
+                        first_bad_label(flat_labels, vocab_size, ignore_index),
                         hidden_states.device)
 
     hidden = hidden_states.reshape(-1, hidden_size)
@@ -129,9 +130,8 @@ def vocab_parallel_linear_cross_entropy_with_stats(
 
     start, stop, _ = vocab_shard_range(vocab_size, tp, rank)
     opts = CrossEntropyOptions(vocab_size=vocab_size, vocab_start=start, ignore_index=ignore_index,
-                               label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-                               logit_softcapping=None if logit_softcapping is None
-                               else float(logit_softcapping))
+                               label_smoothing=label_smoothing, z_loss=z_loss,
+                               logit_softcapping=logit_softcapping)
     n_real = stop - start
     loss, z = chunked_linear_cross_entropy(
         hidden, weight_shard[:n_real], None if bias is None else bias[:n_real], flat_labels,

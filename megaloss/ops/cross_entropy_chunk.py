@@ -34,12 +34,14 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-__all__ = ["CrossEntropyOptions", "ChunkResult", "chunk_cross_entropy", "stats_dtype"]
+__all__ = ["CrossEntropyOptions", "ChunkResult", "chunk_cross_entropy", "stats_dtype", "Reduce",
+           "no_reduce"]
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
+def no_reduce(t: torch.Tensor) -> torch.Tensor:
+    """The combiner of a vocabulary held whole on one device: nothing to combine."""
     return t
 
 
@@ -60,6 +62,13 @@ class CrossEntropyOptions:
     z_loss: float = 0.0
     logit_softcapping: Optional[float] = None
 
+    def __post_init__(self) -> None:
+        # Python floats, whatever numeric type the caller passed (ints, numpy scalars).
+        object.__setattr__(self, "label_smoothing", float(self.label_smoothing))
+        object.__setattr__(self, "z_loss", float(self.z_loss))
+        if self.logit_softcapping is not None:
+            object.__setattr__(self, "logit_softcapping", float(self.logit_softcapping))
+
 
 class ChunkResult(NamedTuple):
     """``loss [C]`` (0 at ignored tokens), ``lse [C]`` and ``grad_logits [C, V_local]`` (already
@@ -79,8 +88,8 @@ def chunk_cross_entropy(
     opts: CrossEntropyOptions,
     *,
     lse: Optional[torch.Tensor] = None,
-    reduce_max: Reduce = _identity,
-    reduce_sum: Reduce = _identity,
+    reduce_max: Reduce = no_reduce,
+    reduce_sum: Reduce = no_reduce,
 ) -> ChunkResult:
     """Loss, log-sum-exp and (optionally) logit gradient of one chunk.
 
@@ -121,7 +130,6 @@ def chunk_cross_entropy(
         else:
             row_max = logits.new_full((logits.shape[0],), float("-inf"))
         row_max = reduce_max(row_max)
-        stats = [None, None, None]
         if n_local > 0:
             target_logit = logits.gather(1, gather_idx).squeeze(1) * in_slice
         else:

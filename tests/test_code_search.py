@@ -33,7 +33,7 @@ SOURCE = textwrap.dedent('''
 
     def test_something():
         """Tests are not search targets at all."""
-        assert True
+        assert 1 + 1 == 2
 
     def oneliner(x): "Return x doubled for the caller."; return 2 * x
 

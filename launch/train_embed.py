@@ -9,10 +9,10 @@ Run through the launcher (it passes ``--local_rank``)::
 
 With no data arguments the job uses built-in real data: (docstring -> function source) pairs
 extracted from this interpreter's standard library, whole files held out for evaluation
-(``megaloss.data.code_search``). It trains a byte-level BPE tokenizer on the training texts
-(cached; ``megaloss.data.stdlib_text``), a small BERT-style encoder from a ``transformers``
+(``launch/jobs/code_search.py``). It trains a byte-level BPE tokenizer on the training texts
+(cached; ``launch/jobs/text_data.py``), a small BERT-style encoder from a ``transformers``
 config (random init, no download), mean pooling, and the gathered MNR loss computed inside the
-module ``engine.forward`` runs (``megaloss.integrations.embedding``); every step's loss is the
+module ``engine.forward`` runs (``megaloss.integrations.hf.embedding``); every step's loss is the
 query mean over the global batch, with the engine's gradient scale measured at start-up. It
 reports held-out MRR@10 and recall@1 before and after training, a progress bar and a summary
 table on rank 0, metrics through ``engine.monitor`` (so the ds_config's ``csv_monitor`` /
@@ -22,12 +22,9 @@ table on rank 0, metrics through ``engine.monitor`` (so the ds_config's ``csv_mo
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
-import random
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -41,11 +38,12 @@ warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*", categor
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megaloss.data.code_search import CodePair, load_code_search, python_files  # noqa: E402
-from megaloss.data.stdlib_text import EOS, train_bpe_tokenizer  # noqa: E402
-from megaloss.distributed.collectives import gather_along_dim0_uneven  # noqa: E402
-from megaloss.integrations.embedding import EmbeddingModelWithMNR, step_loss_weights  # noqa: E402
-from megaloss.integrations.reporting import (  # noqa: E402
+from jobs.code_search import CodePair, load_code_search, source_files  # noqa: E402
+from jobs.text_data import (  # noqa: E402
+    EOS, StepBatches, atomic_write, files_digest, read_texts, train_bpe_tokenizer)
+from megaloss.integrations.hf import EmbeddingModelWithMNR, step_loss_weights  # noqa: E402
+from megaloss.parallel import all_gather_dim0, all_gather_sizes  # noqa: E402
+from jobs.reporting import (  # noqa: E402
     Curve, plot_loss_curve, print_summary_table, rank0_logger, write_metrics_csv,
     write_summary_json)
 
@@ -105,58 +103,33 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 # caching helpers (rank 0 of each node builds, the others wait and read) --------------------------
-def _key(*parts: object) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
-def _source_fingerprint(sources: Optional[Sequence[str]]) -> List:
-    """Paths, sizes and mtimes of every input file, so an edited source invalidates the cache."""
-    if sources is None:
-        return [sys.version, sys.prefix]
-    out = []
-    for s in sources:
-        path = Path(s)
-        files = [path] if path.suffix in (".jsonl", ".json", ".ndjson") else python_files(path)
-        out += [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    return out
-
-
 def load_pairs_cached(args: argparse.Namespace) -> Tuple[List[CodePair], List[CodePair]]:
-    key = _key("pairs-v1", _source_fingerprint(args.train_data),
-               _source_fingerprint(args.eval_data),
-               args.eval_fraction, args.max_train, args.max_eval)
+    """Training and held-out pairs, cached under a key of the source files' paths and contents
+    and the options, so an edited source or another Python's stdlib invalidates it."""
+    train_files = source_files(args.train_data)
+    eval_files = source_files(args.eval_data) if args.eval_data else []
+    key = files_digest(read_texts(train_files) + ["\0eval\0"] + read_texts(eval_files),
+                       "pairs-v2", [str(f) for f in train_files + eval_files],
+                       args.eval_fraction, args.max_train, args.max_eval)
     path = Path(args.cache_dir) / f"code_search-{key}.json"
-
-    def build() -> None:
-        if path.exists():
-            return
+    if args.local_rank == 0 and not path.exists():
         train, held = load_code_search(args.train_data, args.eval_data,
                                        eval_fraction=args.eval_fraction,
                                        max_train=args.max_train, max_eval=args.max_eval)
-        _atomic_write(path, json.dumps({"train": [p.__dict__ for p in train],
-                                        "eval": [p.__dict__ for p in held]}))
-
-    if args.local_rank == 0:
-        build()
+        atomic_write(path, json.dumps({"train": [p.__dict__ for p in train],
+                                       "eval": [p.__dict__ for p in held]}))
     _barrier()
     data = json.loads(path.read_text(encoding="utf-8"))
     return ([CodePair(**d) for d in data["train"]], [CodePair(**d) for d in data["eval"]])
 
 
 def tokenizer_cached(texts: List[str], vocab_size: int, cache_dir: str, local_rank: int):
-    """Byte-level BPE trained on the training texts (megaloss.data.stdlib_text), built once per
+    """Byte-level BPE trained on the training texts (launch/jobs/text_data.py), built once per
     node by local rank 0 and read from the cache by the others."""
     if local_rank == 0:
         train_bpe_tokenizer(texts, vocab_size, cache_dir=cache_dir)
@@ -164,76 +137,49 @@ def tokenizer_cached(texts: List[str], vocab_size: int, cache_dir: str, local_ra
     return train_bpe_tokenizer(texts, vocab_size, cache_dir=cache_dir)
 
 
-# batching ---------------------------------------------------------------------------------------
-def encode_texts(tokenizer, texts: List[str], max_len: int) -> List[List[int]]:
-    """Token ids, truncated to ``max_len`` (at least one token per text)."""
-    eos = tokenizer.token_to_id(EOS)
-    return [e.ids[:max_len] or [eos] for e in tokenizer.encode_batch(texts)]
-
-
-def pad_batch(seqs: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``[B, T]`` ids and mask, padded to the longest sequence of the batch (T >= 1)."""
-    width = max([len(s) for s in seqs] + [1])
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return ids, mask
-
-
-class MicroBatches:
-    """Endless stream of this rank's micro-batches: every epoch a seeded permutation (same on
-    all ranks), cut into global batches of ``micro * dp`` pairs (the tail is dropped so every
-    micro-batch has the same size), each rank taking its contiguous slice."""
-
-    def __init__(self, queries, documents, micro: int, dp_size: int, dp_rank: int, seed: int,
-                 pad_id: int):
-        if len(queries) < micro * dp_size:
-            raise ValueError(f"{len(queries)} training pairs cannot fill one global batch of "
-                             f"{micro} x {dp_size}")
-        self.q, self.d, self.micro, self.dp, self.rank = queries, documents, micro, dp_size, dp_rank
-        self.seed, self.pad_id, self.epoch = seed, pad_id, 0
-        self._order: List[int] = []
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> Dict[str, torch.Tensor]:
-        global_batch = self.micro * self.dp
-        if len(self._order) < global_batch:
-            perm = list(range(len(self.q)))
-            random.Random(self.seed * 1000003 + self.epoch).shuffle(perm)
-            self.epoch += 1
-            self._order = perm[: len(perm) - len(perm) % global_batch]
-        batch, self._order = self._order[:global_batch], self._order[global_batch:]
-        mine = batch[self.rank * self.micro: (self.rank + 1) * self.micro]
-        q_ids, q_mask = pad_batch([self.q[i] for i in mine], self.pad_id)
-        d_ids, d_mask = pad_batch([self.d[i] for i in mine], self.pad_id)
-        return {"query_input_ids": q_ids, "query_attention_mask": q_mask,
-                "document_input_ids": d_ids, "document_attention_mask": d_mask}
+def encode_pairs(tokenizer, pairs: Sequence[CodePair], max_query_len: int,
+                 max_doc_len: int) -> Dict[str, torch.Tensor]:
+    """``query_input_ids`` / ``query_attention_mask`` ``[N, Tq]`` and ``document_*`` ``[N, Td]``:
+    texts truncated to the side's maximum length and right-padded (with EOS, masked out) to the
+    side's longest sequence by the tokenizer."""
+    tokenizer.enable_padding(pad_id=tokenizer.token_to_id(EOS), pad_token=EOS)
+    out = {}
+    for side, texts, max_len in (("query", [p.query for p in pairs], max_query_len),
+                                 ("document", [p.document for p in pairs], max_doc_len)):
+        tokenizer.enable_truncation(max_len)
+        enc = tokenizer.encode_batch(texts)
+        out[f"{side}_input_ids"] = torch.tensor([e.ids for e in enc], dtype=torch.long)
+        out[f"{side}_attention_mask"] = torch.tensor([e.attention_mask for e in enc],
+                                                     dtype=torch.long)
+    return out
 
 
 # evaluation -------------------------------------------------------------------------------------
 @torch.no_grad()
-def embed_all(engine, seqs: List[List[int]], batch_size: int, pad_id: int, group) -> torch.Tensor:
-    """Embeddings ``[N, H]`` of all ``seqs`` on every rank. Each rank encodes a contiguous shard;
-    all ranks run the same number of forwards (ZeRO-3 gathers parameters collectively), a rank
-    with nothing left encodes one dummy sequence and drops it."""
-    world = dist.get_world_size(group) if group is not None else 1
-    rank = dist.get_rank(group) if group is not None else 0
-    per = math.ceil(len(seqs) / world)
-    shard = seqs[rank * per: (rank + 1) * per]
+def embed_all(engine, ids: torch.Tensor, mask: torch.Tensor, batch_size: int,
+              group) -> torch.Tensor:
+    """Embeddings ``[N, H]`` of all ``N`` sequences on every rank. Each rank encodes a contiguous
+    shard; all ranks run the same number of forwards (ZeRO-3 gathers parameters collectively), a
+    rank with nothing left encodes the first sequence again and drops it."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    per = math.ceil(len(ids) / world)
+    first = ids[:1], mask[:1]
+    ids, mask = ids[rank * per: (rank + 1) * per], mask[rank * per: (rank + 1) * per]
     rounds = max(1, math.ceil(per / batch_size))
     module = engine.module
     outs = []
     for r in range(rounds):
-        chunk = shard[r * batch_size: (r + 1) * batch_size]
-        ids, mask = pad_batch(chunk or [[pad_id]], pad_id)
-        emb = module.encode(ids.to(engine.device), mask.to(engine.device)).float()
-        outs.append(emb[: len(chunk)])
+        rows = slice(r * batch_size, (r + 1) * batch_size)
+        n = len(ids[rows])
+        chunk_ids, chunk_mask = (ids[rows], mask[rows]) if n else first
+        emb = module.encode(chunk_ids.to(engine.device), chunk_mask.to(engine.device)).float()
+        outs.append(emb[:n])
     local = torch.cat(outs)
-    return gather_along_dim0_uneven(local, group)
+    # no gradient here: pad to the largest shard, gather, trim
+    sizes = all_gather_sizes(local.shape[0], group, local.device)
+    padded = torch.cat([local, local.new_zeros((max(sizes) - local.shape[0],) + local.shape[1:])])
+    gathered = all_gather_dim0(padded, group)
+    return torch.cat([gathered[r * max(sizes): r * max(sizes) + n] for r, n in enumerate(sizes)])
 
 
 def retrieval_metrics(q: torch.Tensor, d: torch.Tensor, k: int = 10) -> Dict[str, float]:
@@ -248,11 +194,14 @@ def retrieval_metrics(q: torch.Tensor, d: torch.Tensor, k: int = 10) -> Dict[str
     return {f"mrr@{k}": rr.mean().item(), "recall@1": (rank == 1).double().mean().item()}
 
 
-def evaluate(engine, queries, documents, args, pad_id: int, group) -> Dict[str, float]:
+def evaluate(engine, pairs: Dict[str, torch.Tensor], batch_size: int, group) -> Dict[str, float]:
+    """Held-out retrieval metrics of ``pairs`` (:func:`encode_pairs`), the same on every rank."""
     was_training = engine.module.training
     engine.module.eval()
-    q = embed_all(engine, queries, args.eval_batch_size, pad_id, group)
-    d = embed_all(engine, documents, args.eval_batch_size, pad_id, group)
+    q = embed_all(engine, pairs["query_input_ids"], pairs["query_attention_mask"], batch_size,
+                  group)
+    d = embed_all(engine, pairs["document_input_ids"], pairs["document_attention_mask"],
+                  batch_size, group)
     engine.module.train(was_training)
     return retrieval_metrics(q, d)
 
@@ -344,23 +293,23 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
     import deepspeed
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-    from megaloss.integrations.deepspeed import (build_parallel, configure_launched_process,
-                                                 initialize, load_ds_config, write_metrics)
-    from megaloss.integrations.trainer import peak_memory_mib
+    from megaloss import Topology
+    from megaloss.integrations.deepspeed import (configure_launched_process, initialize,
+                                                 load_ds_config, peak_memory_mib, write_metrics)
 
     configure_launched_process()  # quiet DeepSpeed, threads per process on CPU, no JIT build
     deepspeed.init_distributed()
     rank = dist.get_rank()
-    random.seed(args.seed)
     torch.manual_seed(args.seed)
     out_dir = Path(args.output_dir)
     log = rank0_logger("embed", rank, t_start)
 
     ds_config, ml = load_ds_config(prepare_ds_config(args), output_dir=str(out_dir))
-    parallel = build_parallel(1)
-    group = parallel.topology.dp_group  # pure data parallel: the DP group is the world
-    dp_size, dp_rank = parallel.dp_size, parallel.topology.dp_rank
+    topo = Topology.build(1)
+    group = topo.dp_group  # pure data parallel: the DP group is the world
+    dp_size, dp_rank = topo.dp_size, topo.dp_rank
     micro = int(ds_config["train_micro_batch_size_per_gpu"])
     gas = int(ds_config["gradient_accumulation_steps"])
 
@@ -368,10 +317,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     tokenizer = tokenizer_cached([t for p in train for t in (p.query, p.document)],
                                  args.vocab_size, args.cache_dir, args.local_rank)
     pad_id = tokenizer.token_to_id(EOS)  # any id works under the attention mask
-    tq = encode_texts(tokenizer, [p.query for p in train], args.max_query_len)
-    td = encode_texts(tokenizer, [p.document for p in train], args.max_doc_len)
-    eq = encode_texts(tokenizer, [p.query for p in held], args.max_query_len)
-    ed = encode_texts(tokenizer, [p.document for p in held], args.max_doc_len)
+    train_enc = encode_pairs(tokenizer, train, args.max_query_len, args.max_doc_len)
+    held_enc = encode_pairs(tokenizer, held, args.max_query_len, args.max_doc_len)
     log(f"data: {len(train)} train / {len(held)} held-out pairs "
         f"({'stdlib' if args.train_data is None else 'user data'}), BPE vocab "
         f"{tokenizer.get_vocab_size()}")
@@ -386,14 +333,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     if "optimizer" not in ds_config:
         # A torch optimizer: DeepSpeed's FusedAdam / CPUAdam would JIT-compile ops on CPU.
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-        if "scheduler" not in ds_config:
-            def schedule(step: int) -> float:  # linear warm-up, cosine decay to 10 %
-                if step < args.warmup_steps:
-                    return (step + 1) / args.warmup_steps
-                t = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-                return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
-            lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    me = initialize(model, ds_config, parallel=parallel, optimizer=optimizer,
+        if "scheduler" not in ds_config:  # linear warm-up, cosine decay to 10 % of --lr
+            lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+                optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=args.steps,
+                min_lr_rate=0.1)
+    me = initialize(model, ds_config, topology=topo, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, output_dir=str(out_dir))
     engine = me.engine
     # The engine leaves c * (sum of all ranks' micro-batch gradients); the probe measured 1/c.
@@ -403,12 +347,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         f"{n_params / 1e6:.2f} M params, measured engine loss multiplier {multiplier:g} "
         f"({me.engine_scale.engine}), MNR {ml.mnr.model_dump()}")
 
-    before = evaluate(engine, eq, ed, args, pad_id, group)
+    before = evaluate(engine, held_enc, args.eval_batch_size, group)
     write_metrics(engine, before, 0, prefix="Eval/megaloss/")
     log(f"before training: held-out MRR@10 {before['mrr@10']:.4f}, "
         f"recall@1 {before['recall@1']:.4f}")
 
-    batches = MicroBatches(tq, td, micro, dp_size, dp_rank, args.seed, pad_id)
+    batches = iter(StepBatches(train_enc, micro=micro, gas=gas, dp_size=dp_size, dp_rank=dp_rank,
+                               seed=args.seed))
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
@@ -417,26 +362,26 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     t_train = time.perf_counter()
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        # Prefetch the step's micro-batches: their sizes give the GAS compensation weights
-        # (one all-reduce); all ones when every micro-batch has the same global size.
-        micro_batches = [next(batches) for _ in range(gas)]
+        # The step's micro-batches, known up front: their sizes give the GAS compensation
+        # weights (one all-reduce); all ones when every micro-batch has the same global size.
+        micro_batches = next(batches)
         weights = step_loss_weights([len(b["query_input_ids"]) for b in micro_batches], group,
-                                    loss_multiplier=multiplier)
-        loss_sum = torch.zeros(())
-        acc_sum = torch.zeros(())
+                                    loss_multiplier=multiplier, device=engine.device)
+        # The step's global loss and accuracy, sum_m (n_m / N) (L_m, acc_m), and the gradient
+        # norm (a device tensor under ZeRO-1/2) stay on the device until one read per step.
+        stats = torch.zeros(3, device=engine.device)
         for b, w in zip(micro_batches, weights):
             out = engine(**{k: v.to(engine.device) for k, v in b.items()}, loss_weight=w)
             engine.backward(out.loss)
             engine.step()
-            # The step's global value sum_m (n_m / N) L_m, kept on device until logging.
             share = w * (dp_size / multiplier)
-            loss_sum += share * out.value.float().cpu()
-            acc_sum += share * out.accuracy.float().cpu()
-        seconds = time.perf_counter() - t0
+            stats[:2] += share * torch.stack([out.value, out.accuracy]).float()
         norm = engine.get_global_grad_norm()
-        row = {"step": int(engine.global_steps), "loss": float(loss_sum),
-               "accuracy": float(acc_sum), "lr": float(engine.get_lr()[0]),
-               "grad_norm": float(norm) if norm is not None else float("nan"),
+        stats[2] = float("nan") if norm is None else norm
+        loss, accuracy, grad_norm = stats.tolist()  # the step's one host sync
+        seconds = time.perf_counter() - t0
+        row = {"step": int(engine.global_steps), "loss": loss, "accuracy": accuracy,
+               "lr": float(engine.get_lr()[0]), "grad_norm": grad_norm,
                "pairs_per_s": micro * gas * dp_size / seconds, "step_time_s": seconds,
                "peak_memory_mib": peak_memory_mib(engine.device)}
         rows.append(row)
@@ -451,7 +396,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     if bar is not None:
         bar.close()
     log(f"trained {args.steps} steps in {train_seconds:.1f} s")
-    after = evaluate(engine, eq, ed, args, pad_id, group)
+    after = evaluate(engine, held_enc, args.eval_batch_size, group)
     write_metrics(engine, after, rows[-1]["step"], prefix="Eval/megaloss/")
     log(f"after training: held-out MRR@10 {after['mrr@10']:.4f}, "
         f"recall@1 {after['recall@1']:.4f}")

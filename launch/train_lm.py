@@ -6,7 +6,7 @@ Run through the launcher (it passes ``--local_rank``)::
     deepspeed --num_gpus 2 launch/train_lm.py --deepspeed_config configs/zero2.json
 
 With no data arguments the job uses built-in real data: this interpreter's standard-library
-source files (``megaloss.data.stdlib_text``; whole files held out for evaluation). It trains a
+source files (``launch/jobs/text_data.py``; whole files held out for evaluation). It trains a
 byte-level BPE tokenizer on the training files (cached), builds a small Llama from a
 ``transformers`` ``LlamaConfig`` (random init, no download), and trains it with the loss computed
 inside the module ``engine.forward`` runs: decoder hidden states -> vocab-parallel chunked CE over
@@ -22,6 +22,7 @@ rank 0, metrics through ``engine.monitor`` (the ds_config's ``csv_monitor`` / ``
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
 import time
@@ -37,10 +38,10 @@ warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*", categor
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megaloss.data.stdlib_text import (  # noqa: E402
-    LMBatches, encode_stream, files_digest, lm_blocks, read_texts, stdlib_split, strided_subset,
-    text_files, train_bpe_tokenizer)
-from megaloss.integrations.reporting import (  # noqa: E402
+from jobs.text_data import (  # noqa: E402
+    StepBatches, atomic_write, encode_stream, files_digest, lm_blocks, read_texts, stdlib_split,
+    strided_subset, text_files, train_bpe_tokenizer)
+from jobs.reporting import (  # noqa: E402
     Curve, plot_loss_curve, print_summary_table, rank0_logger, write_metrics_csv,
     write_summary_json)
 
@@ -95,7 +96,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 # data -------------------------------------------------------------------------------------------
 def _split_files(args):
     if args.train_data:
-        from megaloss.data.code_search import is_held_out
+        from jobs.code_search import is_held_out
         files = text_files(args.train_data)
         if args.eval_data:
             return files, text_files(args.eval_data)
@@ -123,9 +124,9 @@ def load_data(args, rank: int):
         tok = train_bpe_tokenizer(train_texts, args.vocab_size, cache_dir=args.cache_dir)
         streams = {"train": encode_stream(tok, train_texts), "eval": encode_stream(tok, eval_texts),
                    "tokenizer": tok.to_str()}
-        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-        torch.save(streams, tmp)
-        os.replace(tmp, cache)
+        buf = io.BytesIO()
+        torch.save(streams, buf)
+        atomic_write(cache, buf.getvalue())
     if dist.is_initialized():
         dist.barrier()
     streams = torch.load(cache)
@@ -211,29 +212,24 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     t_start = time.perf_counter()
     import deepspeed
 
-    from megaloss.integrations.deepspeed import (build_parallel, configure_launched_process,
-                                                 initialize, load_ds_config)
-    from megaloss.integrations.hf import CausalLMWithLoss
-    from megaloss.integrations.trainer import evaluate, train_step
+    from megaloss import CausalLMWithLoss, Topology
+    from megaloss.integrations.deepspeed import (configure_launched_process, evaluate, initialize,
+                                                 load_ds_config, train_step)
+    from megaloss.testing import free_port
 
     configure_launched_process()  # quiet DeepSpeed, threads per process on CPU, no JIT build
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         # Started as plain `python launch/train_lm.py`: one process (DeepSpeed would otherwise
         # look for MPI).
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     deepspeed.init_distributed()
     rank = dist.get_rank()
     out_dir = Path(args.output_dir)
     log = rank0_logger("lm", rank, t_start)
 
     ds_config, ml = load_ds_config(args.deepspeed_config, output_dir=str(out_dir))
-    parallel = build_parallel(ml.tensor_parallel_size)
-    topo = parallel.topology
+    topo = Topology.build(ml.tensor_parallel_size)
     micro = ds_config.get("train_micro_batch_size_per_gpu", 1)
     gas = ds_config.get("gradient_accumulation_steps", 1)
 
@@ -247,23 +243,23 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         f"BPE vocab {vocab}")
 
     model, cfg = build_model(args, vocab)
-    wrapper = CausalLMWithLoss(model, ce=ml.ce, tp_group=topo.tp_group)
+    wrapper = CausalLMWithLoss(model, options=ml.ce.options(), tp_group=topo.tp_group)
     # decoder + the full (unsharded) lm_head, whatever the TP size
     n_params = sum(p.numel() for p in model.base_model.parameters()) + vocab * cfg.hidden_size
-    me = initialize(wrapper, ds_config, parallel=parallel, output_dir=str(out_dir))
+    me = initialize(wrapper, ds_config, topology=topo, output_dir=str(out_dir))
     engine = me.engine
-    log(f"engine ready: DP={parallel.dp_size} x TP={parallel.tp_size}, "
+    log(f"engine ready: DP={topo.dp_size} x TP={topo.tp_size}, "
         f"ZeRO-{engine.zero_optimization_stage()}, micro-batch {micro} x GAS {gas} x DP "
-        f"{parallel.dp_size} = {micro * gas * parallel.dp_size} x {args.seq_len} tokens/step, "
+        f"{topo.dp_size} = {micro * gas * topo.dp_size} x {args.seq_len} tokens/step, "
         f"{n_params / 1e6:.2f} M params, measured engine loss multiplier "
         f"{me.engine_scale.loss_multiplier:g} ({me.engine_scale.engine}), CE {ml.ce.model_dump()}")
 
-    held = eval_batches(held_blocks, micro, parallel.dp_size, topo.dp_rank)
+    held = eval_batches(held_blocks, micro, topo.dp_size, topo.dp_rank)
     evals = [{"step": 0, **vars(evaluate(me, held, log_step=0))}]
     log(f"before training: held-out CE {evals[0]['loss']:.4f}, perplexity "
         f"{evals[0]['perplexity']:.1f}")
 
-    batches = iter(LMBatches(train_blocks, micro=micro, gas=gas, dp_size=parallel.dp_size,
+    batches = iter(StepBatches(train_blocks, micro=micro, gas=gas, dp_size=topo.dp_size,
                              dp_rank=topo.dp_rank, seed=args.seed))
     bar = None
     if rank == 0 and not args.no_progress:
@@ -293,7 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
         "train_seconds": train_seconds, "tokens_per_s": tokens / train_seconds,
         "train_tokens_seen": tokens, "peak_memory_mib": max(r["peak_memory_mib"] for r in rows),
-        "dp": parallel.dp_size, "tp": parallel.tp_size,
+        "dp": topo.dp_size, "tp": topo.tp_size,
         "zero_stage": engine.zero_optimization_stage(), "micro_batch": micro, "gas": gas,
         "seq_len": args.seq_len, "vocab_size": vocab, "parameters": int(n_params),
         "engine_loss_multiplier": me.engine_scale.loss_multiplier,

@@ -1,44 +1,66 @@
 """megaloss: losses for large-scale training that are cheap in memory and exact under any
 parallel layout, wired into DeepSpeed.
 
-The public API, in the order of the stack (each layer imports only the ones above it):
+The package is a stack; each layer imports only the layers above it in this list:
 
-- process groups: :class:`Topology`, the DeepSpeed ``mpu`` (:class:`DeepSpeedMPU`);
-- losses: chunked fused linear CE (:func:`linear_cross_entropy`), its vocab-parallel form
-  (:func:`vocab_parallel_linear_cross_entropy`, :class:`VocabParallelLMHead`), global loss
-  calibration (:class:`LossCalibrator`, :func:`compute_loss_weights`, engine probes), the gathered
-  contrastive MNR loss (:func:`mnr_loss`);
-- integration: the ``"megaloss"`` ds_config section (:class:`MegalossConfig`) and the HF causal-LM
-  wrapper (:class:`CausalLMWithLoss`); DeepSpeed engine hooks in :mod:`megaloss.deepspeed`.
+- :mod:`megaloss.ops`: single-device math (chunk kernels, autograd Functions, options);
+- :mod:`megaloss.parallel`: process groups (:class:`Topology`; ``group=None`` is torch's default
+  group everywhere) and collectives;
+- :mod:`megaloss.losses`: chunked linear CE, vocab-parallel CE, gathered MNR (functional + module);
+- :mod:`megaloss.calibration`: global loss calibration and the engine-factor probes;
+- :mod:`megaloss.integrations`: DeepSpeed (:mod:`~megaloss.integrations.deepspeed`) and Hugging
+  Face (:mod:`~megaloss.integrations.hf`) adapters.
 
-Importing megaloss imports neither deepspeed nor transformers.
+``import megaloss`` imports torch and nothing optional: the integration names below
+(``MegalossConfig``, ``CausalLMWithLoss``, ``DeepSpeedMPU``, ``probe_deepspeed``, ...) are loaded
+on first use.
 """
-from .distributed import Topology
-from .distributed.mpu import DeepSpeedMPU, init_dp_tp_mesh, mark_tensor_parallel
-from .linear_cross_entropy import (CrossEntropyOutput, LinearCrossEntropyLoss,
-                                   linear_cross_entropy, linear_cross_entropy_with_stats)
-from .vocab_parallel import (VocabParallelLMHead, vocab_parallel_linear_cross_entropy,
-                             vocab_parallel_linear_cross_entropy_with_stats)
+from importlib import import_module
+from typing import Any
+
 from .calibration import (EngineScale, EngineScaleError, LossCalibrator, StepCalibration,
-                          compute_loss_weights, probe_ddp, probe_deepspeed, probe_no_engine)
-from .contrastive import MNROutput, MultipleNegativesRankingLoss, mnr_loss, mnr_loss_with_metrics
-from .integrations.config import CEConfig, MegalossConfig, MNRConfig, load_megaloss_config
-from .integrations.hf import CausalLMWithLoss, causal_shift
+                          compute_loss_weights, probe_ddp, probe_no_engine)
+from .losses import (CrossEntropyOutput, LinearCrossEntropyLoss, MNROutput,
+                     MultipleNegativesRankingLoss, VocabParallelLMHead, linear_cross_entropy,
+                     linear_cross_entropy_with_stats, mnr_loss, mnr_loss_with_metrics,
+                     vocab_parallel_linear_cross_entropy,
+                     vocab_parallel_linear_cross_entropy_with_stats)
+from .ops import CrossEntropyOptions
+from .ops.labels import causal_shift
+from .parallel import SINGLE_RANK, Topology, init_dp_tp_mesh, mark_tensor_parallel
+
+_LAZY = {
+    "MegalossConfig": "megaloss.integrations.deepspeed.config",
+    "CEConfig": "megaloss.integrations.deepspeed.config",
+    "MNRConfig": "megaloss.integrations.deepspeed.config",
+    "load_megaloss_config": "megaloss.integrations.deepspeed.config",
+    "DeepSpeedMPU": "megaloss.integrations.deepspeed.mpu",
+    "probe_deepspeed": "megaloss.integrations.deepspeed.probe",
+    "CausalLMWithLoss": "megaloss.integrations.hf.causal_lm",
+    "EmbeddingModelWithMNR": "megaloss.integrations.hf.embedding",
+}
 
 __all__ = [
     # process groups
-    "Topology", "DeepSpeedMPU", "init_dp_tp_mesh", "mark_tensor_parallel",
+    "Topology", "SINGLE_RANK", "init_dp_tp_mesh", "mark_tensor_parallel",
     # cross-entropy
-    "linear_cross_entropy", "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss",
-    "CrossEntropyOutput", "vocab_parallel_linear_cross_entropy",
-    "vocab_parallel_linear_cross_entropy_with_stats", "VocabParallelLMHead",
-    # calibration
-    "LossCalibrator", "StepCalibration", "compute_loss_weights", "EngineScale",
-    "EngineScaleError", "probe_no_engine", "probe_ddp", "probe_deepspeed",
+    "CrossEntropyOptions", "linear_cross_entropy", "linear_cross_entropy_with_stats",
+    "LinearCrossEntropyLoss", "CrossEntropyOutput", "vocab_parallel_linear_cross_entropy",
+    "vocab_parallel_linear_cross_entropy_with_stats", "VocabParallelLMHead", "causal_shift",
     # contrastive
     "mnr_loss", "mnr_loss_with_metrics", "MNROutput", "MultipleNegativesRankingLoss",
-    # integration
-    "MegalossConfig", "CEConfig", "MNRConfig", "load_megaloss_config", "CausalLMWithLoss",
-    "causal_shift",
+    # calibration
+    "LossCalibrator", "StepCalibration", "compute_loss_weights", "EngineScale",
+    "EngineScaleError", "probe_no_engine", "probe_ddp",
+    # integration (loaded on first use)
+    *_LAZY,
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: integration names load on first use
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'megaloss' has no attribute {name!r}")

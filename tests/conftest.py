@@ -1,11 +1,29 @@
+"""Test layout: one folder per package layer (``ops``, ``parallel``, ``losses``, ``calibration``,
+``integrations``), plus ``launch`` (the jobs and their data) and ``tools`` (benchmarks).
+
+Tiers: ``pytest -m "not slow"`` is the fast tier (single process, under a minute); the full suite
+(``pytest``, what CI runs) adds the tests marked ``slow``. Every test that spawns processes or
+builds a DeepSpeed engine is ``slow`` (marked here from its ``distributed`` / ``deepspeed``
+marker, so no such test can land in the fast tier by accident).
+"""
 import os
 import sys
 
-# Spawned workers import test modules by name: make tests/ importable as top-level modules.
-sys.path.insert(0, os.path.dirname(__file__))
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Shared test helpers (float64 references, launcher helpers) and the launch jobs' support package.
+sys.path.insert(0, os.path.join(HERE, "helpers"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "launch"))
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "distributed: spawns several gloo processes (CI runs them)")
-    config.addinivalue_line("markers", "deepspeed: runs a real DeepSpeed engine (CI runs them)")
-    config.addinivalue_line("markers", "slow: takes more than a few seconds (CI runs them)")
+    config.addinivalue_line("markers", "distributed: spawns several gloo processes (slow tier)")
+    config.addinivalue_line("markers", "deepspeed: runs a real DeepSpeed engine (slow tier)")
+    config.addinivalue_line("markers", "slow: not in the fast tier (CI runs everything)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("distributed") or item.get_closest_marker("deepspeed"):
+            item.add_marker(pytest.mark.slow)

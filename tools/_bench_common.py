@@ -32,7 +32,7 @@ import resource
 import statistics
 import subprocess
 import sys
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, Optional, Sequence
 
 __all__ = ["MALLOC_ENV", "MemoryProbe", "median", "run_worker", "format_table",
            "write_csv", "mib", "worker_env"]

@@ -39,7 +39,8 @@ JOBS = (("memory", "eager"), ("memory", "megaloss"), ("timing", "all"))
 
 COLUMNS = ["device", "dtype", "tokens", "hidden", "vocab", "chunk_size", "threads",
            "eager_s", "megaloss_s", "time_ratio", "gemm3_s", "roofline", "eager_roofline",
-           "eager_MiB", "megaloss_MiB", "mem_ratio", "repeats", "loss_eager", "loss_megaloss", "loss_abs_diff", "mem_method"]
+           "eager_MiB", "megaloss_MiB", "mem_ratio", "repeats", "loss_eager", "loss_megaloss",
+           "loss_abs_diff", "mem_method"]
 TABLE_COLUMNS = ["device", "dtype", "tokens", "eager_s", "megaloss_s", "time_ratio", "gemm3_s",
                  "roofline", "eager_MiB", "megaloss_MiB", "mem_ratio", "loss_abs_diff"]
 
@@ -53,7 +54,7 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from megaloss.linear_cross_entropy import linear_cross_entropy
+    from megaloss.losses import linear_cross_entropy
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(spec["seed"])
@@ -82,9 +83,12 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         fns[m](hw, ww, torch.randint(0, 64, (16,), device=dev))
     del hw, ww
 
-    h = torch.randn(n, hidden, device=dev, dtype=dtype).requires_grad_()
-    w = torch.randn(vocab, hidden, device=dev, dtype=dtype).mul_(0.02).requires_grad_()
-    y = torch.randint(0, vocab, (n,), device=dev)
+    # Inputs from their own CPU generator: a function of --seed alone (not of the warm-up
+    # above), the same in every process of a size, and reproducible outside the tool.
+    gen = torch.Generator().manual_seed(spec["seed"])
+    h = torch.randn(n, hidden, generator=gen).to(dev, dtype).requires_grad_()
+    w = torch.randn(vocab, hidden, generator=gen).mul_(0.02).to(dev, dtype).requires_grad_()
+    y = torch.randint(0, vocab, (n,), generator=gen).to(dev)
     # Preallocated (and touched) gradient buffers: autograd accumulates into them, so the figure
     # is the loss's memory beyond inputs, weight and their gradients.
     h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)
@@ -122,12 +126,12 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # driver ---------------------------------------------------------------------------------------
-def _configs(no_cuda: bool) -> List[Dict[str, str]]:
-    configs = [{"device": "cpu", "dtype": "float32"}]
-    if not no_cuda:
+def _configs(args) -> List[Dict[str, str]]:
+    configs = [{"device": "cpu", "dtype": d} for d in args.cpu_dtypes]
+    if not args.no_cuda:
         import torch  # only here: the driver stays small otherwise
         if torch.cuda.is_available():
-            configs.append({"device": "cuda", "dtype": "bfloat16"})
+            configs += [{"device": "cuda", "dtype": d} for d in args.cuda_dtypes]
     return configs
 
 
@@ -202,7 +206,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads per worker (default: all CPUs)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-cuda", action="store_true", help="skip the bf16 CUDA rows")
+    p.add_argument("--no-cuda", action="store_true", help="skip the CUDA rows")
+    dtypes = ("float32", "bfloat16", "float16")
+    p.add_argument("--cpu-dtypes", nargs="+", choices=dtypes, default=["float32"],
+                   help="dtypes of the CPU rows (default float32; float16 shows the deferred "
+                        "fp16 schedule: one extra GEMM, see megaloss/ops/chunked_linear_ce.py)")
+    p.add_argument("--cuda-dtypes", nargs="+", choices=dtypes, default=["bfloat16"],
+                   help="dtypes of the CUDA rows (default bfloat16)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     p.add_argument("--csv", metavar="PATH", help="write all columns as CSV")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of peak memory vs tokens")
@@ -222,7 +232,7 @@ def main(argv=None) -> int:
     rows, failed = [], False
     print(f"# workers: fresh process per case, {args.threads} threads, "
           + " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()), file=sys.stderr)
-    for cfg in _configs(args.no_cuda):
+    for cfg in _configs(args):
         for n in args.sizes:
             res = {}
             for mode, method in JOBS:

@@ -27,16 +27,13 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
-import datetime
 import gc
 import itertools
 import os
-import socket
 import sys
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import MemoryProbe  # noqa: E402  (one peak-memory method for every bench)
@@ -58,20 +55,19 @@ def naive_mnr_loss(q, p, neg, *, local_loss, chunk_size, temperature=0.05):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from megaloss.distributed import all_reduce_sum
-    from megaloss.distributed.functional_gather import gather_dim0_uneven_autograd
+    from megaloss.parallel import all_reduce_sum_autograd, gather_from_region
     assert neg is None, "the naive comparison supports K=0 only"
-    group = dist.group.WORLD if dist.get_world_size() > 1 else None
+    group = None  # torch's default group (trivial at world size 1)
     q, p = F.normalize(q, dim=-1), F.normalize(p, dim=-1)
     world, rank, b = dist.get_world_size(), dist.get_rank(), q.shape[0]
-    docs = gather_dim0_uneven_autograd(p, group, [b] * world)
+    docs = gather_from_region(p, group, [b] * world)
     n = b * world
     if local_loss:
         rows, target = q, torch.arange(rank * b, rank * b + b)
     else:
-        rows, target = gather_dim0_uneven_autograd(q, group, [b] * world), torch.arange(n)
+        rows, target = gather_from_region(q, group, [b] * world), torch.arange(n)
     loss = F.cross_entropy(rows @ docs.T / temperature, target, reduction="sum") / n
-    return all_reduce_sum(loss, group) if local_loss else loss
+    return all_reduce_sum_autograd(loss, group) if local_loss else loss
 
 
 def _step(loss_fn, q, p, neg, local_loss, chunk_size):
@@ -83,82 +79,63 @@ def _step(loss_fn, q, p, neg, local_loss, chunk_size):
     return loss
 
 
-def _worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+def _worker(rank, world, args):
+    """One rank (run by :func:`megaloss.testing.run_distributed`, gloo already initialised,
+    1 thread); returns the rank's rows (every number already reduced over ranks)."""
     import torch.distributed as dist
 
-    from megaloss.contrastive import mnr_loss
+    from megaloss.losses import mnr_loss
     impls = {"megaloss": mnr_loss, "naive": naive_mnr_loss}
     impls = impls if args.impl == "both" else {args.impl: impls[args.impl]}
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
-    try:
-        rows = []
+    rows = []
 
-        def inputs(n):
-            """This rank's slice of one global batch (same for every world size: the loss column
-            must then agree across rows with the same N)."""
-            gen = torch.Generator().manual_seed(n)
-            b = n // world
-            q = torch.randn(n, args.dim, generator=gen)
-            p = q + torch.randn(n, args.dim, generator=gen)
-            neg = torch.randn(n, args.k, args.dim, generator=gen) if args.k else None
-            own = slice(rank * b, rank * b + b)
-            return (q[own].clone().requires_grad_(), p[own].clone().requires_grad_(),
-                    None if neg is None else neg[own].clone().requires_grad_())
+    def inputs(n):
+        """This rank's slice of one global batch (same for every world size: the loss column
+        must then agree across rows with the same N)."""
+        gen = torch.Generator().manual_seed(n)
+        b = n // world
+        q = torch.randn(n, args.dim, generator=gen)
+        p = q + torch.randn(n, args.dim, generator=gen)
+        neg = torch.randn(n, args.k, args.dim, generator=gen) if args.k else None
+        own = slice(rank * b, rank * b + b)
+        return (q[own].clone().requires_grad_(), p[own].clone().requires_grad_(),
+                None if neg is None else neg[own].clone().requires_grad_())
 
-        for fn in impls.values():  # warm-up once: gloo buffers, thread pools, first calls
-            for local_loss in args.local:
-                _step(fn, *inputs(min(args.batches)), local_loss, args.chunk_size)
-        for n in args.batches:
-            b = n // world
-            q, p, neg = inputs(n)
-            for (impl, fn), local_loss in itertools.product(impls.items(), args.local):
-                elapsed, peak_kib, honest = 0.0, 0, True
-                for rep in range(args.reps):
+    for fn in impls.values():  # warm-up once: gloo buffers, thread pools, first calls
+        for local_loss in args.local:
+            _step(fn, *inputs(min(args.batches)), local_loss, args.chunk_size)
+    for n in args.batches:
+        b = n // world
+        q, p, neg = inputs(n)
+        for (impl, fn), local_loss in itertools.product(impls.items(), args.local):
+            elapsed, peak_kib, honest = 0.0, 0, True
+            for rep in range(args.reps):
+                _trim()
+                dist.barrier()
+                if rep == 0:  # the first timed step also measures the peak
+                    q.grad = p.grad = None  # the step allocates its input gradients anew
+                    if neg is not None:
+                        neg.grad = None
                     _trim()
-                    dist.barrier()
-                    if rep == 0:  # the first timed step also measures the peak
-                        q.grad = p.grad = None  # the step allocates its input gradients anew
-                        if neg is not None:
-                            neg.grad = None
-                        _trim()
-                        probe = MemoryProbe()
-                        probe.start()
-                    t0 = time.perf_counter()
-                    loss = _step(fn, q, p, neg, local_loss, args.chunk_size)
-                    elapsed += time.perf_counter() - t0
-                    if rep == 0:
-                        peak_kib = probe.peak_above_baseline() / 1024
-                        honest = probe.method.startswith("VmHWM")
-                stats = torch.tensor([elapsed / args.reps, float(peak_kib)], dtype=torch.float64)
-                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-                rows.append((impl, n, b, local_loss, stats[0].item(), stats[1].item(), honest,
-                             loss.item()))
-            del q, p, neg
-        queue.put((rank, rows))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+                    probe = MemoryProbe()
+                    probe.start()
+                t0 = time.perf_counter()
+                loss = _step(fn, q, p, neg, local_loss, args.chunk_size)
+                elapsed += time.perf_counter() - t0
+                if rep == 0:
+                    peak_kib = probe.peak_above_baseline() / 1024
+                    honest = probe.method.startswith("VmHWM")
+            stats = torch.tensor([elapsed / args.reps, float(peak_kib)], dtype=torch.float64)
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+            rows.append((impl, n, b, local_loss, stats[0].item(), stats[1].item(), honest,
+                         loss.item()))
+        del q, p, neg
+    return rows
 
 
 def run_world(world: int, args) -> list:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=args.timeout) for _ in range(world))
-    for p in procs:
-        p.join(timeout=30)
-    return results[0]
+    from megaloss.testing import run_distributed
+    return run_distributed(_worker, world, args, timeout=args.timeout, threads_per_rank=1)[0]
 
 
 def main(argv=None) -> int:

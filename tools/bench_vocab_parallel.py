@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark: ``megaloss.vocab_parallel_linear_cross_entropy`` per tensor-parallel rank.
+"""Benchmark: ``megaloss.losses.vocab_parallel_linear_cross_entropy`` per tensor-parallel rank.
 
 For each TP size, TP real processes (spawned, gloo, CPU) hold the same replicated
 ``hidden [N, H]`` and labels and one ``[ceil(V/TP), H]`` lm_head shard each, and run one
@@ -27,11 +27,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import queue as queue_mod
-import socket
 import sys
 import time
-import traceback
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -55,9 +52,9 @@ class CommCounter:
     """Counts payload bytes and calls of torch.distributed collectives, per phase label.
 
     Installed by replacing the functions on the ``torch.distributed`` module, where megaloss
-    looks them up (``dist.all_reduce(...)`` at call time, or aliases bound at import time: so
-    install before importing megaloss). A collective called from inside another counted one is
-    not counted twice."""
+    looks them up at call time (``dist.all_reduce(...)``), and the aliases of them that megaloss
+    modules already imported bound at import time. A collective called from inside another
+    counted one is not counted twice."""
 
     def __init__(self):
         self.phase = None  # None: not counting
@@ -67,9 +64,21 @@ class CommCounter:
 
     def install(self) -> None:
         import torch.distributed as dist
+        wrapped = {}
         for name in _COUNTED:
             if hasattr(dist, name):
-                setattr(dist, name, self._wrap(name, getattr(dist, name)))
+                original = getattr(dist, name)
+                counted = self._wrap(name, original)
+                setattr(dist, name, counted)
+                wrapped[id(original)] = counted
+        # Aliases megaloss bound at import time (e.g. ``megaloss.parallel.comm``'s all-gather):
+        # the spawn harness imports megaloss before the worker function runs.
+        for mod_name, mod in list(sys.modules.items()):
+            if mod is None or not (mod_name == "megaloss" or mod_name.startswith("megaloss.")):
+                continue
+            for attr, value in list(vars(mod).items()):
+                if id(value) in wrapped and callable(value):
+                    setattr(mod, attr, wrapped[id(value)])
 
     def _wrap(self, name, fn):
         def counted(*args, **kwargs):
@@ -108,14 +117,15 @@ class CommCounter:
 
 
 def _rank_bench(rank: int, tp: int, spec: Dict[str, Any]) -> Dict[str, Any]:
+    """One TP rank (run by :func:`megaloss.testing.run_distributed`, gloo already initialised)."""
     import gc
 
     import torch
     import torch.distributed as dist
 
     counter = CommCounter()
-    counter.install()  # before megaloss binds any collective at import time
-    from megaloss.vocab_parallel import vocab_parallel_linear_cross_entropy
+    counter.install()
+    from megaloss.losses.vocab_parallel import vocab_parallel_linear_cross_entropy
 
     group = dist.group.WORLD  # the spawned world is the TP group
     n, hidden, vocab, chunk = spec["tokens"], spec["hidden"], spec["vocab"], spec["chunk_size"]
@@ -180,61 +190,14 @@ def _rank_bench(rank: int, tp: int, spec: Dict[str, Any]) -> Dict[str, Any]:
             "other_bytes": counter.other_bytes(), "mem_method": probe.method}
 
 
-def _rank_main(rank, tp, port, spec, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(tp))
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(spec["threads"])
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=tp,
-                                timeout=datetime.timedelta(seconds=spec["timeout"]))
-        results.put((rank, "ok", _rank_bench(rank, tp, spec)))
-    except BaseException:  # noqa: BLE001 - report every failure to the driver
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_tp(tp: int, spec: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Spawn ``tp`` fresh gloo ranks (fixed malloc settings, ``spec['threads']`` threads each)."""
-    import multiprocessing as mp
-    os.environ.update(MALLOC_ENV)  # read by glibc when each spawned interpreter starts
+    from megaloss.testing import run_distributed
+    # Read by glibc / OpenMP when each spawned interpreter starts: set before spawning.
+    os.environ.update(MALLOC_ENV)
     os.environ["OMP_NUM_THREADS"] = str(spec["threads"])
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, spec, results), daemon=True)
-             for r in range(tp)]
-    for p in procs:
-        p.start()
-    out: List[Any] = [None] * tp
-    deadline = time.monotonic() + spec["timeout"]
-    try:
-        for _ in range(tp):
-            try:
-                rank, status, payload = results.get(
-                    timeout=max(deadline - time.monotonic(), 0.1))
-            except queue_mod.Empty:
-                raise TimeoutError(f"TP={tp} did not finish in {spec['timeout']:.0f} s") from None
-            if status == "error":
-                raise RuntimeError(f"rank {rank} of TP={tp} failed:\n{payload}")
-            out[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return out
+    return run_distributed(_rank_bench, tp, spec, timeout=spec["timeout"],
+                           threads_per_rank=spec["threads"])
 
 
 def _row(tp: int, args, threads: int, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:

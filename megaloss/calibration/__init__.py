@@ -1,21 +1,21 @@
 """Global loss calibration across data parallel x sequence parallel x gradient accumulation.
 
-- :mod:`.weights`: per-token loss weights (``token`` / ``sample`` / ``square``) normalised by one
-  global denominator (one all-reduce per optimizer step).
-- :mod:`.engine_scale`: measure, with a probe through the real engine path, how an engine (none,
-  DDP, DeepSpeed ZeRO 0-3) scales gradients, and the per-rank loss multiplier undoing it.
+- :mod:`.weights`: per-token loss weights (``token`` / ``sample`` / ``square``, XTuner's
+  ``loss_reduction``) normalised by one global denominator (one all-reduce per optimizer step).
+- :mod:`.engine_scale`: measure, with a probe through the real engine path, the factor an engine
+  (none, DDP) applies to gradients, and the per-rank loss multiplier undoing it (the DeepSpeed
+  probe is :func:`megaloss.integrations.deepspeed.probe_deepspeed`).
 - :mod:`.calibrator`: :class:`LossCalibrator` / :class:`StepCalibration`, the per-step object a
   training loop or engine integration calls.
 """
 from .calibrator import LossCalibrator, StepCalibration
 from .engine_scale import (EngineScale, EngineScaleError, measure_grad_scale, probe_ddp,
-                           probe_deepspeed, probe_no_engine)
-from .weights import (REDUCTIONS, LossWeights, compute_loss_weights, raw_token_weights,
+                           probe_no_engine)
+from .weights import (LOSS_REDUCTIONS, LossWeights, compute_loss_weights, raw_token_weights,
                       sample_ids_from_boundaries, split_for_sequence_parallel)
 
 __all__ = [
     "LossCalibrator", "StepCalibration", "EngineScale", "EngineScaleError", "measure_grad_scale",
-    "probe_no_engine", "probe_ddp", "probe_deepspeed", "REDUCTIONS", "LossWeights",
-    "compute_loss_weights", "raw_token_weights", "sample_ids_from_boundaries",
-    "split_for_sequence_parallel",
+    "probe_no_engine", "probe_ddp", "LOSS_REDUCTIONS", "LossWeights", "compute_loss_weights",
+    "raw_token_weights", "sample_ids_from_boundaries", "split_for_sequence_parallel",
 ]

@@ -2,7 +2,7 @@
 
 Usage, once per optimizer step (the labels of all ``G`` micro-batches are known up front)::
 
-    calib = LossCalibrator(topology, reduction="token", engine_scale=probe_deepspeed(cfg, ...))
+    calib = LossCalibrator(topology, loss_reduction="token", engine_scale=probe_deepspeed(cfg, mpu=mpu))
     step = calib.begin_step([mb["labels"] for mb in micro_batches])      # ONE all-reduce
     for i, mb in enumerate(micro_batches):
         labels = step.local_labels(i)       # this SP rank's slice (the labels when sp = 1)
@@ -27,10 +27,11 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..distributed.collectives import all_reduce_sum_
-from ..distributed.topology import Topology
+from ..parallel.comm import all_reduce_sum_
+from ..parallel.groups import group_ranks
+from ..parallel.topology import Topology
 from .engine_scale import EngineScale
-from .weights import (REDUCTIONS, LossWeights, SpSplitFn, compute_loss_weights,
+from .weights import (LOSS_REDUCTIONS, LossWeights, SpSplitFn, compute_loss_weights,
                       split_for_sequence_parallel)
 
 __all__ = ["LossCalibrator", "StepCalibration"]
@@ -123,10 +124,12 @@ class LossCalibrator:
     Args:
         topology: process groups (weights are all-reduced over ``topology.dp_sp_group``; the SP
             slice comes from ``topology.sp_group``). Default: :meth:`Topology.default`.
-        reduction: ``"token"``, ``"sample"`` or ``"square"`` (see :mod:`.weights`).
-        engine_scale: measured gradient scale of the engine path (``probe_ddp``,
-            ``probe_deepspeed``, ...); default :meth:`EngineScale.identity` (one process, plain
-            ``backward``).
+        loss_reduction: ``"token"``, ``"sample"`` or ``"square"`` (see :mod:`.weights`; XTuner's
+            name and definitions).
+        engine_scale: measured gradient factor of the engine path (``probe_ddp``,
+            ``megaloss.integrations.deepspeed.probe_deepspeed``, ...); default
+            :meth:`EngineScale.identity` (one process, plain ``backward``). It must have been
+            measured over the topology's ``dp x sp`` group.
         ignore_index: label of tokens without loss.
         weight_dtype: dtype of the weights handed to the loss (statistics stay float64).
         sp_split: how a full sequence is cut into this SP rank's slice (default
@@ -134,16 +137,18 @@ class LossCalibrator:
             the inputs are split.
 
     Raises:
-        ValueError: unknown ``reduction``.
+        ValueError: unknown ``loss_reduction``; an ``engine_scale`` measured over a group of
+            another size than the topology's ``dp x sp`` group.
         TypeError: ``engine_scale`` or ``topology`` of the wrong type.
     """
 
-    def __init__(self, topology: Optional[Topology] = None, *, reduction: str = "token",
+    def __init__(self, topology: Optional[Topology] = None, *, loss_reduction: str = "token",
                  engine_scale: Optional[EngineScale] = None, ignore_index: int = -100,
                  weight_dtype: torch.dtype = torch.float32,
                  sp_split: SpSplitFn = split_for_sequence_parallel):
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got "
+                             f"{loss_reduction!r}")
         topology = Topology.default() if topology is None else topology
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a megaloss Topology, got {type(topology).__name__}")
@@ -151,8 +156,16 @@ class LossCalibrator:
         if not isinstance(engine_scale, EngineScale):
             raise TypeError("engine_scale must be an EngineScale, got "
                             f"{type(engine_scale).__name__}")
+        if engine_scale.group_size != topology.dp_sp_size:
+            raise ValueError(
+                f"engine_scale was measured over a group of {engine_scale.group_size} rank(s) "
+                f"(global ranks {list(engine_scale.group_ranks)}) but the topology's dp x sp "
+                f"group has {topology.dp_sp_size} (global ranks "
+                f"{group_ranks(topology.dp_sp_group)}): probe the engine that reduces over "
+                "topology.dp_sp_group (build its mpu from this topology, or pass "
+                "process_group=topology.dp_sp_group to probe_ddp)")
         self.topology = topology
-        self.reduction = reduction
+        self.loss_reduction = loss_reduction
         self.engine_scale = engine_scale
         self.ignore_index = ignore_index
         self.weight_dtype = weight_dtype
@@ -175,7 +188,7 @@ class LossCalibrator:
             ValueError, TypeError: see :func:`~megaloss.calibration.weights.compute_loss_weights`.
         """
         topo = self.topology
-        lw = compute_loss_weights(labels, self.reduction, group=topo.dp_sp_group,
+        lw = compute_loss_weights(labels, self.loss_reduction, group=topo.dp_sp_group,
                                   sp_group=topo.sp_group, ignore_index=self.ignore_index,
                                   cu_seqlens=cu_seqlens, position_ids=position_ids,
                                   dtype=self.weight_dtype, sp_split=self.sp_split)
@@ -184,6 +197,6 @@ class LossCalibrator:
         return StepCalibration(lw, local, topo, self.engine_scale.loss_multiplier)
 
     def __repr__(self) -> str:
-        return (f"LossCalibrator(reduction={self.reduction!r}, {self.topology!r}, "
+        return (f"LossCalibrator(loss_reduction={self.loss_reduction!r}, {self.topology!r}, "
                 f"engine={self.engine_scale.engine!r}, "
                 f"loss_multiplier={self.engine_scale.loss_multiplier:g})")

@@ -1,6 +1,7 @@
 """Per-token loss weights for one optimizer step, normalised by one global denominator.
 
-Math (XTuner v1's global loss calibration; definitions from megaloss issue 4). For the valid
+Math (XTuner v1's global loss calibration, ``xtuner/v1/loss/base_loss_ctx.py`` and
+``ce_loss.py``, whose option is ``loss_reduction``). For the valid
 tokens ``t`` (label != ``ignore_index``, labels already shifted for causal LM) of all micro-batches
 of one optimizer step on all ``dp x sp`` ranks, with ``s(t)`` the sample holding ``t`` and ``n_s``
 the number of valid tokens of sample ``s`` (counted over the *whole* sample, also when packed with
@@ -35,15 +36,14 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 import torch
-from torch.distributed import ProcessGroup
 
-from ..distributed.collectives import all_reduce_sum_
-from ..distributed.topology import group_rank, group_size
+from ..parallel.comm import all_reduce_sum_
+from ..parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
 
-__all__ = ["REDUCTIONS", "LossWeights", "compute_loss_weights", "sample_ids_from_boundaries",
+__all__ = ["LOSS_REDUCTIONS", "LossWeights", "compute_loss_weights", "sample_ids_from_boundaries",
            "split_for_sequence_parallel", "raw_token_weights"]
 
-REDUCTIONS = ("token", "sample", "square")
+LOSS_REDUCTIONS = ("token", "sample", "square")
 
 SpSplitFn = Callable[[torch.Tensor, int, int, float], torch.Tensor]
 
@@ -123,7 +123,7 @@ def sample_ids_from_boundaries(labels: torch.Tensor, *, cu_seqlens: Optional[tor
     return torch.arange(n, device=device) // max(row, 1)
 
 
-def raw_token_weights(labels: torch.Tensor, reduction: str, *, ignore_index: int = -100,
+def raw_token_weights(labels: torch.Tensor, loss_reduction: str, *, ignore_index: int = -100,
                       cu_seqlens: Optional[torch.Tensor] = None,
                       position_ids: Optional[torch.Tensor] = None,
                       dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -132,7 +132,7 @@ def raw_token_weights(labels: torch.Tensor, reduction: str, *, ignore_index: int
     ``u_t`` is 0 for ignored tokens. Pure single-device math: no collective.
     """
     valid = labels != ignore_index
-    if reduction == "token":
+    if loss_reduction == "token":
         return valid.to(dtype)
     sid = sample_ids_from_boundaries(labels, cu_seqlens=cu_seqlens, position_ids=position_ids)
     flat_valid = valid.reshape(-1)
@@ -142,7 +142,7 @@ def raw_token_weights(labels: torch.Tensor, reduction: str, *, ignore_index: int
     n_s = torch.zeros(sid.numel(), dtype=dtype, device=labels.device)
     n_s.index_add_(0, sid, flat_valid.to(dtype))
     n_t = n_s[sid].clamp_min(1)  # invalid tokens may sit in an all-ignored sample (n_s = 0)
-    per_token = n_t.reciprocal() if reduction == "sample" else n_t.rsqrt()
+    per_token = n_t.reciprocal() if loss_reduction == "sample" else n_t.rsqrt()
     return (per_token * flat_valid).reshape(labels.shape)
 
 
@@ -176,10 +176,10 @@ def _as_list(x, n: int, name: str) -> List[Optional[torch.Tensor]]:
 
 def compute_loss_weights(
     labels: Sequence[torch.Tensor],
-    reduction: str = "token",
+    loss_reduction: str = "token",
     *,
-    group: Optional[ProcessGroup] = None,
-    sp_group: Optional[ProcessGroup] = None,
+    group: GroupLike = None,
+    sp_group: GroupLike = SINGLE_RANK,
     ignore_index: int = -100,
     cu_seqlens: Optional[Sequence[Optional[torch.Tensor]]] = None,
     position_ids: Optional[Sequence[Optional[torch.Tensor]]] = None,
@@ -195,9 +195,10 @@ def compute_loss_weights(
         labels: one int tensor per micro-batch (``[B, T]`` or ``[T]``), already shifted (the
             target of position t at t; ``ignore_index`` where no loss). With ``sp_group`` of size
             > 1: the *full* sequences of the SP group (same on all its ranks).
-        reduction: ``"token"``, ``"sample"`` or ``"square"`` (module docstring).
-        group: the ``dp x sp`` group (``Topology.dp_sp_group``); ``None``: single rank.
-        sp_group: the sequence-parallel group (``Topology.sp_group``); ``None``: no SP.
+        loss_reduction: ``"token"``, ``"sample"`` or ``"square"`` (module docstring).
+        group: the ``dp x sp`` group (``Topology.dp_sp_group``); ``None`` is torch's default
+            group; :data:`~megaloss.parallel.SINGLE_RANK` for one rank.
+        sp_group: the sequence-parallel group (``Topology.sp_group``); default: no SP.
         ignore_index: label value of tokens without loss.
         cu_seqlens / position_ids: optional, one per micro-batch (entries may be ``None``),
             marking packed samples (see :func:`sample_ids_from_boundaries`).
@@ -210,11 +211,12 @@ def compute_loss_weights(
         and feeds ``loss_weights=`` of a CE loss with ``reduction="sum"``.
 
     Raises:
-        ValueError: unknown ``reduction``, empty ``labels``, mismatched per-micro-batch lists.
+        ValueError: unknown ``loss_reduction``, empty ``labels``, mismatched per-micro-batch lists.
         TypeError: labels not integer tensors, ``dtype`` not floating.
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got "
+                         f"{loss_reduction!r}")
     if isinstance(labels, torch.Tensor):
         labels = [labels]
     labels = list(labels)
@@ -234,7 +236,7 @@ def compute_loss_weights(
     stats = torch.zeros(3, dtype=torch.float64, device=device)  # [sum u, n_tokens, n_samples]
     local_raw = []
     for y, cu, pos in zip(labels, cus, poss):
-        u = raw_token_weights(y, reduction, ignore_index=ignore_index, cu_seqlens=cu,
+        u = raw_token_weights(y, loss_reduction, ignore_index=ignore_index, cu_seqlens=cu,
                               position_ids=pos, dtype=torch.float64)
         # 1/n_s summed over a sample's valid tokens is 1: that counts samples, also split over SP.
         inv_n = raw_token_weights(y, "sample", ignore_index=ignore_index, cu_seqlens=cu,

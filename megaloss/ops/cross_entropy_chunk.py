@@ -26,15 +26,23 @@ per-token sums (sum-exp, target logit, sum of logits) are combined across the sl
 ``reduce_max`` / ``reduce_sum`` callables the caller passes — two collectives on ``[tokens]``-sized
 tensors, never logits. Label smoothing divides by the *global* ``V`` (Megatron's local-size version
 makes losses differ between TP ranks). Statistics are kept in fp32 (fp64 for fp64 inputs).
+
+Two epilogues (everything after the chunk's GEMM) compute this, chosen by ``opts.impl`` (see
+:func:`epilogue_impl`): eager torch ops on an fp32 copy of the logits (here; any device, the
+reference), or two fused Triton kernels working in place on the logits buffer
+(:mod:`megaloss.ops.triton_epilogue`; CUDA, or CPU under Triton's interpreter).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import os
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
-__all__ = ["CrossEntropyOptions", "ChunkResult", "chunk_cross_entropy", "stats_dtype", "Reduce",
+from .options import CrossEntropyOptions
+
+__all__ = ["ChunkResult", "chunk_cross_entropy", "epilogue_impl", "stats_dtype", "Reduce",
            "no_reduce"]
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -50,33 +58,66 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-@dataclass(frozen=True)
-class CrossEntropyOptions:
-    """Options shared by every chunk. ``vocab_size`` is the real, global V; ``vocab_start`` the
-    global id of this slice's first row."""
-
-    vocab_size: int
-    vocab_start: int = 0
-    ignore_index: int = -100
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
-    logit_softcapping: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        # Python floats, whatever numeric type the caller passed (ints, numpy scalars).
-        object.__setattr__(self, "label_smoothing", float(self.label_smoothing))
-        object.__setattr__(self, "z_loss", float(self.z_loss))
-        if self.logit_softcapping is not None:
-            object.__setattr__(self, "logit_softcapping", float(self.logit_softcapping))
-
-
 class ChunkResult(NamedTuple):
-    """``loss [C]`` (0 at ignored tokens), ``lse [C]`` and ``grad_logits [C, V_local]`` (already
-    multiplied by the per-token ``coef``; ``None`` when not asked for). All in the stats dtype."""
+    """``loss [C]`` (0 at ignored tokens) and ``lse [C]`` in the stats dtype, ``grad_logits
+    [C, V_local]`` (already multiplied by the per-token ``coef``; ``None`` when not asked for):
+    in the stats dtype from the torch epilogue, in the logits' (compute) dtype from the Triton
+    one, which writes it over the logits."""
 
     loss: torch.Tensor
     lse: torch.Tensor
     grad_logits: Optional[torch.Tensor]
+
+
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install (missing driver libraries, ...)
+        return False
+    return True
+
+
+def _interpreting() -> bool:
+    # Read as Triton reads it (triton.knobs), without importing triton on CPU-only paths.
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def epilogue_impl(impl: str, logits: torch.Tensor) -> str:
+    """Which epilogue (``"torch"`` or ``"triton"``) ``impl`` selects for this chunk's logits.
+
+    ``"auto"``: Triton for CUDA tensors of fp32 / bf16 / fp16 when ``triton`` imports, torch
+    otherwise (CPU tensors always take torch, interpreter or not).
+
+    Raises:
+        ValueError: ``impl="triton"`` that cannot run here: float64 logits, ``triton`` not
+            installed, CPU tensors without ``TRITON_INTERPRET=1``, or another device type.
+    """
+    if impl == "torch":
+        return "torch"
+    if impl == "auto":
+        ok = logits.is_cuda and logits.dtype in _TRITON_DTYPES and _triton_importable()
+        return "triton" if ok else "torch"
+    if impl != "triton":
+        raise ValueError(f"impl must be one of ('auto', 'torch', 'triton'), got {impl!r}")
+    if logits.dtype not in _TRITON_DTYPES:
+        raise ValueError(f"impl='triton' computes in fp32 and takes fp32/bf16/fp16 inputs, got "
+                         f"{logits.dtype}; use impl='auto' or 'torch'")
+    if not _triton_importable():
+        raise ValueError("impl='triton' needs the triton package (pip install triton); use "
+                         "impl='auto' or 'torch'")
+    if logits.device.type == "cpu":
+        if not _interpreting():
+            raise ValueError("impl='triton' on CPU tensors runs only under Triton's interpreter "
+                             "(set TRITON_INTERPRET=1 before the first launch; slow, for tests); "
+                             "use impl='auto' or 'torch' on CPU")
+    elif not logits.is_cuda:
+        raise ValueError(f"impl='triton' runs on CUDA tensors, got device {logits.device}; use "
+                         f"impl='auto' or 'torch'")
+    return "triton"
 
 
 def chunk_cross_entropy(
@@ -87,6 +128,8 @@ def chunk_cross_entropy(
     coef: Optional[torch.Tensor],
     opts: CrossEntropyOptions,
     *,
+    vocab_size: int,
+    vocab_start: int = 0,
     lse: Optional[torch.Tensor] = None,
     reduce_max: Reduce = no_reduce,
     reduce_sum: Reduce = no_reduce,
@@ -101,17 +144,28 @@ def chunk_cross_entropy(
         labels: ``[C]`` int64 global vocab ids or ``opts.ignore_index``.
         coef: ``[C]`` gradient coefficient per token (the reduction's weight times the upstream
             gradient; must be 0 at ignored tokens), or ``None`` to skip the gradient.
-        opts: see :class:`CrossEntropyOptions`.
+        opts: see :class:`~megaloss.ops.options.CrossEntropyOptions` (``reduction`` and
+            ``chunk_size`` are the caller's business; ``impl`` picks the epilogue).
+        vocab_size: the real, global ``V`` (label smoothing divides by it).
+        vocab_start: global id of this slice's first row (0 without tensor parallelism).
         lse: ``[C]`` log-sum-exp from an earlier pass; when given, no reduction is needed and
             the loss is not recomputed (``loss`` is returned as zeros).
         reduce_max / reduce_sum: in-place combiners across vocab slices (identity on one device).
 
     Returns:
         :class:`ChunkResult`.
+
+    Raises:
+        ValueError: ``opts.impl="triton"`` where it cannot run (see :func:`epilogue_impl`).
     """
+    logits = torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
+    if epilogue_impl(opts.impl, logits) == "triton":
+        from .triton_epilogue import triton_chunk_epilogue  # imports triton: only when chosen
+        return triton_chunk_epilogue(logits, labels, coef, opts, vocab_size=vocab_size,
+                                     vocab_start=vocab_start, lse=lse, reduce_max=reduce_max,
+                                     reduce_sum=reduce_sum)
     sdt = stats_dtype(hidden.dtype)
     n_local = weight.shape[0]
-    logits = torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
     logits = logits.to(sdt)  # no copy for fp32/fp64 inputs
     cap = opts.logit_softcapping
     tanh = None
@@ -120,7 +174,7 @@ def chunk_cross_entropy(
         logits = tanh * cap
 
     valid = labels != opts.ignore_index
-    local_target = labels - opts.vocab_start
+    local_target = labels - vocab_start
     in_slice = valid & (local_target >= 0) & (local_target < n_local)
     gather_idx = local_target.clamp(0, max(n_local - 1, 0)).unsqueeze(1)
 
@@ -144,7 +198,7 @@ def chunk_cross_entropy(
         lse = row_max + torch.log(sum_exp)
         loss = lse - (1.0 - opts.label_smoothing) * target_logit + opts.z_loss * lse * lse
         if sum_logits is not None:
-            loss = loss - (opts.label_smoothing / opts.vocab_size) * stats[2]
+            loss = loss - (opts.label_smoothing / vocab_size) * stats[2]
         loss = torch.where(valid, loss, torch.zeros_like(loss))
         # exp(y - max) / sum_exp = softmax
         probs_scale = 1.0 / sum_exp
@@ -167,7 +221,7 @@ def chunk_cross_entropy(
         grad.scatter_add_(1, gather_idx,
                           (-(1.0 - opts.label_smoothing) * coef * in_slice).unsqueeze(1).to(sdt))
     if opts.label_smoothing > 0:
-        grad.sub_((coef * (opts.label_smoothing / opts.vocab_size)).unsqueeze(1))
+        grad.sub_((coef * (opts.label_smoothing / vocab_size)).unsqueeze(1))
     if tanh is not None:
         grad.mul_(1.0 - tanh * tanh)
     return ChunkResult(loss, lse, grad)

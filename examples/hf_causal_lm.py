@@ -1,0 +1,26 @@
+import deepspeed
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from megaloss import CausalLMWithLoss, Topology
+from megaloss.integrations.deepspeed import (configure_launched_process, initialize,
+                                             load_ds_config, train_step)
+
+configure_launched_process()  # quiet DeepSpeed; on CPU: threads per process, no JIT build
+deepspeed.init_distributed()
+ds_config, ml = load_ds_config("configs/zero2.json", output_dir="runs/mine")  # checks "megaloss"
+topo = Topology.build(ml.tensor_parallel_size)  # DP x TP process groups
+torch.manual_seed(0)  # TP ranks must start from the same weights
+V, T = 512, 64
+llama = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4))
+model = CausalLMWithLoss(llama, options=ml.ce.options(), tp_group=topo.tp_group)
+me = initialize(model, ds_config, topology=topo, output_dir="runs/mine")  # probe, engine, ...
+
+micro, gas = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
+g = torch.Generator().manual_seed(topo.dp_rank)  # DP ranks: different data; TP ranks: the same
+for _ in range(20):
+    ids = [(torch.randint(0, V, (micro, 1), generator=g) + torch.arange(T)) % V for _ in range(gas)]
+    m = train_step(me, [{"input_ids": x, "labels": x} for x in ids])  # logs via engine.monitor
+    if torch.distributed.get_rank() == 0:
+        print(f"step {m.step}: loss {m.loss:.3f}")

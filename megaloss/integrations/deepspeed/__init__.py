@@ -1,0 +1,28 @@
+"""megaloss under DeepSpeed: the ``"megaloss"`` ds_config section, the ``mpu``, the measured
+gradient factor, the engine set-up, the calibrated training step and metrics through
+``engine.monitor``.
+
+- :mod:`.config`: the validated ``"megaloss"`` section (:class:`MegalossConfig`).
+- :mod:`.compat`: process start-up (no JIT build of DeepSpeed's CPU shm op; threads per rank).
+- :mod:`.mpu`: :class:`DeepSpeedMPU`, a Topology's groups as DeepSpeed reads them.
+- :mod:`.probe`: :func:`probe_deepspeed`, the gradient factor of a DeepSpeed engine.
+- :mod:`.engine`: :func:`initialize` -> :class:`MegalossEngine` (engine + calibrator).
+- :mod:`.train_step`: :func:`train_step` and :func:`evaluate`.
+- :mod:`.monitor`: :func:`write_metrics`.
+
+Importing this package does not import ``deepspeed``; the functions import it when called.
+"""
+from .compat import configure_launched_process, skip_cpu_shm_comm_build
+from .config import CEConfig, MegalossConfig, MNRConfig, load_megaloss_config
+from .engine import MegalossEngine, initialize, load_ds_config
+from .monitor import MONITOR_SECTIONS, write_metrics
+from .mpu import DeepSpeedMPU
+from .probe import probe_deepspeed
+from .train_step import EvalResult, StepMetrics, evaluate, peak_memory_mib, train_step
+
+__all__ = [
+    "MegalossConfig", "CEConfig", "MNRConfig", "load_megaloss_config", "load_ds_config",
+    "DeepSpeedMPU", "probe_deepspeed", "initialize", "MegalossEngine", "train_step", "evaluate",
+    "StepMetrics", "EvalResult", "peak_memory_mib", "write_metrics", "MONITOR_SECTIONS",
+    "skip_cpu_shm_comm_build", "configure_launched_process",
+]

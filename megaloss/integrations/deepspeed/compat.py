@@ -1,0 +1,56 @@
+"""Process start-up for DeepSpeed: what every engine builder (the probe, :func:`initialize`)
+and every launched job needs before DeepSpeed's comm starts. ``deepspeed`` is imported inside the
+functions, so importing this module is cheap and does not need DeepSpeed installed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+__all__ = ["skip_cpu_shm_comm_build", "configure_launched_process"]
+
+
+def skip_cpu_shm_comm_build() -> bool:
+    """On DeepSpeed's CPU accelerator, do not JIT-compile its optional shared-memory all-reduce.
+
+    DeepSpeed 0.19.8 builds ``deepspeed_shm_comm`` (a C++ op, ~1-3 minutes on 2 busy cores, then
+    cached under ``~/.cache/torch_extensions``) the first time its comm backend starts on CPU.
+    It is only a faster intra-node all-reduce; gloo does the same work. Marking the op
+    incompatible in DeepSpeed's own cache of op compatibility (``deepspeed.ops.__compatible_ops__``,
+    which ``deepspeed.comm.torch.build_shm_op`` consults) keeps start-up free of compilation.
+    Call it before the first ``deepspeed.init_distributed`` / ``deepspeed.initialize``; a no-op on
+    other accelerators, and idempotent.
+
+    Returns:
+        True when the build was disabled (CPU accelerator), False otherwise.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return False
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return True
+
+
+def configure_launched_process(log_level: int = logging.WARNING) -> None:
+    """Per-process start-up of a job run by the ``deepspeed`` launcher, before
+    ``deepspeed.init_distributed``.
+
+    - DeepSpeed's logger at ``log_level`` (its INFO lines drown the job's own log).
+    - On CPU, unless ``OMP_NUM_THREADS`` is set: torch threads = cores / processes on this node
+      (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``). The launcher starts one process per "GPU";
+      on CPU each would otherwise use every core and they fight over them (measured: ~20x slower
+      steps on 2 cores).
+    - :func:`skip_cpu_shm_comm_build` (no JIT build of DeepSpeed's optional CPU all-reduce op).
+    """
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(log_level)
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    skip_cpu_shm_comm_build()

@@ -1,0 +1,143 @@
+"""The ``"megaloss"`` section of a DeepSpeed ``ds_config`` JSON, validated with pydantic v2.
+
+DeepSpeed keeps unknown top-level keys (``engine._config._param_dict["megaloss"]``), so one JSON
+file drives both the engine and megaloss::
+
+    {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
+     "megaloss": {"tensor_parallel_size": 2,
+                  "ce": {"chunk_size": 1024, "z_loss": 1e-4, "label_smoothing": 0.0,
+                         "logit_softcapping": null, "loss_reduction": "token"},
+                  "mnr": {"temperature": 0.05, "symmetric": true}}}
+
+Every model forbids unknown keys, so a typo (``"chunksize"``) is an error instead of a silently
+ignored option. Errors are re-raised as :class:`ValueError` whose message names the full key path
+(``megaloss.ce.chunk_size: Input should be greater than 0``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Literal, Mapping, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ...ops.options import CrossEntropyOptions
+
+__all__ = ["CEConfig", "MNRConfig", "MegalossConfig", "load_megaloss_config", "SECTION"]
+
+SECTION = "megaloss"
+
+
+class _Strict(BaseModel):
+    # extra="forbid": unknown keys are errors; validate_assignment keeps later edits checked too.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class CEConfig(_Strict):
+    """Options of the causal-LM cross-entropy (chunked or vocab-parallel linear CE).
+
+    Attributes:
+        chunk_size: tokens per chunk of the fused linear CE (> 0); peak extra memory is
+            ``chunk_size x V`` logits (``x V/tp`` under tensor parallelism).
+        z_loss: coefficient of the PaLM z-loss ``z * logsumexp(logits)^2`` (>= 0; 0 disables it).
+        label_smoothing: in ``[0, 1)``; smoothing over the *full* vocabulary.
+        logit_softcapping: Gemma-2 style ``cap * tanh(logits / cap)`` (> 0) or ``None``.
+        loss_reduction: global loss calibration across DP x SP x gradient accumulation
+            (XTuner v1's ``loss_reduction``, :mod:`megaloss.calibration.weights`): ``"token"``
+            (global token mean), ``"sample"`` (mean of per-sample means) or ``"square"``
+            (weights ``1/sqrt(n_s)``).
+    """
+
+    chunk_size: int = Field(1024, gt=0, strict=True)
+    z_loss: float = Field(0.0, ge=0.0)
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    logit_softcapping: Optional[float] = Field(None, gt=0.0)
+    loss_reduction: Literal["token", "sample", "square"] = "token"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_reduction(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "reduction" in data:
+            raise ValueError("'reduction' is now 'loss_reduction' (XTuner's name; 'reduction' "
+                             "means mean/sum/none in torch's losses)")
+        return data
+
+    def options(self, ignore_index: int = -100) -> CrossEntropyOptions:
+        """The per-call CE options (``reduction="sum"``: the calibration weights the tokens)."""
+        return CrossEntropyOptions(ignore_index=ignore_index, reduction="sum",
+                                   label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                                   logit_softcapping=self.logit_softcapping,
+                                   chunk_size=self.chunk_size)
+
+
+class MNRConfig(_Strict):
+    """Options of the gathered multiple-negatives-ranking (InfoNCE) loss of the embedding job.
+
+    Attributes:
+        temperature: softmax temperature (> 0); 0.05 is sentence-transformers' ``scale=20``.
+        symmetric: also score documents -> queries and average both directions.
+        gather_across_ranks: use every DP rank's documents as negatives (autograd gather).
+    """
+
+    temperature: float = Field(0.05, gt=0.0)
+    symmetric: bool = Field(False, strict=True)
+    gather_across_ranks: bool = Field(True, strict=True)
+
+
+class MegalossConfig(_Strict):
+    """The whole ``"megaloss"`` section.
+
+    Attributes:
+        tensor_parallel_size: ranks sharing one model replica (vocab-parallel lm_head); must
+            divide the world size. 1 disables tensor parallelism.
+        ce: :class:`CEConfig`.
+        mnr: :class:`MNRConfig`.
+    """
+
+    tensor_parallel_size: int = Field(1, ge=1, strict=True)
+    ce: CEConfig = Field(default_factory=CEConfig)
+    mnr: MNRConfig = Field(default_factory=MNRConfig)
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join([SECTION] + [str(p) for p in e["loc"]])
+        lines.append(f"{path}: {e['msg']}" + (f" (got {e['input']!r})" if "input" in e
+                                               and e["type"] != "missing" and not
+                                               isinstance(e["input"], dict) else ""))
+    return "invalid ds_config section: " + "; ".join(lines)
+
+
+def load_megaloss_config(ds_config: Union[str, os.PathLike, Mapping[str, Any], None]
+                         ) -> MegalossConfig:
+    """Read and validate the ``"megaloss"`` section of a ds_config.
+
+    Args:
+        ds_config: path to a ds_config JSON file, the parsed dict, or ``None``. A config without a
+            ``"megaloss"`` key gives the defaults.
+
+    Returns:
+        A validated :class:`MegalossConfig`.
+
+    Raises:
+        ValueError: unknown key or bad value; the message names the key path, e.g.
+            ``megaloss.ce.reduction``.
+        TypeError: ``ds_config`` is not a path, mapping or None, or the section is not an object.
+        FileNotFoundError: the path does not exist.
+    """
+    if ds_config is None:
+        return MegalossConfig()
+    if isinstance(ds_config, (str, os.PathLike)):
+        with open(ds_config, encoding="utf-8") as f:
+            ds_config = json.load(f)
+    if not isinstance(ds_config, Mapping):
+        raise TypeError(f"ds_config must be a path, a dict or None, got {type(ds_config).__name__}")
+    section = ds_config.get(SECTION, {})
+    if not isinstance(section, Mapping):
+        raise TypeError(f"ds_config[{SECTION!r}] must be a JSON object, got "
+                        f"{type(section).__name__}")
+    try:
+        return MegalossConfig.model_validate(dict(section))
+    except ValidationError as err:
+        raise ValueError(_format_errors(err)) from None

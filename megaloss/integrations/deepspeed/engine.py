@@ -1,0 +1,151 @@
+"""DeepSpeed engine set-up for megaloss: the topology's groups as an mpu, a validated ds_config,
+the measured gradient factor and the calibrator.
+
+What :func:`initialize` wires, and why:
+
+- **Groups.** From a :class:`~megaloss.Topology` (``Topology.build(tp)`` makes the
+  ``("dp", "tp")`` DeviceMesh) it builds the :class:`~.mpu.DeepSpeedMPU`; handed to
+  ``deepspeed.initialize(mpu=...)``, ZeRO partitions and averages gradients over the DP group
+  only, and gradient clipping counts the ``tensor_model_parallel`` vocab shards once per TP group.
+- **Calibration.** The engine's gradient factor is *measured* once with a probe through a real
+  DeepSpeed engine of the same config and groups (:func:`~.probe.probe_deepspeed`), then a
+  :class:`~megaloss.calibration.LossCalibrator` turns each optimizer step's labels into global
+  per-token loss weights (one all-reduce) and per-rank loss multipliers that undo the engine's
+  ``1 / (GAS x DP)``. The training step (:mod:`.train_step`) uses ``engine.backward``, so every
+  gradient, decoder and lm_head alike, is scaled the same way.
+
+``deepspeed`` itself is imported inside the functions that need it, so importing this module is
+cheap.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from ...calibration import EngineScale, LossCalibrator
+from ...parallel.topology import Topology
+from .compat import skip_cpu_shm_comm_build
+from .config import MegalossConfig, load_megaloss_config
+from .monitor import MONITOR_SECTIONS
+from .mpu import DeepSpeedMPU
+from .probe import probe_deepspeed
+
+__all__ = ["MegalossEngine", "load_ds_config", "initialize"]
+
+
+def load_ds_config(ds_config: Union[str, os.PathLike, Mapping[str, Any]], *,
+                   output_dir: Optional[str] = None) -> Tuple[Dict[str, Any], MegalossConfig]:
+    """Read a ds_config (path or dict), validate its ``"megaloss"`` section, and point the
+    monitors without an ``output_path`` at ``output_dir``.
+
+    Returns:
+        ``(ds_config dict (a deep copy), MegalossConfig)``.
+
+    Raises:
+        ValueError / TypeError / FileNotFoundError: see
+            :func:`~.config.load_megaloss_config`.
+    """
+    if isinstance(ds_config, (str, os.PathLike)):
+        with open(ds_config, encoding="utf-8") as f:
+            cfg = json.load(f)
+    elif isinstance(ds_config, Mapping):
+        cfg = copy.deepcopy(dict(ds_config))
+    else:
+        raise TypeError(f"ds_config must be a path or a dict, got {type(ds_config).__name__}")
+    ml = load_megaloss_config(cfg)
+    if output_dir is not None:
+        for key in MONITOR_SECTIONS:
+            section = cfg.get(key)
+            # wandb and comet log to their own services (or WANDB_DIR), not to a path.
+            if (key in ("csv_monitor", "tensorboard") and isinstance(section, dict)
+                    and section.get("enabled") and not section.get("output_path")):
+                section["output_path"] = os.path.join(output_dir, "monitor")
+    return cfg, ml
+
+
+@dataclass
+class MegalossEngine:
+    """What :func:`initialize` returns.
+
+    Attributes:
+        engine: the ``deepspeed.DeepSpeedEngine``.
+        optimizer, lr_scheduler: as ``deepspeed.initialize`` returns them.
+        calibrator: :class:`~megaloss.calibration.LossCalibrator` (``loss_reduction`` from the
+            config, the measured engine scale).
+        config: the validated :class:`MegalossConfig`.
+        ds_config: the ds_config dict the engine was built from.
+        topology: the :class:`~megaloss.Topology`.
+        mpu: the :class:`~.mpu.DeepSpeedMPU` given to DeepSpeed (None for one process).
+    """
+
+    engine: Any
+    optimizer: Any
+    lr_scheduler: Any
+    calibrator: LossCalibrator
+    config: MegalossConfig
+    ds_config: Dict[str, Any]
+    topology: Topology
+    mpu: Optional[DeepSpeedMPU]
+
+    @property
+    def engine_scale(self) -> EngineScale:
+        return self.calibrator.engine_scale
+
+
+def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str, Any]], *,
+               topology: Topology, optimizer: Optional[torch.optim.Optimizer] = None,
+               lr_scheduler: Any = None, output_dir: Optional[str] = None,
+               ignore_index: int = -100) -> MegalossEngine:
+    """Build the DeepSpeed engine with megaloss's groups, gradient-scale probe and calibrator.
+
+    Collective: every rank calls it. The probe builds a tiny second engine from the same
+    ds_config and groups (a few ms) before the real one.
+
+    Args:
+        module: the model whose forward returns the loss (e.g.
+            :class:`~megaloss.integrations.hf.CausalLMWithLoss`).
+        ds_config: path or dict; its ``"megaloss"`` section is validated, and its
+            ``tensor_parallel_size`` must equal ``topology.tp_size``.
+        topology: the process groups (e.g. ``Topology.build(tensor_parallel_size)``); an
+            ``sp`` of size 1.
+        optimizer: a ``torch.optim`` optimizer, or None to let the ds_config's ``"optimizer"``
+            section build one (use ``"torch_adam": true`` on CPU: DeepSpeed's fused/CPU Adam
+            would JIT-compile an op).
+        lr_scheduler: optional client scheduler (else the ds_config's ``"scheduler"``).
+        output_dir: where monitors without an ``output_path`` write (``<output_dir>/monitor``).
+        ignore_index: label value without loss (calibration).
+
+    Raises:
+        ValueError: bad ``"megaloss"`` section, or a TP size that differs from ``topology``.
+        TypeError: ``topology`` is not a Topology.
+        megaloss.calibration.EngineScaleError: the engine reduces gradients in a way megaloss
+            cannot compensate.
+    """
+    import deepspeed
+
+    skip_cpu_shm_comm_build()
+    cfg, ml = load_ds_config(ds_config, output_dir=output_dir)
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a megaloss Topology, got {type(topology).__name__}")
+    if ml.tensor_parallel_size != topology.tp_size:
+        raise ValueError(f"megaloss.tensor_parallel_size={ml.tensor_parallel_size} but the process "
+                         f"groups have tp={topology.tp_size}")
+    import torch.distributed as dist
+
+    mpu = DeepSpeedMPU(topology) if dist.is_initialized() else None
+    # The probe reads the group from the engine it builds and allows its own SGD under ZeRO on
+    # its copy of the config.
+    scale = probe_deepspeed(cfg, mpu=mpu, backward="engine")
+    params = [p for p in module.parameters() if p.requires_grad]
+    engine, opt, _, sched = deepspeed.initialize(
+        model=module, model_parameters=params if optimizer is None else None,
+        optimizer=optimizer, lr_scheduler=lr_scheduler, config=cfg, mpu=mpu)
+    calibrator = LossCalibrator(topology, loss_reduction=ml.ce.loss_reduction,
+                                engine_scale=scale, ignore_index=ignore_index)
+    return MegalossEngine(engine, opt, sched, calibrator, ml, cfg, topology, mpu)

@@ -1,0 +1,127 @@
+"""Measure the gradient factor of a DeepSpeed engine (:mod:`megaloss.calibration.engine_scale`
+explains the probe), on a tiny engine built from the training engine's ds_config and groups.
+
+The group the probe accounts for is the one DeepSpeed itself reduces over: the engine's
+sequence-data-parallel group (``engine.seq_data_parallel_group`` in DeepSpeed 0.19's
+``runtime/engine.py``; the data-parallel group when there is no sequence parallelism), which
+DeepSpeed takes from the ``mpu`` when one is given and otherwise is the whole world.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+import torch
+
+from ...calibration.engine_scale import EngineScale, ProbeModule, measure_grad_scale
+from ...parallel.comm import all_reduce_max_
+from ...parallel.groups import GroupLike, group_ranks
+from .compat import skip_cpu_shm_comm_build
+
+__all__ = ["probe_deepspeed", "engine_reduce_group"]
+
+# Sections that do not change the effective factor but would change what the probe reads or
+# build things (optimizers, monitors): mixed precision is unscaled inside step(), clipping
+# happens in step(), and the probe brings its own torch optimizer (no JIT-built op).
+_DROPPED_DS_KEYS = ("optimizer", "scheduler", "fp16", "bf16", "amp", "gradient_clipping",
+                    "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
+                    "wall_clock_breakdown", "checkpoint", "megaloss")
+
+_UNSET = object()
+
+
+def engine_reduce_group(engine: Any) -> Any:
+    """The group a DeepSpeed engine reduces (averages) gradients over: its
+    sequence-data-parallel group (= its data-parallel group without sequence parallelism)."""
+    group = getattr(engine, "seq_data_parallel_group", None)
+    if group is None:
+        group = getattr(engine, "data_parallel_group", None)
+    return group  # None: DeepSpeed's own default, the world
+
+
+def probe_deepspeed(config: Mapping[str, Any], *, mpu: Any = None, group: GroupLike = _UNSET,
+                    backward: str = "engine") -> EngineScale:
+    """Factor of a DeepSpeed engine built from ``config`` (and ``mpu``), on a tiny probe engine.
+
+    The probe engine uses the same DeepSpeed version, ZeRO stage and options, accumulation
+    steps and process groups as the training engine, and the same per-micro-batch protocol
+    (``engine(x)`` -> backward -> ``engine.step()``); the gradient is read with
+    ``deepspeed.utils.safe_get_full_grad`` after the last backward of the step. Collective: call
+    it on every rank of the world with the ``config`` and ``mpu`` given to
+    ``deepspeed.initialize``.
+
+    The probe's loss is computed inside the module's forward and returned by ``engine.forward``,
+    as megaloss requires of models: with a direct ``loss.backward()`` DeepSpeed divides by GAS
+    through hooks on forward outputs, so a gradient that bypasses them (a parameter used outside
+    forward) is not divided and is not what this probe measures.
+
+    Args:
+        config: the ds_config dict (not modified). Mixed precision, optimizer, scheduler,
+            clipping and monitor sections are left out of the probe;
+            ``zero_allow_untested_optimizer`` is set on the probe's copy (the probe uses
+            ``torch.optim.SGD``), so the config needs no such flag.
+        mpu: the ``mpu`` passed to ``deepspeed.initialize`` (or None).
+        group: optional check only: the ``dp x sp`` group the caller calibrates over. The probe
+            always measures over the group the engine reduces over; if ``group`` is given and
+            holds other ranks, it raises.
+        backward: ``"engine"`` for ``engine.backward(loss)``; ``"loss"`` for a direct
+            ``loss.backward()`` on a loss returned by ``engine.forward`` (ZeRO 1-3 only).
+
+    Raises:
+        ValueError: ``backward`` unknown, ``config`` not a mapping, or ``group`` holding other
+            ranks than the engine's reduction group.
+        EngineScaleError: see :func:`megaloss.calibration.measure_grad_scale`.
+    """
+    if backward not in ("engine", "loss"):
+        raise ValueError(f"backward must be 'engine' or 'loss', got {backward!r}")
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config must be a ds_config dict, got {type(config).__name__}")
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    skip_cpu_shm_comm_build()  # the probe may be the first engine: no JIT build on CPU
+    cfg = {k: copy.deepcopy(v) for k, v in config.items() if k not in _DROPPED_DS_KEYS}
+    # ZeRO only knows its own optimizers and refuses others as "untested" unless allowed; the
+    # probe's torch SGD (lr 0) never updates anything, and the flag is set on this copy only.
+    cfg["zero_allow_untested_optimizer"] = True
+    module = ProbeModule(torch.float32)
+    engine, *_ = deepspeed.initialize(
+        model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.0), config=cfg, mpu=mpu)
+    try:
+        reduce_group = engine_reduce_group(engine)
+        mismatch = group is not _UNSET and group_ranks(group) != group_ranks(reduce_group)
+        # Agree across ranks first: a rank raising alone would leave the others in a collective.
+        flag = all_reduce_max_(torch.tensor([float(mismatch)], device=engine.device), None)
+        if mismatch:
+            raise ValueError(
+                f"group holds global ranks {group_ranks(group)} but this DeepSpeed engine reduces "
+                f"gradients over {group_ranks(reduce_group)}; pass the engine's data-parallel "
+                "group (Topology.dp_sp_group of the topology the mpu was built from), or omit "
+                "group")
+        if float(flag[0]) > 0:
+            raise ValueError("another rank passed a group that differs from the DeepSpeed "
+                             "engine's reduction group (see its error)")
+        gas = int(engine.gradient_accumulation_steps())
+        stage = int(engine.zero_optimization_stage())
+        name = (f"deepspeed-zero{stage}/"
+                f"{'engine.backward' if backward == 'engine' else 'loss.backward'}")
+
+        def run(coeffs):
+            grad = None
+            for i, a in enumerate(coeffs):
+                loss = engine(torch.tensor(a, dtype=torch.float32, device=engine.device))
+                if backward == "engine":
+                    engine.backward(loss)
+                else:
+                    loss.backward()
+                if i == len(coeffs) - 1:
+                    grad = safe_get_full_grad(engine.module.theta)
+                    grad = None if grad is None else grad.detach().clone()
+                engine.step()
+            return grad
+
+        return measure_grad_scale(run, group=reduce_group, gas=gas, engine=name,
+                                  device=engine.device)
+    finally:
+        if hasattr(engine, "destroy"):
+            engine.destroy()

@@ -1,0 +1,209 @@
+"""The calibrated training step and evaluation of a :class:`~.engine.MegalossEngine` whose module
+returns a :class:`megaloss.CrossEntropyOutput` (e.g.
+:class:`~megaloss.integrations.hf.CausalLMWithLoss`).
+
+One optimizer step (:func:`train_step`) over ``G`` micro-batches (``G`` = the ds_config's
+``gradient_accumulation_steps``):
+
+1. the labels of all ``G`` micro-batches are known up front: the calibrator turns them into
+   global per-token weights with ONE all-reduce over ``dp x sp`` (TP replicas hold the same
+   tokens and are not counted twice);
+2. per micro-batch: ``engine(...)`` runs decoder + fused CE inside the module (ZeRO-3 gathers the
+   lm_head there), ``engine.backward(loss x measured multiplier)``, ``engine.step()``;
+3. at the boundary: the global loss (one all-reduce, identical on all ranks, equal to what one
+   device computes on the whole global batch), global z-loss, global valid tokens, learning rate,
+   gradient norm, tokens/s and peak memory, written through ``engine.monitor``.
+
+The only host syncs are at the boundary, for logging.
+"""
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from ...ops.labels import causal_shift
+from ...parallel.comm import all_reduce_sum_
+from ...parallel.param_tags import is_tensor_parallel
+from ...parallel.topology import Topology
+from .engine import MegalossEngine
+from .monitor import write_metrics
+
+__all__ = ["StepMetrics", "EvalResult", "train_step", "evaluate", "peak_memory_mib"]
+
+
+@dataclass
+class StepMetrics:
+    """Metrics of one optimizer step (identical on all ranks except ``peak_memory_mib``).
+
+    ``loss``: global calibrated loss (z-loss included); ``z_loss``: its z-loss part;
+    ``num_tokens``: global valid tokens; ``lr``; ``grad_norm`` (None when the engine does not
+    compute it); ``tokens_per_s``: global valid tokens / step wall time; ``peak_memory_mib``:
+    this process's peak (CUDA allocator, or max RSS on CPU); ``step``: optimizer steps done.
+    """
+
+    step: int
+    loss: float
+    z_loss: float
+    num_tokens: float
+    lr: float
+    grad_norm: Optional[float]
+    tokens_per_s: float
+    peak_memory_mib: float
+    step_time_s: float
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class EvalResult:
+    """Held-out token-mean cross-entropy (nats, z-loss excluded), its perplexity, and the
+    global number of valid tokens it covers."""
+
+    loss: float
+    perplexity: float
+    num_tokens: float
+
+
+def peak_memory_mib(device: Optional[torch.device] = None) -> float:
+    """Peak memory of this process in MiB: the CUDA caching allocator's peak on a CUDA device,
+    else the peak resident set size (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def _reduced_grad_norm(module: torch.nn.Module, topology: Topology) -> torch.Tensor:
+    """L2 norm of the whole model's gradients (as DeepSpeed's clipping computes it): TP-sharded
+    parameters counted on every TP rank, replicated ones on TP rank 0 only, SUM over TP. For
+    ZeRO-0 with a plain torch optimizer, where DeepSpeed clips but does not keep the norm; call
+    it after the boundary's backward (gradients already averaged over DP), before ``step()``."""
+    first = next(module.parameters())
+    total = torch.zeros((), dtype=torch.float64, device=first.device)
+    for p in module.parameters():
+        if p.grad is not None and (is_tensor_parallel(p) or topology.tp_rank == 0):
+            total += p.grad.detach().to(torch.float64).pow(2).sum()
+    return all_reduce_sum_(total, topology.tp_group).sqrt()
+
+
+def _to_device(mb: Mapping[str, Any], device: torch.device) -> Dict[str, Any]:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in mb.items()}
+
+
+def _shift_labels(mb: Mapping[str, Any], ignore_index: int) -> torch.Tensor:
+    """The micro-batch's shifted targets: ``shift_labels`` as given, or HF ``labels`` shifted."""
+    if mb.get("shift_labels") is not None:
+        return mb["shift_labels"]
+    if mb.get("labels") is None:
+        raise ValueError("each micro-batch needs 'labels' (unshifted) or 'shift_labels'")
+    return causal_shift(mb["labels"], ignore_index)
+
+
+def _model_kwargs(mb: Mapping[str, Any]) -> Dict[str, Any]:
+    return {k: mb[k] for k in ("attention_mask", "position_ids") if mb.get(k) is not None}
+
+
+def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Tensor]], *,
+               log: bool = True) -> StepMetrics:
+    """One calibrated optimizer step over this rank's micro-batches.
+
+    Args:
+        me: from :func:`~.engine.initialize`.
+        micro_batches: exactly ``gradient_accumulation_steps`` dicts with ``input_ids [B, T]``
+            and either Hugging Face ``labels [B, T]`` (unshifted; shifted here) or
+            ``shift_labels [B, T]`` (already shifted); optional ``attention_mask``,
+            ``position_ids``, ``cu_seqlens``. TP ranks of one DP rank must pass the same batches.
+        log: write the metrics through ``engine.monitor`` (tags ``Train/megaloss/<name>``,
+            step = optimizer steps done).
+
+    Returns:
+        :class:`StepMetrics`.
+
+    Raises:
+        ValueError: the number of micro-batches differs from the engine's accumulation steps.
+    """
+    engine = me.engine
+    gas = int(engine.gradient_accumulation_steps())
+    if len(micro_batches) != gas:
+        raise ValueError(f"micro_batches must hold gradient_accumulation_steps={gas} entries, got "
+                         f"{len(micro_batches)}")
+    t0 = time.perf_counter()
+    device = engine.device
+    mbs = [_to_device(mb, device) for mb in micro_batches]
+    cu = [mb.get("cu_seqlens") for mb in mbs]
+    ignore = me.calibrator.ignore_index
+    step = me.calibrator.begin_step([_shift_labels(mb, ignore) for mb in mbs],
+                                    cu_seqlens=cu if any(c is not None for c in cu) else None)
+    z_local = torch.zeros((), dtype=torch.float64, device=device)
+    own_norm = None
+    for i, mb in enumerate(mbs):
+        out = engine(mb["input_ids"], shift_labels=step.local_labels(i),
+                     loss_weights=step.weights(i), **_model_kwargs(mb))
+        engine.backward(step.loss_for_backward(out.loss))
+        z_local += out.z_loss.detach().to(torch.float64)
+        if i == gas - 1 and engine.zero_optimization_stage() == 0:
+            own_norm = _reduced_grad_norm(engine.module, me.topology)
+        engine.step()
+    loss = step.global_loss()
+    z = all_reduce_sum_(z_local, me.topology.dp_sp_group)
+    elapsed = time.perf_counter() - t0
+    grad_norm = engine.get_global_grad_norm()
+    if grad_norm is None:
+        grad_norm = own_norm
+    num_tokens = float(step.num_tokens)
+    metrics = StepMetrics(
+        step=int(engine.global_steps), loss=float(loss), z_loss=float(z), num_tokens=num_tokens,
+        lr=float(engine.get_lr()[0]),
+        grad_norm=None if grad_norm is None else float(grad_norm),
+        tokens_per_s=num_tokens / max(elapsed, 1e-9), peak_memory_mib=peak_memory_mib(device),
+        step_time_s=elapsed)
+    if log:
+        d = metrics.as_dict()
+        d.pop("step")
+        write_metrics(engine, d, metrics.step)
+    return metrics
+
+
+@torch.no_grad()
+def evaluate(me: MegalossEngine, batches: Iterable[Mapping[str, torch.Tensor]], *,
+             log_step: Optional[int] = None) -> EvalResult:
+    """Token-mean CE over held-out batches, global over ``dp x sp`` (one all-reduce at the end).
+
+    Every rank must pass the same *number* of batches (an empty iterable is fine: the all-reduce
+    is still entered). Batches hold ``labels`` or ``shift_labels`` as in :func:`train_step`. The
+    module's z-loss part is subtracted, so the
+    value is the plain cross-entropy (with the configured label smoothing, if any).
+
+    Args:
+        log_step: when given, writes ``Eval/megaloss/loss`` and ``.../perplexity`` at this step.
+    """
+    engine = me.engine
+    device = engine.device
+    was_training = engine.training
+    engine.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for mb in batches:
+        mb = _to_device(mb, device)
+        out = engine(mb["input_ids"],
+                     shift_labels=_shift_labels(mb, me.calibrator.ignore_index),
+                     **_model_kwargs(mb))
+        sums[0] += (out.loss - out.z_loss).to(torch.float64)
+        sums[1] += out.num_valid_tokens.to(torch.float64)
+    all_reduce_sum_(sums, me.topology.dp_sp_group)
+    if was_training:
+        engine.train()
+    n = float(sums[1])
+    loss = float(sums[0]) / n if n > 0 else 0.0
+    result = EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), num_tokens=n)
+    if log_step is not None:
+        write_metrics(engine, {"loss": result.loss, "perplexity": result.perplexity}, log_step,
+                      prefix="Eval/megaloss/")
+    return result

@@ -1,0 +1,15 @@
+"""Hugging Face ``transformers`` models as modules whose forward returns a megaloss loss (so
+``engine.forward`` runs the loss: ZeRO-3 gathers the head's parameters there).
+
+- :mod:`.causal_lm`: :class:`CausalLMWithLoss`, any ``*ForCausalLM`` with the chunked /
+  vocab-parallel CE of its last hidden states, no logits; HF's label convention.
+- :mod:`.embedding`: :class:`EmbeddingModelWithMNR`, a mean-pooled bi-encoder with the gathered
+  MNR loss, and the per-step gradient-accumulation weights of that loss.
+
+Importing this package does not import ``transformers``.
+"""
+from .causal_lm import CausalLMWithLoss, LinearCrossEntropyHead, causal_shift
+from .embedding import EmbeddingModelWithMNR, EmbeddingOutput, mean_pool, step_loss_weights
+
+__all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "causal_shift",
+           "EmbeddingModelWithMNR", "EmbeddingOutput", "mean_pool", "step_loss_weights"]

@@ -1,0 +1,189 @@
+"""Any Hugging Face ``*ForCausalLM`` whose forward returns the chunked cross-entropy of its last
+hidden states: the ``[tokens, vocab]`` logits are never built.
+
+Why the loss lives *inside* this module's forward (measured on DeepSpeed 0.19.8; see
+``deepspeed/runtime/engine.py`` and ``runtime/zero/stage3.py``):
+
+- with ZeRO-3 every parameter is an empty shard outside the forward of the module that owns it,
+  so the lm_head weight must be used by a module whose forward DeepSpeed runs. The wrapper
+  replaces ``model.lm_head`` by a head module (:class:`LinearCrossEntropyHead` for TP = 1,
+  :class:`megaloss.VocabParallelLMHead` for TP > 1) whose forward computes the loss;
+- with a direct ``loss.backward()`` DeepSpeed divides by the gradient-accumulation steps only
+  the gradients that flow through the outputs of ``engine.forward``.
+
+So ``engine(input_ids=..., labels=..., loss_weights=...)`` returns the loss itself.
+
+Label convention: Hugging Face's. ``labels`` are *unshifted* (usually ``labels = input_ids``,
+``-100`` where no loss) and shifted inside (:func:`causal_shift`), as ``*ForCausalLM(labels=...)``
+does; already shifted targets go through ``shift_labels=`` (the name recent ``transformers``
+uses), which is what a calibrated training step passes (its weights, from
+:func:`megaloss.calibration.compute_loss_weights`, are counted after the shift).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ...losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy_with_stats
+from ...losses.vocab_parallel import VocabParallelLMHead
+from ...ops.labels import causal_shift
+from ...ops.options import CrossEntropyOptions
+from ...parallel.groups import SINGLE_RANK, GroupLike, group_size
+
+__all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "causal_shift"]
+
+
+class LinearCrossEntropyHead(nn.Module):
+    """The (unsharded) lm_head plus :func:`megaloss.linear_cross_entropy`, as one module.
+
+    Keeps the original ``nn.Linear``'s ``weight [V, H]`` (and ``bias [V]``) Parameter objects, so
+    tied input embeddings stay tied. ``forward(hidden_states [..., H], labels [...],
+    loss_weights=None [...])`` takes *shifted* labels and returns
+    :class:`megaloss.CrossEntropyOutput` under ``options`` (a
+    :class:`~megaloss.ops.options.CrossEntropyOptions`).
+
+    Raises:
+        TypeError: ``linear`` is not an ``nn.Linear``.
+    """
+
+    def __init__(self, linear: nn.Linear, options: CrossEntropyOptions) -> None:
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear lm_head, got {type(linear).__name__}")
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.options = options
+
+    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
+                loss_weights: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
+        return linear_cross_entropy_with_stats(hidden_states, self.weight, labels, bias=self.bias,
+                                               loss_weights=loss_weights, options=self.options)
+
+    def extra_repr(self) -> str:
+        v, h = self.weight.shape
+        return f"vocab_size={v}, hidden_size={h}, {self.options!r}"
+
+
+class _VocabParallelHead(VocabParallelLMHead):
+    """:class:`megaloss.VocabParallelLMHead` whose module call returns the stats too (the
+    z-loss part is logged), so ZeRO-3's hooks around the call gather the shard."""
+
+    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
+                loss_weights: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
+        return self.forward_with_stats(hidden_states, labels, loss_weights=loss_weights)
+
+
+class CausalLMWithLoss(nn.Module):
+    """Wrap a ``transformers`` ``*ForCausalLM``: forward = decoder + fused CE, no logits.
+
+    The decoder is ``model.base_model`` (``model.model`` for Llama, Qwen, Mistral...); the lm_head
+    is ``model.get_output_embeddings()``, replaced in place by the loss head (so
+    ``model.lm_head`` is the head afterwards; the wrapper owns ``model``).
+
+    Args:
+        model: a ``PreTrainedModel`` with a base model and an ``nn.Linear`` output embedding.
+        options: the CE options (:class:`~megaloss.ops.options.CrossEntropyOptions`, e.g.
+            ``MegalossConfig.ce.options()`` from a ds_config); default options when ``None``,
+            with ``reduction="sum"`` unless given (the calibrated training step weights tokens
+            itself; ``"mean"`` gives the plain token mean of the micro-batch).
+        tp_group: tensor-parallel group (``Topology.tp_group``); default
+            :data:`~megaloss.parallel.SINGLE_RANK` (no tensor parallelism); ``None`` is torch's
+            default group. With size > 1 the lm_head is split over the vocabulary
+            (:class:`megaloss.VocabParallelLMHead`, rows of the original weight copied, parameters
+            tagged ``tensor_model_parallel``); the decoder stays replicated and gets the full
+            hidden-state gradient on every TP rank.
+
+    Raises:
+        TypeError: ``model`` has no base model or no ``nn.Linear`` output embedding.
+        ValueError: TP > 1 with the lm_head tied to the input embedding (a vocab shard cannot
+            also be the replicated embedding).
+    """
+
+    def __init__(self, model: nn.Module, *, options: Optional[CrossEntropyOptions] = None,
+                 tp_group: GroupLike = SINGLE_RANK) -> None:
+        super().__init__()
+        base = getattr(model, "base_model", None)
+        if base is None or base is model:
+            raise TypeError(f"model must be a *ForCausalLM with a base model, got "
+                            f"{type(model).__name__}")
+        lm_head = model.get_output_embeddings()
+        if not isinstance(lm_head, nn.Linear):
+            raise TypeError(f"model's output embedding must be an nn.Linear, got "
+                            f"{type(lm_head).__name__}")
+        self.options = options if options is not None else CrossEntropyOptions(reduction="sum")
+        if not isinstance(self.options, CrossEntropyOptions):
+            raise TypeError(f"options must be a CrossEntropyOptions, got "
+                            f"{type(self.options).__name__}")
+        self.ignore_index = self.options.ignore_index
+        self.tp_size = group_size(tp_group)
+        vocab_size, hidden_size = lm_head.weight.shape
+        if self.tp_size > 1:
+            inp = model.get_input_embeddings()
+            if inp is not None and inp.weight is lm_head.weight:
+                raise ValueError("tensor parallelism needs an untied lm_head "
+                                 "(tie_word_embeddings=False)")
+            head: nn.Module = _VocabParallelHead(
+                hidden_size, vocab_size, tp_group=tp_group, bias=lm_head.bias is not None,
+                dtype=lm_head.weight.dtype, device=lm_head.weight.device, options=self.options)
+            head.load_full_weight(lm_head.weight.detach(),
+                                  None if lm_head.bias is None else lm_head.bias.detach())
+        else:
+            head = LinearCrossEntropyHead(lm_head, self.options)
+        model.set_output_embeddings(head)
+        self.model = model
+        self.vocab_size = vocab_size
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.model.base_model
+
+    @property
+    def head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                shift_labels: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                loss_weights: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
+        """Decoder, then the fused CE of its last hidden states.
+
+        Args:
+            input_ids: ``[B, T]`` int64.
+            labels: ``[B, T]`` Hugging Face labels, *unshifted* (``labels = input_ids`` with
+                ``ignore_index`` where no loss); shifted here by :func:`causal_shift`, so the
+                last position of each row has no target. Global vocab ids also under TP.
+            shift_labels: ``[B, T]`` already shifted targets (``shift_labels[b, t]`` is the
+                target of position ``t``), instead of ``labels``.
+            attention_mask, position_ids: passed to the decoder (``[B, T]``).
+            loss_weights: ``[B, T]`` per-token weights aligned with the *shifted* targets (the
+                calibration's); ``None``: 1.
+
+        Returns:
+            :class:`megaloss.CrossEntropyOutput` under the wrapper's options (``reduction="sum"``
+            by default: ``loss = sum_t w_t * l_t``, fp32, differentiable, z-loss included),
+            ``z_loss`` its z-loss part (no grad), ``num_valid_tokens`` after the shift.
+
+        Raises:
+            ValueError: neither or both of ``labels`` / ``shift_labels``; a shape other than
+                that of ``input_ids``.
+        """
+        if (labels is None) == (shift_labels is None):
+            raise ValueError("pass exactly one of labels (unshifted, Hugging Face convention) and "
+                             "shift_labels (already shifted)")
+        if shift_labels is None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
+                                 f"{tuple(input_ids.shape)}")
+            shift_labels = causal_shift(labels, self.ignore_index)
+        elif shift_labels.shape != input_ids.shape:
+            raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must have the shape of "
+                             f"input_ids {tuple(input_ids.shape)}")
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids, use_cache=False)
+        return self.head(out.last_hidden_state, shift_labels, loss_weights=loss_weights)
+
+    def extra_repr(self) -> str:
+        return f"tp_size={self.tp_size}, vocab_size={self.vocab_size}"

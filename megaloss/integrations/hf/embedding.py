@@ -1,0 +1,205 @@
+"""Embedding model + gathered MNR loss as ONE module, so ``engine.forward`` runs the loss.
+
+Why the loss lives inside the module (measured on DeepSpeed 0.19.8, ``runtime/engine.py``): a direct
+``loss.backward()`` is divided by the gradient-accumulation steps ``G`` only through hooks that
+``engine.forward`` puts on its outputs, and under ZeRO-3 a parameter is only materialised inside
+its module's forward. Encoding queries and documents and computing
+:func:`megaloss.mnr_loss_with_metrics` in one ``forward`` keeps both right for
+any ZeRO stage, with ``engine.backward(out.loss)`` as well as ``out.loss.backward()``.
+
+Gradient scaling. ``mnr_loss`` returns the loss ``L_m`` of micro-batch m's *global* batch (every
+DP rank's queries, every rank's documents as negatives) on every rank, with gradients prepared for
+an engine that *averages* over the DP group: ``sum_r grad(loss_r) = D * grad(L_m)``. DeepSpeed's
+``engine.backward`` also divides by ``G``, so without compensation a step's gradient is
+``(1/G) sum_m grad L_m``, the mean of micro-batch means. That is the global mean over the step's
+queries only when every micro-batch holds the same global number of queries. The compensation
+(:func:`step_loss_weights`, one all-reduce per step) weights micro-batch m by
+``w_m = (n_m / N) * M / D``, ``n_m`` its global queries, ``N`` the step's, ``M`` the engine's
+loss multiplier (``1 / c``, measured on the real engine by
+:func:`megaloss.integrations.deepspeed.probe_deepspeed`; ``G * D`` for ``engine.backward``, so
+``w_m = G n_m / N``). The step gradient is then that of ``sum_m (n_m / N) L_m``, the query mean
+over the whole step, as the token calibration does for language models.
+
+Math of the pooled embedding (Sentence-BERT mean pooling):
+``e_b = sum_t m_bt h_bt / max(sum_t m_bt, 1)`` with ``h [B, T, H]`` the encoder's last hidden
+states and ``m [B, T]`` the attention mask.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ...losses.mnr import mnr_loss_with_metrics
+from ...parallel.comm import all_reduce_sum_
+from ...parallel.groups import GroupLike, group_size
+
+__all__ = ["mean_pool", "EmbeddingOutput", "EmbeddingModelWithMNR", "step_loss_weights"]
+
+
+def mean_pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the hidden states over the non-padded positions.
+
+    Args:
+        hidden_states: ``[B, T, H]`` float.
+        attention_mask: ``[B, T]``, 1 (or True) for real tokens, 0 for padding.
+
+    Returns:
+        ``[B, H]`` in ``promote_types(hidden_states.dtype, float32)``: the sum over up to ``T``
+        positions is taken in fp32 at least (a bf16 sum of hundreds of tokens loses ~3 digits,
+        which the contrastive loss's 1/T scale would amplify). An all-padding row gives zeros.
+
+    Raises:
+        ValueError: the shapes do not match.
+    """
+    if hidden_states.dim() != 3 or attention_mask.shape != hidden_states.shape[:2]:
+        raise ValueError(f"hidden_states must be [B, T, H] and attention_mask [B, T], got "
+                         f"{tuple(hidden_states.shape)} and {tuple(attention_mask.shape)}")
+    acc = torch.promote_types(hidden_states.dtype, torch.float32)
+    mask = attention_mask.to(acc).unsqueeze(-1)
+    return (hidden_states.to(acc) * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+
+
+class EmbeddingOutput(NamedTuple):
+    """What :meth:`EmbeddingModelWithMNR.forward` returns (a tuple, so DeepSpeed finds ``loss``).
+
+    Attributes:
+        loss: scalar to call ``engine.backward`` on: the micro-batch's global MNR loss times
+            ``loss_weight`` (requires grad).
+        value: the micro-batch's global MNR loss, detached (same on every rank; for logging).
+        accuracy: detached in-batch top-1 accuracy of this micro-batch's global queries
+            (the positive outscores every other gathered document); NaN for an empty batch.
+        mean_rank: detached mean rank of the positive among the gathered documents (1 = best).
+    """
+
+    loss: torch.Tensor
+    value: torch.Tensor
+    accuracy: torch.Tensor
+    mean_rank: torch.Tensor
+
+
+class EmbeddingModelWithMNR(nn.Module):
+    """A bi-encoder (shared weights for queries and documents) trained with gathered MNR.
+
+    Args:
+        encoder: module called as ``encoder(input_ids=..., attention_mask=...)`` returning either a
+            ``[B, T, H]`` tensor or an object with ``last_hidden_state`` (any ``transformers``
+            encoder or decoder base model, e.g. ``BertModel``).
+        temperature: MNR softmax temperature (> 0); 0.05 = sentence-transformers' ``scale=20``.
+        similarity: ``"cosine"`` or ``"dot"``.
+        symmetric: also score positives against all queries and average both directions.
+        gather: use every rank of ``group``'s documents as negatives.
+        group: the data-parallel group the batch is spread over, the one the engine averages
+            gradients over; ``None`` is torch's default group. Pass it explicitly under tensor
+            parallelism (``topology.dp_group``).
+        local_loss: each rank computes only its own queries' rows (memory ``B_local x B_global``).
+
+    Raises:
+        TypeError: ``encoder`` is not an ``nn.Module``.
+        ValueError: ``temperature`` <= 0 or ``similarity`` unknown.
+    """
+
+    def __init__(self, encoder: nn.Module, *, temperature: float = 0.05,
+                 similarity: str = "cosine", symmetric: bool = False, gather: bool = True,
+                 group: GroupLike = None, local_loss: bool = True) -> None:
+        super().__init__()
+        if not isinstance(encoder, nn.Module):
+            raise TypeError(f"encoder must be an nn.Module, got {type(encoder).__name__}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if similarity not in ("cosine", "dot"):
+            raise ValueError(f"similarity must be 'cosine' or 'dot', got {similarity!r}")
+        self.encoder = encoder
+        self.temperature = float(temperature)
+        self.similarity = similarity
+        self.symmetric = bool(symmetric)
+        self.gather = bool(gather)
+        self.group = group
+        self.local_loss = bool(local_loss)
+
+    def extra_repr(self) -> str:
+        return (f"temperature={self.temperature}, similarity={self.similarity!r}, "
+                f"symmetric={self.symmetric}, gather={self.gather}, local_loss={self.local_loss}")
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Embeddings ``[B, H]`` (mean-pooled, not normalised) of token ids ``[B, T]``."""
+        out: Any = self.encoder(input_ids=input_ids, attention_mask=attention_mask)
+        hidden = out if isinstance(out, torch.Tensor) else out.last_hidden_state
+        return mean_pool(hidden, attention_mask)
+
+    def forward(self, query_input_ids: torch.Tensor, query_attention_mask: torch.Tensor,
+                document_input_ids: torch.Tensor, document_attention_mask: torch.Tensor,
+                negative_input_ids: Optional[torch.Tensor] = None,
+                negative_attention_mask: Optional[torch.Tensor] = None, *,
+                duplicate_ids: Optional[torch.Tensor] = None,
+                loss_weight: Optional[torch.Tensor] = None) -> EmbeddingOutput:
+        """Encode and return the gathered MNR loss of one micro-batch.
+
+        Args:
+            query_input_ids / query_attention_mask: ``[B, Tq]`` long / ``[B, Tq]``.
+            document_input_ids / document_attention_mask: ``[B, Td]``: the positives.
+            negative_input_ids / negative_attention_mask: optional ``[B, K, Tn]`` hard negatives.
+            duplicate_ids: optional ``[B]`` long; same id = same text, not a negative.
+            loss_weight: optional scalar multiplying ``loss`` (the GAS compensation of
+                :func:`step_loss_weights`); ``None`` = 1.
+
+        Every rank of ``group`` must call forward the same number of times (the gathers are
+        collective), even with ``B = 0``.
+        """
+        query = self.encode(query_input_ids, query_attention_mask)
+        positive = self.encode(document_input_ids, document_attention_mask)
+        negatives = None
+        if negative_input_ids is not None:
+            if negative_attention_mask is None:
+                raise ValueError("negative_attention_mask is required with negative_input_ids")
+            b, k, t = negative_input_ids.shape
+            negatives = self.encode(negative_input_ids.reshape(b * k, t),
+                                    negative_attention_mask.reshape(b * k, t)).reshape(b, k, -1)
+        out = mnr_loss_with_metrics(query, positive, negatives, temperature=self.temperature,
+                                    similarity=self.similarity, symmetric=self.symmetric,
+                                    gather=self.gather, group=self.group,
+                                    local_loss=self.local_loss, duplicate_ids=duplicate_ids)
+        loss = out.loss if loss_weight is None else out.loss * loss_weight
+        return EmbeddingOutput(loss=loss, value=out.loss.detach(), accuracy=out.accuracy,
+                               mean_rank=out.mean_rank)
+
+
+def step_loss_weights(local_sizes: Sequence[int], group: GroupLike, *,
+                      loss_multiplier: Optional[float] = None,
+                      device: Optional[torch.device] = None) -> torch.Tensor:
+    """Per-micro-batch ``loss_weight`` that makes a GAS step the query-weighted global mean.
+
+    The engine leaves ``c * sum_{r, m} grad(loss_rm)`` (``c = 1 / loss_multiplier``; DeepSpeed
+    with ``engine.backward``: ``c = 1 / (G * D)``), and ``mnr_loss``'s backward already gives
+    ``sum_r grad(loss_rm) = D * grad(L_m)`` over the ``D`` ranks of ``group``. So backwarding
+    ``w_m * L_m`` with ``w_m = (n_m / N) * loss_multiplier / D`` leaves
+    ``sum_m (n_m / N) grad(L_m)``: the gradient of the step's global mean over queries.
+
+    Args:
+        local_sizes: this rank's number of queries in each of the step's ``G`` micro-batches
+            (known before the first forward: prefetch the step's batches).
+        group: the data-parallel group of the loss (``None``: torch's default group).
+        loss_multiplier: ``1 / c`` as measured on the real engine
+            (:func:`megaloss.calibration.engine_scale.probe_deepspeed`); ``None`` assumes
+            DeepSpeed's ``engine.backward``, ``G * D``.
+        device: where the result lives (CPU by default).
+
+    Returns:
+        ``[G]`` float32 tensor ``w_m`` (all ones for DeepSpeed when every micro-batch has the
+        same global size; zeros when ``N = 0``). One all-reduce over ``group``, entered by every
+        rank.
+
+    Raises:
+        ValueError: ``local_sizes`` empty or with a negative entry; ``loss_multiplier`` <= 0.
+    """
+    if len(local_sizes) == 0 or min(local_sizes) < 0:
+        raise ValueError(f"local_sizes must be a non-empty list of counts >= 0, got {local_sizes}")
+    world = group_size(group)
+    if loss_multiplier is None:
+        loss_multiplier = float(len(local_sizes) * world)
+    if not loss_multiplier > 0:
+        raise ValueError(f"loss_multiplier must be > 0, got {loss_multiplier}")
+    sizes = torch.tensor([float(n) for n in local_sizes], dtype=torch.float32, device=device)
+    all_reduce_sum_(sizes, group)
+    return sizes * (loss_multiplier / world / sizes.sum().clamp_min(1.0))

@@ -1,0 +1,202 @@
+"""The one object that names a rank's process groups in a ``dp x sp x tp`` layout.
+
+Who holds what (the terms of DeepSpeed and XTuner; torchtitan's ``ParallelDims`` plays this role):
+
+- ``dp`` (data parallel): ranks holding different samples and the same model shard;
+- ``sp`` (sequence parallel in the DeepSpeed-Ulysses / XTuner sense): ranks holding different
+  pieces of the same samples;
+- ``tp`` (tensor parallel): ranks holding the same tokens and different weight shards;
+- ``dp_sp``: the flattened ``dp x sp`` group, every rank holding different tokens. Token counts
+  for loss calibration are all-reduced over it; TP replicas are not in it, so nothing is counted
+  twice.
+
+A dimension the layout does not use holds :data:`~megaloss.parallel.groups.SINGLE_RANK`. Build
+a Topology with :meth:`Topology.from_device_mesh` (or :meth:`Topology.build`, which makes the
+``("dp", "tp")`` DeviceMesh), :meth:`Topology.from_mpu` (a Megatron / DeepSpeed ``mpu``) or
+:meth:`Topology.default` (everything data parallel over the default group).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .groups import SINGLE_RANK, GroupLike, group_rank, group_size, resolve_group
+
+__all__ = ["Topology", "init_dp_tp_mesh"]
+
+_MESH_DIMS = ("dp", "sp", "tp")
+
+
+def init_dp_tp_mesh(tensor_parallel_size: int, *, device_type: Optional[str] = None) -> Any:
+    """A 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` with dims ``("dp", "tp")``.
+
+    Tensor parallelism is the innermost dim (ranks ``0..tp-1`` form the first TP group,
+    Megatron's convention), so TP collectives stay on neighbouring ranks. Collective: every rank
+    of the default group calls it. ``dp = world // tp``.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: ``tensor_parallel_size`` < 1 or does not divide the world size.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("init_dp_tp_mesh needs torch.distributed to be initialised")
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
+            or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+    world = dist.get_world_size()
+    if world % tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide the world "
+                         f"size {world}")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (world // tensor_parallel_size, tensor_parallel_size),
+                            mesh_dim_names=("dp", "tp"))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Process groups of one rank in a ``dp x sp x tp`` layout.
+
+    Args:
+        dp_group / sp_group / tp_group: the groups (see the module docstring). ``None`` is the
+            default group, as everywhere in megaloss; a dimension the layout does not use is
+            :data:`~megaloss.parallel.groups.SINGLE_RANK` (the default of each field).
+        dp_sp_group: the flattened ``dp x sp`` group; defaults to ``dp_group`` when ``sp`` has
+            size 1 and to ``sp_group`` when ``dp`` has size 1.
+        mesh: the DeviceMesh the groups come from, if any (kept for the caller).
+
+    ``Topology()`` is one process; :meth:`default` is data parallel over the default group.
+
+    Raises:
+        ValueError: ``dp`` and ``sp`` both have size > 1 and ``dp_sp_group`` is not given.
+        TypeError: a group that is not a ProcessGroup, None or SINGLE_RANK.
+    """
+
+    dp_group: GroupLike = SINGLE_RANK
+    sp_group: GroupLike = SINGLE_RANK
+    tp_group: GroupLike = SINGLE_RANK
+    dp_sp_group: GroupLike = SINGLE_RANK
+    mesh: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp_group", "sp_group", "tp_group", "dp_sp_group"):
+            object.__setattr__(self, name, resolve_group(getattr(self, name)))
+        if self.dp_sp_group is not SINGLE_RANK:
+            return
+        if group_size(self.sp_group) == 1:
+            object.__setattr__(self, "dp_sp_group", self.dp_group)
+        elif group_size(self.dp_group) == 1:
+            object.__setattr__(self, "dp_sp_group", self.sp_group)
+        else:
+            raise ValueError("dp_sp_group is required when both dp and sp have size > 1")
+
+    # sizes and ranks ---------------------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        return group_size(self.dp_group)
+
+    @property
+    def sp_size(self) -> int:
+        return group_size(self.sp_group)
+
+    @property
+    def tp_size(self) -> int:
+        return group_size(self.tp_group)
+
+    @property
+    def dp_sp_size(self) -> int:
+        return group_size(self.dp_sp_group)
+
+    @property
+    def dp_rank(self) -> int:
+        return group_rank(self.dp_group)
+
+    @property
+    def sp_rank(self) -> int:
+        return group_rank(self.sp_group)
+
+    @property
+    def tp_rank(self) -> int:
+        return group_rank(self.tp_group)
+
+    # constructors ------------------------------------------------------------------------------
+    @classmethod
+    def default(cls) -> "Topology":
+        """Everything data parallel over the default group (one process without
+        torch.distributed)."""
+        if not dist.is_initialized():
+            return cls()
+        return cls(dp_group=None, dp_sp_group=None)
+
+    @classmethod
+    def build(cls, tensor_parallel_size: int = 1, *,
+              device_type: Optional[str] = None) -> "Topology":
+        """``dp x tp`` groups over the whole world from a DeviceMesh (:func:`init_dp_tp_mesh`);
+        collective. Without torch.distributed: one process (``tensor_parallel_size`` must be 1).
+
+        Raises:
+            ValueError: see :func:`init_dp_tp_mesh`; TP > 1 without torch.distributed.
+        """
+        if not dist.is_initialized():
+            if tensor_parallel_size != 1:
+                raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs "
+                                 "torch.distributed to be initialised")
+            return cls()
+        return cls.from_device_mesh(init_dp_tp_mesh(tensor_parallel_size,
+                                                    device_type=device_type))
+
+    @classmethod
+    def from_device_mesh(cls, mesh: Any) -> "Topology":
+        """From a :class:`~torch.distributed.device_mesh.DeviceMesh` whose dims are named among
+        ``"dp"``, ``"sp"``, ``"tp"`` (missing dims are :data:`SINGLE_RANK`).
+
+        Raises:
+            ValueError: a mesh dim has another name, or the mesh has no dim names.
+        """
+        names = mesh.mesh_dim_names
+        if not names:
+            raise ValueError("mesh must have mesh_dim_names among ('dp', 'sp', 'tp')")
+        unknown = [n for n in names if n not in _MESH_DIMS]
+        if unknown:
+            raise ValueError(f"mesh dim names must be among {_MESH_DIMS}, got {tuple(names)}")
+        groups = {n: mesh[n].get_group() for n in names}
+        dp_sp = SINGLE_RANK
+        if "dp" in names and "sp" in names:
+            # _flatten is the DeviceMesh way to get the group of a product of dims (torchtitan).
+            dp_sp = mesh["dp", "sp"]._flatten("dp_sp").get_group()
+        return cls(dp_group=groups.get("dp", SINGLE_RANK), sp_group=groups.get("sp", SINGLE_RANK),
+                   tp_group=groups.get("tp", SINGLE_RANK), dp_sp_group=dp_sp, mesh=mesh)
+
+    @classmethod
+    def from_mpu(cls, mpu: Any) -> "Topology":
+        """From a Megatron / DeepSpeed ``mpu`` (``get_data_parallel_group``,
+        ``get_tensor_model_parallel_group`` or ``get_model_parallel_group``, optionally
+        ``get_sequence_parallel_group`` and ``get_sequence_data_parallel_group``). A group the
+        mpu reports as ``None`` is the default group, as torch.distributed reads it.
+
+        Raises:
+            TypeError: ``mpu`` has no ``get_data_parallel_group``.
+        """
+        if not hasattr(mpu, "get_data_parallel_group"):
+            raise TypeError(f"mpu must provide get_data_parallel_group(), got {type(mpu).__name__}")
+        dp = mpu.get_data_parallel_group()
+        if hasattr(mpu, "get_tensor_model_parallel_group"):
+            tp = mpu.get_tensor_model_parallel_group()
+        elif hasattr(mpu, "get_model_parallel_group"):
+            tp = mpu.get_model_parallel_group()
+        else:
+            tp = SINGLE_RANK
+        sp = (mpu.get_sequence_parallel_group() if hasattr(mpu, "get_sequence_parallel_group")
+              else SINGLE_RANK)
+        dp_sp = (mpu.get_sequence_data_parallel_group()
+                 if hasattr(mpu, "get_sequence_data_parallel_group") else SINGLE_RANK)
+        return cls(dp_group=dp, sp_group=sp, tp_group=tp, dp_sp_group=dp_sp)
+
+    def __repr__(self) -> str:
+        return (f"Topology(dp={self.dp_size}, sp={self.sp_size}, tp={self.tp_size}, "
+                f"dp_sp={self.dp_sp_size})")

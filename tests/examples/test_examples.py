@@ -1,0 +1,50 @@
+"""What a user copies is what CI ran: every ``python`` code block of the READMEs is, verbatim, one
+of the scripts in ``examples/``, and every example runs to its own checks (each asserts its result
+against a float64 single-device reference)."""
+import re
+import subprocess
+import sys
+
+import pytest
+
+from launch_helpers import REPO, run_deepspeed_launcher
+
+READMES = [REPO / "README.md", REPO / "launch" / "README.md"]
+EXAMPLES = sorted((REPO / "examples").glob("*.py"))
+
+
+def _python_blocks(path):
+    return re.findall(r"```python\n(.*?)```", path.read_text(encoding="utf-8"), flags=re.S)
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(REPO)))
+def test_readme_python_blocks_are_example_scripts(readme):
+    scripts = {p.read_text(encoding="utf-8"): p.name for p in EXAMPLES}
+    blocks = _python_blocks(readme)
+    assert blocks, f"{readme} has no python block"
+    for block in blocks:
+        assert block in scripts, (f"a python block of {readme.name} is not verbatim one of "
+                                  f"examples/*.py:\n{block[:300]}")
+
+
+def test_single_device_example_runs():
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "single_device.py")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "linear_cross_entropy" in proc.stdout
+
+
+@pytest.mark.deepspeed
+@pytest.mark.timeout(300)
+def test_deepspeed_calibration_example_gives_the_single_device_update():
+    proc = run_deepspeed_launcher(REPO / "examples" / "deepspeed_calibration.py", [],
+                                  timeout=280)
+    assert proc.stdout.count("worst relative update error") == 2
+
+
+@pytest.mark.deepspeed
+@pytest.mark.timeout(300)
+def test_hf_causal_lm_example_trains():
+    proc = run_deepspeed_launcher(REPO / "examples" / "hf_causal_lm.py", [], timeout=280)
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", proc.stdout)]
+    assert len(losses) == 20 and losses[-1] < losses[0] - 1.0, losses

@@ -1,0 +1,71 @@
+"""The ds_config "megaloss" section: defaults, the issue's example, and errors naming the key."""
+import json
+
+import pytest
+
+from megaloss.integrations.deepspeed.config import CEConfig, MegalossConfig, load_megaloss_config
+
+EXAMPLE = {"megaloss": {"ce": {"chunk_size": 1024, "z_loss": 1e-4, "label_smoothing": 0.0,
+                               "logit_softcapping": None, "loss_reduction": "token"},
+                        "tensor_parallel_size": 2,
+                        "mnr": {"temperature": 0.05, "symmetric": True}}}
+
+
+def test_issue_example_round_trips_from_dict_and_path(tmp_path):
+    cfg = load_megaloss_config(EXAMPLE)
+    assert cfg.tensor_parallel_size == 2
+    assert cfg.ce == CEConfig(chunk_size=1024, z_loss=1e-4, loss_reduction="token")
+    assert cfg.mnr.temperature == 0.05 and cfg.mnr.symmetric is True
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, **EXAMPLE}))
+    assert load_megaloss_config(path) == cfg
+    assert load_megaloss_config(str(path)) == cfg
+
+
+def test_missing_section_gives_defaults():
+    assert load_megaloss_config({"train_batch_size": 8}) == MegalossConfig()
+    assert load_megaloss_config(None) == MegalossConfig()
+    assert MegalossConfig().ce.loss_reduction == "token"
+
+
+@pytest.mark.parametrize("section, key", [
+    ({"ce": {"chunksize": 8}}, "megaloss.ce.chunksize"),
+    ({"ce": {"chunk_size": 0}}, "megaloss.ce.chunk_size"),
+    ({"ce": {"chunk_size": True}}, "megaloss.ce.chunk_size"),
+    ({"ce": {"loss_reduction": "mean"}}, "megaloss.ce.loss_reduction"),
+    ({"ce": {"reduction": "token"}}, "'reduction' is now 'loss_reduction'"),
+    ({"ce": {"label_smoothing": 1.0}}, "megaloss.ce.label_smoothing"),
+    ({"ce": {"z_loss": -1e-4}}, "megaloss.ce.z_loss"),
+    ({"ce": {"logit_softcapping": 0.0}}, "megaloss.ce.logit_softcapping"),
+    ({"tensor_parallel_size": 0}, "megaloss.tensor_parallel_size"),
+    ({"mnr": {"temperature": 0}}, "megaloss.mnr.temperature"),
+    ({"mnr": {"symmetric": "yes"}}, "megaloss.mnr.symmetric"),
+    ({"lossy": 1}, "megaloss.lossy"),
+])
+def test_bad_keys_and_values_name_the_key(section, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        load_megaloss_config({"megaloss": section})
+
+
+def test_ce_options_flow_to_the_kernel_options():
+    opts = CEConfig(chunk_size=64, z_loss=1e-3, label_smoothing=0.1,
+                    logit_softcapping=30.0).options(ignore_index=-1)
+    assert (opts.chunk_size, opts.z_loss, opts.label_smoothing, opts.logit_softcapping,
+            opts.ignore_index, opts.reduction) == (64, 1e-3, 0.1, 30.0, -1, "sum")
+
+
+def test_bad_container_types():
+    with pytest.raises(TypeError, match="megaloss"):
+        load_megaloss_config({"megaloss": [1, 2]})
+    with pytest.raises(TypeError, match="ds_config"):
+        load_megaloss_config(42)
+
+
+def test_shipped_configs_validate():
+    import glob
+    import os
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+    paths = sorted(glob.glob(os.path.join(root, "*.json")))
+    assert paths, "configs/*.json missing"
+    for p in paths:
+        load_megaloss_config(p)

@@ -1,0 +1,154 @@
+"""End-to-end tests of the benchmark and checker tools at small sizes. Every number checked is
+compared with an expectation computed here independently of the tool and of megaloss: losses
+against plain-torch float64 references on the same inputs (each tool's inputs are a documented
+function of its seed), collective bytes against the known collectives of the vocab-parallel
+loss, peak memory against the size of the full logits the eager path must hold and the chunked
+path must not, and engine gradient factors against DDP's and DeepSpeed's documented reductions."""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOLS = os.path.join(ROOT, "tools")
+MIB = 2.0 ** 20
+
+
+def _run(script: str, *args: str, timeout: float = 240) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(TOOLS, script), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _read_csv(path) -> list:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _finite(row: dict, keys) -> None:
+    for k in keys:
+        value = float(row[k])
+        assert math.isfinite(value), f"{k} = {row[k]!r} is not finite"
+
+
+def _reference_ce(n: int, hidden: int, vocab: int, seed: int, order: str) -> float:
+    """Mean cross-entropy in float64 of a tool's inputs: one CPU generator seeded with ``seed``
+    draws ``hidden [n, H]`` (h), ``weight [V, H] * 0.02`` (w) and ``labels [n]`` (y) in
+    ``order``."""
+    gen = torch.Generator().manual_seed(seed)
+    draw = {"h": lambda: torch.randn(n, hidden, generator=gen),
+            "w": lambda: torch.randn(vocab, hidden, generator=gen).mul_(0.02),
+            "y": lambda: torch.randint(0, vocab, (n,), generator=gen)}
+    t = {name: draw[name]() for name in order}
+    return F.cross_entropy(t["h"].double() @ t["w"].double().T, t["y"]).item()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_ce_loss_and_memory(tmp_path):
+    n, hidden, vocab, chunk = 1024, 32, 2000, 64
+    out_csv, out_png = tmp_path / "ce.csv", tmp_path / "ce.png"
+    stdout = _run("bench_ce.py", "--sizes", str(n), "--hidden", str(hidden), "--vocab",
+                  str(vocab), "--chunk-size", str(chunk), "--repeats", "1", "--threads", "1",
+                  "--no-cuda", "--seed", "3", "--csv", str(out_csv), "--plot", str(out_png))
+    assert "megaloss_s" in stdout and "mem_ratio" in stdout
+    rows = _read_csv(out_csv)
+    assert [(r["device"], r["dtype"], r["tokens"]) for r in rows] == [("cpu", "float32", str(n))]
+    row = rows[0]
+    _finite(row, ["eager_s", "megaloss_s", "time_ratio", "gemm3_s", "roofline"])
+    assert int(row["repeats"]) == 1
+
+    # Both losses equal plain torch in float64 on the same inputs (fp32: ~1e-6 relative). A
+    # wrong weight scale, label or reduction moves the loss far from ln(V) + tiny.
+    want = _reference_ce(n, hidden, vocab, seed=3, order="hwy")
+    assert float(row["loss_eager"]) == pytest.approx(want, rel=1e-5)
+    assert float(row["loss_megaloss"]) == pytest.approx(want, rel=1e-5)
+
+    # Memory: eager materialises the [N, V] fp32 logits (and more: softmax, its gradient); the
+    # chunked loss holds [chunk, V] blocks plus O((N + V) H) buffers, far below one logits copy.
+    if not row["mem_method"].startswith("VmHWM"):
+        pytest.skip("peak RSS cannot be reset here (no /proc/self/clear_refs)")
+    logits_mib = n * vocab * 4 / MIB  # 7.8 MiB
+    eager, mega = float(row["eager_MiB"]), float(row["megaloss_MiB"])
+    assert eager >= logits_mib, (eager, logits_mib)
+    assert mega < 0.25 * logits_mib, (mega, logits_mib)
+    assert float(row["mem_ratio"]) == pytest.approx(mega / eager)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_bench_vocab_parallel_comm_loss_and_memory(tmp_path):
+    n, hidden, vocab, chunk = 2048, 16, 1001, 64  # V odd: TP=2 pads one row
+    out_csv = tmp_path / "vp.csv"
+    stdout = _run("bench_vocab_parallel.py", "--tp", "1", "2", "--tokens", str(n), "--hidden",
+                  str(hidden), "--vocab", str(vocab), "--chunk-size", str(chunk), "--repeats",
+                  "1", "--cpus", "1", "--seed", "5", "--csv", str(out_csv))
+    assert "fwd_B_per_token" in stdout
+    rows = _read_csv(out_csv)
+    assert [r["tp"] for r in rows] == ["1", "2"]
+    tp1, tp2 = rows
+
+    # Loss: plain torch in float64 on the full (unsharded) lm_head, same at every TP size. A
+    # padded row entering the softmax would shift it by log((V+1)/V) ~ 1e-3.
+    want = _reference_ce(n, hidden, vocab, seed=5, order="hyw")
+    for r in rows:
+        assert float(r["loss"]) == pytest.approx(want, rel=1e-5), r["tp"]
+        assert r["loss_same_on_all_ranks"] == "True"
+        assert int(r["rows_per_rank"]) == math.ceil(vocab / int(r["tp"]))
+
+    # Communication, from the algorithm: nothing at TP=1. At TP>1, per chunk of tokens one MAX
+    # all-reduce of [C] fp32 and one SUM of [2, C] fp32 = 4 + 8 = 12 B/token in forward (2 calls
+    # per chunk); backward one SUM all-reduce of d_hidden [N, H] fp32 = 4H B/token; plus the
+    # cross-rank shape check, one all-gather of 5 int64 per call = 40 B.
+    for key in ("fwd_B_per_token", "bwd_B_per_token", "fwd_calls", "bwd_calls", "other_B"):
+        assert float(tp1[key]) == 0, key
+    assert float(tp2["fwd_B_per_token"]) == 12.0
+    assert int(tp2["fwd_calls"]) == 2 * math.ceil(n / chunk)
+    assert float(tp2["bwd_B_per_token"]) == 4.0 * hidden
+    assert int(tp2["bwd_calls"]) == 1
+    assert int(tp2["other_B"]) == 5 * 8
+
+    # Memory per rank: never one [N, V/TP] fp32 logits copy (chunks of [C, V/TP] only).
+    for r in rows:
+        if not r["mem_method"].startswith("VmHWM"):
+            pytest.skip("peak RSS cannot be reset here (no /proc/self/clear_refs)")
+        shard_logits_mib = n * int(r["rows_per_rank"]) * 4 / MIB  # 7.8 / 3.9 MiB
+        assert float(r["extra_MiB"]) < 0.5 * shard_logits_mib, (r["tp"], r["extra_MiB"])
+        _finite(r, ["time_s", "extra_MiB_min", "mem_vs_tp1"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+@pytest.mark.timeout(300)
+def test_check_engine_scale_factors():
+    world, gas = 2, 2
+    stdout = _run("check_engine_scale.py", "--world", str(world), "--gas", str(gas),
+                  timeout=280)
+    found = {}
+    for line in stdout.splitlines():
+        m = re.match(r"\s+(.+?)\s+c = (\S+) \(measured (\S+)\)\s+loss multiplier = (\S+)$", line)
+        if m:
+            found[m.group(1)] = tuple(float(v) for v in m.group(2, 3, 4))
+    assert "FAILED" not in stdout and "ERROR" not in stdout, stdout
+    # DDP averages over its W ranks and sums the micro-batches: c = 1/W. DeepSpeed's
+    # engine.backward divides each micro-batch loss by G and averages over W: c = 1/(W G).
+    want = {"ddp (no_sync accumulation)": 1 / world}
+    want.update({f"zero{s} engine.backward": 1 / (world * gas) for s in range(4)})
+    for name, c in want.items():
+        assert name in found, f"no row {name!r} in:\n{stdout}"
+        factor, measured, multiplier = found[name]
+        assert factor == pytest.approx(c, rel=1e-6) and measured == pytest.approx(c, rel=1e-4)
+        assert multiplier == pytest.approx(1 / c)

@@ -12,11 +12,11 @@ from .groups import SINGLE_RANK, group_rank, group_ranks, group_size, resolve_gr
 from .mappings import (all_reduce_sum_autograd, copy_to_region, gather_from_region,
                        reduce_from_region)
 from .param_tags import is_tensor_parallel, mark_tensor_parallel
-from .topology import Topology, init_dp_tp_mesh
+from .topology import Topology, init_dp_tp_mesh, init_parallel_mesh
 
 __all__ = [
     "SINGLE_RANK", "resolve_group", "group_size", "group_rank", "group_ranks",
-    "Topology", "init_dp_tp_mesh",
+    "Topology", "init_dp_tp_mesh", "init_parallel_mesh",
     "all_reduce_sum_", "all_reduce_max_", "all_gather_dim0", "all_gather_sizes",
     "copy_to_region", "reduce_from_region", "all_reduce_sum_autograd", "gather_from_region",
     "mark_tensor_parallel", "is_tensor_parallel",

@@ -25,37 +25,55 @@ import torch.distributed as dist
 
 from .groups import SINGLE_RANK, GroupLike, group_rank, group_size, resolve_group
 
-__all__ = ["Topology", "init_dp_tp_mesh"]
+__all__ = ["Topology", "init_parallel_mesh", "init_dp_tp_mesh"]
 
 _MESH_DIMS = ("dp", "sp", "tp")
 
 
-def init_dp_tp_mesh(tensor_parallel_size: int, *, device_type: Optional[str] = None) -> Any:
-    """A 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` with dims ``("dp", "tp")``.
+def init_parallel_mesh(tensor_parallel_size: int = 1, sequence_parallel_size: int = 1, *,
+                       device_type: Optional[str] = None) -> Any:
+    """A :class:`~torch.distributed.device_mesh.DeviceMesh` with dims ``("dp", "sp", "tp")``
+    (``"sp"`` left out when it has size 1).
 
     Tensor parallelism is the innermost dim (ranks ``0..tp-1`` form the first TP group,
-    Megatron's convention), so TP collectives stay on neighbouring ranks. Collective: every rank
-    of the default group calls it. ``dp = world // tp``.
+    Megatron-core's convention), so TP collectives stay on neighbouring ranks; sequence
+    parallelism is next (with ``tp = 1`` the SP groups are runs of consecutive ranks, the groups
+    DeepSpeed's Ulysses builds in ``runtime/sequence_parallel/parallel_state_sp.py``). Collective:
+    every rank of the default group calls it. ``dp = world // (sp * tp)``.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: ``tensor_parallel_size`` < 1 or does not divide the world size.
+        ValueError: a size < 1, or ``sp * tp`` does not divide the world size.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
-        raise RuntimeError("init_dp_tp_mesh needs torch.distributed to be initialised")
-    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
-            or tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+        raise RuntimeError("init_parallel_mesh needs torch.distributed to be initialised")
+    for name, size in (("tensor_parallel_size", tensor_parallel_size),
+                       ("sequence_parallel_size", sequence_parallel_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {size!r}")
     world = dist.get_world_size()
-    if world % tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide the world "
-                         f"size {world}")
+    model = tensor_parallel_size * sequence_parallel_size
+    if world % model:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x sequence_parallel_size="
+                         f"{sequence_parallel_size} does not divide the world size {world}")
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device_type, (world // tensor_parallel_size, tensor_parallel_size),
-                            mesh_dim_names=("dp", "tp"))
+    if sequence_parallel_size == 1:
+        return init_device_mesh(device_type, (world // tensor_parallel_size, tensor_parallel_size),
+                                mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device_type, (world // model, sequence_parallel_size,
+                                          tensor_parallel_size), mesh_dim_names=("dp", "sp", "tp"))
+
+
+def init_dp_tp_mesh(tensor_parallel_size: int, *, device_type: Optional[str] = None) -> Any:
+    """:func:`init_parallel_mesh` without sequence parallelism: dims ``("dp", "tp")``.
+
+    Raises:
+        RuntimeError / ValueError: as :func:`init_parallel_mesh`.
+    """
+    return init_parallel_mesh(tensor_parallel_size, device_type=device_type)
 
 
 @dataclass(frozen=True)
@@ -134,21 +152,23 @@ class Topology:
         return cls(dp_group=None, dp_sp_group=None)
 
     @classmethod
-    def build(cls, tensor_parallel_size: int = 1, *,
+    def build(cls, tensor_parallel_size: int = 1, *, sequence_parallel_size: int = 1,
               device_type: Optional[str] = None) -> "Topology":
-        """``dp x tp`` groups over the whole world from a DeviceMesh (:func:`init_dp_tp_mesh`);
-        collective. Without torch.distributed: one process (``tensor_parallel_size`` must be 1).
+        """``dp x sp x tp`` groups over the whole world from a DeviceMesh
+        (:func:`init_parallel_mesh`); collective. Without torch.distributed: one process (both
+        sizes must be 1).
 
         Raises:
-            ValueError: see :func:`init_dp_tp_mesh`; TP > 1 without torch.distributed.
+            ValueError: see :func:`init_parallel_mesh`; a size > 1 without torch.distributed.
         """
         if not dist.is_initialized():
-            if tensor_parallel_size != 1:
-                raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs "
+            if tensor_parallel_size != 1 or sequence_parallel_size != 1:
+                raise ValueError(f"tensor_parallel_size={tensor_parallel_size}, "
+                                 f"sequence_parallel_size={sequence_parallel_size} need "
                                  "torch.distributed to be initialised")
             return cls()
-        return cls.from_device_mesh(init_dp_tp_mesh(tensor_parallel_size,
-                                                    device_type=device_type))
+        return cls.from_device_mesh(init_parallel_mesh(
+            tensor_parallel_size, sequence_parallel_size, device_type=device_type))
 
     @classmethod
     def from_device_mesh(cls, mesh: Any) -> "Topology":

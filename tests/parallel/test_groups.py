@@ -37,5 +37,5 @@ def test_topology_defaults():
     assert t.dp_group is SINGLE_RANK and t.dp_sp_group is SINGLE_RANK
     assert Topology.default().dp_size == 1
     assert Topology.build(1).tp_size == 1
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2, sequence_parallel_size=1 need"):
         Topology.build(2)

@@ -37,25 +37,39 @@ class DeepSpeedMPU:
     DeviceMesh always has them, size-1 groups included).
 
     Args:
-        topology: a :class:`~megaloss.Topology` with ``sp`` of size 1.
+        topology: a :class:`~megaloss.Topology`. With ``sp > 1`` (DeepSpeed-Ulysses sequence
+            parallelism) the mpu also answers ``get_sequence_parallel_*`` and
+            ``get_sequence_data_parallel_*``: DeepSpeed then partitions and reduces gradients
+            over the ``dp x sp`` group (``utils/groups.py``: it looks for these methods with
+            ``hasattr``, so they exist only when ``sp > 1``).
 
     Raises:
         TypeError: ``topology`` is not a Topology.
-        ValueError: ``sp > 1``, or a dp / tp dimension without a real group while more than
-            one process runs.
+        ValueError: a dp / tp (or, with ``sp > 1``, sp and dp x sp) dimension without a real
+            group while more than one process runs.
     """
 
     def __init__(self, topology: Topology) -> None:
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a Topology, got {type(topology).__name__}")
-        if topology.sp_size != 1:
-            raise ValueError(f"DeepSpeedMPU supports dp x tp only, got {topology!r}")
         multi = dist.is_initialized() and dist.get_world_size() > 1
-        if multi and (topology.dp_group is SINGLE_RANK or topology.tp_group is SINGLE_RANK):
+        needed = [topology.dp_group, topology.tp_group]
+        if topology.sp_size > 1:
+            needed += [topology.sp_group, topology.dp_sp_group]
+        if multi and any(g is SINGLE_RANK for g in needed):
             raise ValueError("with several processes the topology needs real dp and tp groups "
-                             "(DeepSpeed would read a missing group as WORLD); build it with "
-                             "Topology.build(tensor_parallel_size) or from a DeviceMesh")
+                             "(and sp, dp x sp with sequence parallelism; DeepSpeed would read a "
+                             "missing group as WORLD); build it with Topology.build(...) or "
+                             "from a DeviceMesh")
         self.topology = topology
+        if topology.sp_size > 1:
+            t = topology
+            self.get_sequence_parallel_group = lambda: t.sp_group
+            self.get_sequence_parallel_world_size = lambda: t.sp_size
+            self.get_sequence_parallel_rank = lambda: t.sp_rank
+            self.get_sequence_data_parallel_group = lambda: t.dp_sp_group
+            self.get_sequence_data_parallel_world_size = lambda: t.dp_sp_size
+            self.get_sequence_data_parallel_rank = lambda: group_rank(t.dp_sp_group)
 
     @classmethod
     def from_device_mesh(cls, mesh: Any) -> "DeepSpeedMPU":
@@ -67,6 +81,12 @@ class DeepSpeedMPU:
 
     # data parallel ------------------------------------------------------------------------------
     def get_data_parallel_group(self) -> ProcessGroup:
+        # With sequence parallelism, DeepSpeed's ZeRO-3 reduces gradients over the group this
+        # returns; its own Ulysses mpu (``parallel_state_sp.py``) answers None here, i.e. the
+        # world = dp x sp. So the data-parallel *group* is dp x sp, while the data-parallel
+        # *size* (batch-size arithmetic) stays dp, as DeepSpeed's config computes world / sp.
+        if self.topology.sp_size > 1:
+            return self._group(self.topology.dp_sp_group)
         return self._group(self.topology.dp_group)
 
     def get_data_parallel_world_size(self) -> int:

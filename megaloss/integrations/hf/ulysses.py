@@ -1,0 +1,84 @@
+"""DeepSpeed-Ulysses sequence parallelism for Hugging Face models, over a Topology's ``sp`` group.
+
+Each rank of an SP group holds a contiguous slice of every sample's tokens (the inputs cut as
+:func:`megaloss.calibration.split_for_sequence_parallel` cuts the labels). Attention needs the
+whole sequence: DeepSpeed's ``UlyssesSPAttentionHF`` (``deepspeed/runtime/sequence_parallel/
+ulysses_sp.py``, DeepSpeed 0.19; Jacobs et al. 2023, arXiv:2309.14509, and the Arctic Long
+Sequence Training recipe, arXiv:2506.13996) all-to-alls the query/key/value heads so that each
+rank attends over the full sequence for ``heads / sp`` heads, then all-to-alls back. Everything
+else (MLP, norms, the lm_head and megaloss's loss) runs on the rank's token slice.
+
+DeepSpeed's own ``UlyssesSPAttentionHF.register_with_transformers`` builds its SP groups itself
+from consecutive ranks (``parallel_state_sp.py``) and aliases model parallelism to SP, so it
+cannot be combined with a tensor-parallel group. :func:`enable_ulysses_attention` does what that
+registration does — the same attention module, the same "replace the core attention function of
+``transformers``" hook — with the topology's own SP group, so ``dp x sp x tp`` layouts work.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ...parallel.topology import Topology
+
+__all__ = ["enable_ulysses_attention"]
+
+
+def enable_ulysses_attention(model: Any, topology: Topology, *, micro_batch_size: int,
+                             attn_implementation: str = "sdpa") -> Callable[[], None]:
+    """Route ``model``'s attention through DeepSpeed's Ulysses all-to-all over
+    ``topology.sp_group``. Collective over the SP group at every attention call.
+
+    Args:
+        model: a ``transformers`` ``PreTrainedModel`` (or a wrapper with ``.config``) loaded with
+            ``attn_implementation=attn_implementation``.
+        topology: the process groups; nothing happens when ``topology.sp_size == 1``.
+        micro_batch_size: rows per micro-batch (Ulysses checks the shapes it exchanges).
+        attn_implementation: the core attention ``transformers`` runs after the all-to-all
+            (``"sdpa"`` on CPU; flash-attention variants on GPU). ``"eager"`` is refused by
+            DeepSpeed (it needs a 4D mask).
+
+    Returns:
+        A function that restores ``transformers``' original attention function (the hook is
+        process-global, as DeepSpeed's is).
+
+    Raises:
+        ValueError: the model's attention implementation differs from ``attn_implementation``,
+            or its head counts are not divisible as Ulysses needs (``heads % sp``).
+    """
+    if topology.sp_size == 1:
+        return lambda: None
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("model must be a transformers model with a .config")
+    actual = getattr(config, "_attn_implementation", None)
+    if actual is not None and actual != attn_implementation:
+        raise ValueError(f"the model runs attn_implementation={actual!r} but "
+                         f"attn_implementation={attn_implementation!r} was asked for; load the "
+                         "model with the same value")
+    text = config.get_text_config()
+    heads, sp = text.num_attention_heads, topology.sp_size
+    if heads % sp:
+        raise ValueError(f"num_attention_heads={heads} must be divisible by sp={sp} (Ulysses "
+                         "gives each SP rank heads / sp heads)")
+    original = ALL_ATTENTION_FUNCTIONS[attn_implementation]
+    uattn = UlyssesSPAttentionHF(
+        attn=original, batch_size=micro_batch_size, attn_head_count=heads,
+        attn_head_size=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        kv_head_count=text.num_key_value_heads, num_hidden_layers=text.num_hidden_layers,
+        process_group=topology.sp_group, seq_length_is_variable=True)
+    uattn.core_attn_implementation = attn_implementation
+
+    def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        # The mask transformers builds covers the local slice only; Ulysses attends over the
+        # gathered sequence with causal masking from the gathered position_ids instead.
+        return uattn(module, query, key, value, None, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[attn_implementation] = ulysses_attention
+
+    def restore() -> None:
+        ALL_ATTENTION_FUNCTIONS[attn_implementation] = original
+
+    return restore

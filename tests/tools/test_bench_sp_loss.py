@@ -1,0 +1,26 @@
+"""tools/bench_sp_loss.py runs end to end at a tiny size, and its two losses (megaloss's chunked
+CE and DeepSpeed's TiledFusedLogitsLoss, two independent implementations) agree."""
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_sp_loss_runs_and_losses_agree(tmp_path):
+    out = tmp_path / "sp.csv"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_sp_loss.py"), "--seq", "1024", "--sp", "1",
+         "2", "--hidden", "32", "--vocab", "500", "--chunk", "128", "--repeats", "1",
+         "--threads", "1", "--csv", str(out)], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [int(r["tokens_per_rank"]) for r in rows] == [1024, 512]
+    for r in rows:
+        assert float(r["loss_abs_diff"]) < 1e-5, r
+        assert float(r["megaloss_s"]) > 0 and float(r["tiled_s"]) > 0

@@ -1,7 +1,8 @@
 """Sequence parallelism (DeepSpeed-Ulysses attention over the Topology's ``sp`` group) with global
 calibration, against single-process float64: SP=2 (2 processes) and DP=2 x SP=2 (4 processes),
 ZeRO 1-3, GAS 1-2, all three ``loss_reduction`` s, a sequence length that is no multiple of SP
-(padded to it), and one micro-batch of packed samples that cross the SP split.
+(padded to it), and one micro-batch of packed samples that cross the SP split; plus SP=2 x TP=2
+(4 processes, vocab-parallel lm_head, ZeRO-2, GAS 2).
 
 Every rank gets the *full* labels of its DP rank's micro-batches (the calibration counts each
 sample whole) and feeds its SP slice of the tokens through a tiny Llama whose attention is
@@ -19,8 +20,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow]
 
 VOCAB, HIDDEN, SEQ, MICRO = 29, 16, 7, 2      # SEQ odd: SP=2 pads every row by one token
 REDUCTIONS = ("token", "sample", "square")
-# (ZeRO stage, GAS): a covering set per world size
-LAYOUTS = {2: [(1, 1), (2, 2), (3, 2)], 4: [(1, 2), (2, 1), (3, 2)]}
+# (world, sp, tp) -> (ZeRO stage, GAS) covering set
+LAYOUTS = {(2, 2, 1): [(1, 1), (2, 2), (3, 2)], (4, 2, 1): [(1, 2), (2, 1), (3, 2)],
+           (4, 2, 2): [(2, 2)]}
 
 
 def _config():
@@ -80,7 +82,7 @@ def _reference(dp, gas, reduction):
     return float(total), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _run(rank, world, sp, layouts):
+def _run(rank, world, sp, tp, layouts):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -92,8 +94,8 @@ def _run(rank, world, sp, layouts):
 
     skip_cpu_shm_comm_build()
     deepspeed.init_distributed()
-    topo = Topology.build(1, sequence_parallel_size=sp)
-    assert (topo.sp_size, topo.dp_sp_size) == (sp, world)
+    topo = Topology.build(tp, sequence_parallel_size=sp)
+    assert (topo.sp_size, topo.tp_size, topo.dp_sp_size) == (sp, tp, world // tp)
     mpu = DeepSpeedMPU(topo)
     out = {}
     for stage, gas in layouts:
@@ -101,7 +103,7 @@ def _run(rank, world, sp, layouts):
                "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
                "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
         scale = probe_deepspeed(cfg, mpu=mpu)
-        model = CausalLMWithLoss(_model(torch.float32),
+        model = CausalLMWithLoss(_model(torch.float32), tp_group=topo.tp_group,
                                  options=CrossEntropyOptions(reduction="sum", chunk_size=5))
         restore = enable_ulysses_attention(model.model, topo, micro_batch_size=MICRO)
         engine, *_ = deepspeed.initialize(model=model, config=cfg, mpu=mpu,
@@ -119,7 +121,7 @@ def _run(rank, world, sp, layouts):
                              loss_weights=step.weights(i))
                 engine.backward(step.loss_for_backward(res.loss))
                 if i == gas - 1:
-                    grads = {n.removeprefix("model."): safe_get_full_grad(p).double().clone()
+                    grads = {n.removeprefix("model."): _full(safe_get_full_grad(p), p, topo)
                              for n, p in engine.module.named_parameters()}
                 engine.step()
             out[(stage, gas, reduction)] = (float(step.global_loss()), grads,
@@ -129,15 +131,26 @@ def _run(rank, world, sp, layouts):
     return out
 
 
-def _check(results, world, sp):
-    dp = world // sp
+def _full(grad, param, topo):
+    """The whole parameter's gradient: vocab shards gathered over TP, padding rows dropped."""
+    import torch.distributed as dist
+    grad = grad.double().clone()
+    if getattr(param, "tensor_model_parallel", False) and topo.tp_size > 1:
+        parts = [torch.empty_like(grad) for _ in range(topo.tp_size)]
+        dist.all_gather(parts, grad, group=topo.tp_group)
+        grad = torch.cat(parts)[:VOCAB]
+    return grad
+
+
+def _check(results, world, sp, tp):
+    dp = world // (sp * tp)
     failures = []
-    for stage, gas in LAYOUTS[world]:
+    for stage, gas in LAYOUTS[(world, sp, tp)]:
         for reduction in REDUCTIONS:
             ref_loss, ref_grads = _reference(dp, gas, reduction)
             for rank, res in enumerate(results):
                 loss, grads, mult = res[(stage, gas, reduction)]
-                where = f"rank {rank} dp={dp} sp={sp} zero{stage} gas={gas} {reduction}"
+                where = f"rank {rank} dp={dp} sp={sp} tp={tp} zero{stage} gas={gas} {reduction}"
                 if abs(loss - ref_loss) > 1e-5 * abs(ref_loss):
                     failures.append(f"{where}: loss {loss} != {ref_loss} (multiplier {mult})")
                 for name, ref in ref_grads.items():
@@ -148,7 +161,7 @@ def _check(results, world, sp):
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("world", [2, 4], ids=["sp2", "dp2xsp2"])
-def test_ulysses_sequence_parallel_matches_single_device(world):
-    results = run_distributed(_run, world, 2, LAYOUTS[world], timeout=400)
-    _check(results, world, sp=2)
+@pytest.mark.parametrize("world, sp, tp", list(LAYOUTS), ids=["sp2", "dp2xsp2", "sp2xtp2"])
+def test_ulysses_sequence_parallel_matches_single_device(world, sp, tp):
+    results = run_distributed(_run, world, sp, tp, LAYOUTS[(world, sp, tp)], timeout=400)
+    _check(results, world, sp, tp)

@@ -14,10 +14,18 @@ setup(
     python_requires=">=3.10",
     install_requires=[TORCH, "pydantic>=2.0", "numpy"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+        # triton: the Triton epilogue's tests run its kernels on CPU through Triton's interpreter
+        # (TRITON_INTERPRET=1). Pinned to one that works there: 3.6's interpreter fails with
+        # numpy 2.4 (loop bounds); triton has no dependencies, so it pulls no torch.
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100",
+                 "triton==3.8.0; sys_platform == 'linux'"],
         "deepspeed": ["deepspeed==0.19.8"],
         "hf": ["transformers>=4.46,<6", "tokenizers>=0.20", "rich>=13", "tqdm>=4.66",
                "matplotlib>=3.8"],
-        "wandb": ["wandb>=0.17"],
+        # Monitors DeepSpeed writes megaloss's metrics to (ds_config "wandb" / "tensorboard"
+        # sections); the tests read an offline W&B run back with `wandb leet inspect` (0.31+).
+        # Neither depends on torch.
+        "wandb": ["wandb>=0.31"],
+        "tensorboard": ["tensorboard>=2.14"],
     },
 )

@@ -21,6 +21,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "distributed: spawns several gloo processes (slow tier)")
     config.addinivalue_line("markers", "deepspeed: runs a real DeepSpeed engine (slow tier)")
     config.addinivalue_line("markers", "slow: not in the fast tier (CI runs everything)")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU, skips without (gpu_check.sh)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,5 +5,9 @@
 # against the torch installed here instead of downloading another one into a build environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The test extra brings triton (no dependencies of its own: the CPU torch stays), whose
+# interpreter runs the Triton epilogue's tests on CPU.
+# The wandb and tensorboard extras: the monitors the LM job's tests read back (no torch either).
 python3 -m pip install -q "torch==2.13.0"
-python3 -m pip install -q --no-build-isolation -e ".[test,deepspeed,hf]"
+python3 -m pip install -q --no-build-isolation -e ".[test,deepspeed,hf,wandb,tensorboard]"
+python3 -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"

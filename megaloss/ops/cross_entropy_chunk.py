@@ -35,7 +35,6 @@ reference), or two fused Triton kernels working in place on the logits buffer
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -81,9 +80,11 @@ def _triton_importable() -> bool:
     return True
 
 
-def _interpreting() -> bool:
-    # Read as Triton reads it (triton.knobs), without importing triton on CPU-only paths.
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+def _interpreter_ready() -> bool:
+    """Whether triton was imported under ``TRITON_INTERPRET=1`` (its interpreter runs kernels on
+    CPU tensors). Imports triton: only asked when ``impl="triton"`` meets CPU tensors."""
+    from .triton_epilogue import interpreted
+    return interpreted()
 
 
 def epilogue_impl(impl: str, logits: torch.Tensor) -> str:
@@ -110,10 +111,10 @@ def epilogue_impl(impl: str, logits: torch.Tensor) -> str:
         raise ValueError("impl='triton' needs the triton package (pip install triton); use "
                          "impl='auto' or 'torch'")
     if logits.device.type == "cpu":
-        if not _interpreting():
-            raise ValueError("impl='triton' on CPU tensors runs only under Triton's interpreter "
-                             "(set TRITON_INTERPRET=1 before the first launch; slow, for tests); "
-                             "use impl='auto' or 'torch' on CPU")
+        if not _interpreter_ready():
+            raise ValueError("impl='triton' on CPU tensors runs only under Triton's interpreter: "
+                             "set TRITON_INTERPRET=1 before triton is first imported (slow, for "
+                             "tests); use impl='auto' or 'torch' on CPU")
     elif not logits.is_cuda:
         raise ValueError(f"impl='triton' runs on CUDA tensors, got device {logits.device}; use "
                          f"impl='auto' or 'torch'")

@@ -30,10 +30,10 @@ def test_auto_and_torch_take_torch_on_cpu(monkeypatch):
 def test_forced_triton_refusals(monkeypatch):
     logits = torch.zeros(2, 3)
     monkeypatch.setattr(cross_entropy_chunk, "_triton_importable", lambda: True)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(cross_entropy_chunk, "_interpreter_ready", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         epilogue_impl("triton", logits)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(cross_entropy_chunk, "_interpreter_ready", lambda: True)
     assert epilogue_impl("triton", logits) == "triton"
     with pytest.raises(ValueError, match="float64"):
         epilogue_impl("triton", logits.double())
@@ -45,7 +45,8 @@ def test_forced_triton_refusals(monkeypatch):
 
 
 def test_forced_triton_raises_through_the_public_api(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(cross_entropy_chunk, "_triton_importable", lambda: True)
+    monkeypatch.setattr(cross_entropy_chunk, "_interpreter_ready", lambda: False)
     h, w = torch.randn(4, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
     y = torch.randint(0, 10, (4,))
     opts = CrossEntropyOptions(impl="triton")

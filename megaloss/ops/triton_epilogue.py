@@ -1,0 +1,213 @@
+r"""The chunk epilogue of :mod:`megaloss.ops.cross_entropy_chunk` as two fused Triton kernels.
+
+After a chunk's lm_head GEMM, the eager epilogue makes about ten passes over the ``[C, V_local]``
+logits (cast to fp32, tanh, max, subtract, exp, sum, gather, scale, scatter, smoothing). Here the
+same math (formulas in :mod:`megaloss.ops.cross_entropy_chunk`) takes two passes over the logits
+buffer, in the compute dtype (bf16 / fp16 / fp32; arithmetic in fp32):
+
+1. ``_stats_kernel`` (read only), one program per token row, online softmax over blocks of the
+   row (Milakov & Gimelshein 2018, arXiv:1805.02867): the row's local max ``m``, the sum-exp
+   relative to it ``s = sum_j exp(y_j - m)``, the target logit (0 when the target lies outside
+   this slice ``[vocab_start, vocab_start + V_local)`` or is ignored) and, with label smoothing,
+   the sum of the (soft-capped) logits ``y``.
+2. Between the passes, on ``[C]`` vectors in torch: the global max ``M = reduce_max(m)``,
+   ``s * exp(m - M)``, one ``reduce_sum`` of the stacked ``[sum-exp, target, (sum of logits)]``
+   (the vocab-parallel combine; Megatron-core's ``tensor_parallel/cross_entropy.py`` exchanges the
+   same statistics), then ``lse = M + log(sum-exp)`` and the loss.
+3. ``_grad_kernel`` (read, write in place), one program per (row, block of columns):
+   ``coef * ((1 + 2 z lse) exp(y - lse) - (1 - eps)[j = target] - eps / V)``, times
+   ``1 - tanh^2`` under soft-capping, stored over the logits it read. The raw logits stay in the
+   buffer until then (pass 1 only reads), so soft-capping is recomputed from them in pass 2.
+
+Ignored tokens have ``coef == 0`` (the caller's contract), hence gradient 0; their loss is set to
+0 here. Liger-Kernel (``src/liger_kernel/ops/cross_entropy.py``) does the same in-place trick in
+one kernel with two loops per row; the split here lets the vocab-parallel combine sit between the
+passes.
+
+``tanh`` is written with ``exp`` (a Taylor polynomial near 0, where ``(1 - e) / (1 + e)`` loses
+digits), because libdevice's ``tanh`` is not available under Triton's interpreter.
+
+This module imports ``triton``: :mod:`megaloss.ops.cross_entropy_chunk` imports it only when
+the Triton epilogue is selected. Triton's interpreter (``TRITON_INTERPRET=1``, which runs the
+kernels on CPU tensors, slowly) is chosen when triton is imported: triton's own library
+(``tl.sum``, ``tl.zeros``, ...) is jitted then, so the variable must be set before the first
+``import triton`` of the process (tests run the interpreted cases in a subprocess).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .cross_entropy_chunk import ChunkResult, Reduce
+from .options import CrossEntropyOptions
+
+__all__ = ["triton_chunk_epilogue", "interpreted", "MAX_BLOCK"]
+
+MAX_BLOCK = 4096
+"""Largest block of columns a program handles at once (a power of two)."""
+
+
+@triton.jit
+def _stats_kernel(logits_ptr, stride_row, labels_ptr, max_ptr, sumexp_ptr, target_ptr,
+                  sumlogits_ptr, n_cols, vocab_start, ignore_index, cap,
+                  HAS_CAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    label = tl.load(labels_ptr + row)
+    local = tl.where(label != ignore_index, label - vocab_start, -1)  # -1 never matches a column
+    m = float("-inf")
+    s = 0.0
+    # Per-lane partial sums, reduced once after the loop: only max and sum-exp reduce per block.
+    target = tl.zeros([BLOCK], dtype=tl.float32)
+    sum_y = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_CAP:
+            a = y / cap
+            e = tl.exp(-2.0 * tl.abs(a))
+            a2 = a * a
+            t = tl.where(tl.abs(a) < 0.125,
+                         tl.abs(a) * (1.0 + a2 * (-0.333333333333 + a2 * (0.133333333333
+                                                                       - a2 * 0.0539682539683))),
+                         (1.0 - e) / (1.0 + e))
+            y = cap * tl.where(a < 0, -t, t)
+        target += tl.where(cols == local, y, 0.0)  # masked lanes hold y = 0
+        if HAS_SMOOTH:
+            sum_y += y
+        y = tl.where(mask, y, float("-inf"))
+        m_new = tl.maximum(m, tl.max(y, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new), axis=0)
+        m = m_new
+    tl.store(max_ptr + row, m)
+    tl.store(sumexp_ptr + row, s)
+    tl.store(target_ptr + row, tl.sum(target, axis=0))
+    if HAS_SMOOTH:
+        tl.store(sumlogits_ptr + row, tl.sum(sum_y, axis=0))
+
+
+@triton.jit
+def _grad_kernel(logits_ptr, stride_row, labels_ptr, lse_ptr, coef_ptr, n_cols, vocab_start,
+                 ignore_index, cap, two_z, eps_over_v, one_minus_eps,
+                 HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    ptrs = logits_ptr + row * stride_row + cols
+    lse = tl.load(lse_ptr + row)
+    coef = tl.load(coef_ptr + row)
+    label = tl.load(labels_ptr + row)
+    local = tl.where(label != ignore_index, label - vocab_start, -1)
+    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_CAP:
+        a = y / cap
+        e = tl.exp(-2.0 * tl.abs(a))
+        a2 = a * a
+        t = tl.where(tl.abs(a) < 0.125,
+                     tl.abs(a) * (1.0 + a2 * (-0.333333333333 + a2 * (0.133333333333
+                                                                   - a2 * 0.0539682539683))),
+                     (1.0 - e) / (1.0 + e))
+        t = tl.where(a < 0, -t, t)
+        y = cap * t
+    g = tl.exp(y - lse) * (coef * (1.0 + two_z * lse)) - coef * eps_over_v
+    g = tl.where(cols == local, g - coef * one_minus_eps, g)
+    if HAS_CAP:
+        g = g * (1.0 - t * t)
+    tl.store(ptrs, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def interpreted() -> bool:
+    """Whether these kernels (and triton's own library functions they call) run in Triton's
+    interpreter: ``TRITON_INTERPRET=1`` was set when triton was imported."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - every triton 3.x has it
+        return False
+    return isinstance(_stats_kernel, InterpretedFunction) and isinstance(tl.sum,
+                                                                         InterpretedFunction)
+
+
+def _block(n_cols: int) -> int:
+    return max(16, min(MAX_BLOCK, triton.next_power_of_2(max(n_cols, 1))))
+
+
+def _device_guard(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def triton_chunk_epilogue(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    coef: Optional[torch.Tensor],
+    opts: CrossEntropyOptions,
+    *,
+    vocab_size: int,
+    vocab_start: int = 0,
+    lse: Optional[torch.Tensor] = None,
+    reduce_max: Reduce,
+    reduce_sum: Reduce,
+) -> ChunkResult:
+    """Loss, log-sum-exp and (when ``coef`` is given) logit gradient of one chunk, from its
+    logits; the contract of :func:`megaloss.ops.cross_entropy_chunk.chunk_cross_entropy` after
+    its GEMM.
+
+    Args:
+        logits: ``[C, V_local]`` fp32 / bf16 / fp16, the caller's own buffer: with ``coef`` it
+            is overwritten by the gradient (same dtype) and returned as ``grad_logits``.
+        labels: ``[C]`` int64 global ids or ``opts.ignore_index``.
+        coef: ``[C]`` gradient coefficient per token (0 at ignored tokens) or ``None``.
+        opts, vocab_size, vocab_start, lse, reduce_max, reduce_sum: as ``chunk_cross_entropy``.
+
+    Returns:
+        :class:`~megaloss.ops.cross_entropy_chunk.ChunkResult`: ``loss`` and ``lse`` in fp32,
+        ``grad_logits`` is ``logits`` itself (or ``None``).
+    """
+    n_rows, n_cols = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    labels = labels.contiguous()
+    cap = opts.logit_softcapping
+    eps = opts.label_smoothing
+    dev = logits.device
+    with _device_guard(logits):
+        if lse is None:
+            local_max = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
+            # Rows of the one SUM all-reduce: sum-exp, target logit, (sum of logits).
+            packed = torch.zeros(3 if eps > 0 else 2, n_rows, dtype=torch.float32, device=dev)
+            if n_rows > 0 and n_cols > 0:  # a vocab-parallel rank may hold no real vocab rows
+                block = _block(n_cols)
+                _stats_kernel[(n_rows,)](
+                    logits, logits.stride(0), labels, local_max, packed[0], packed[1],
+                    packed[2] if eps > 0 else packed[1], n_cols, vocab_start,
+                    opts.ignore_index, 1.0 if cap is None else cap,
+                    HAS_CAP=cap is not None, HAS_SMOOTH=eps > 0, BLOCK=block,
+                    num_warps=8 if block >= 2048 else 4)
+            row_max = reduce_max(local_max.clone())
+            # Each slice's sum-exp from its own max to the global one (exp(-inf) = 0 for a slice
+            # with no rows); then one SUM over the slices.
+            packed[0].mul_(torch.exp(local_max - row_max))
+            packed = reduce_sum(packed)
+            lse = row_max + torch.log(packed[0])
+            loss = lse - (1.0 - eps) * packed[1] + opts.z_loss * lse * lse
+            if eps > 0:
+                loss = loss - (eps / vocab_size) * packed[2]
+            valid = labels != opts.ignore_index
+            loss = torch.where(valid, loss, torch.zeros_like(loss))
+        else:
+            lse = lse.to(torch.float32)
+            loss = torch.zeros_like(lse)
+        if coef is None:
+            return ChunkResult(loss, lse, None)
+        if n_rows > 0 and n_cols > 0:
+            block = min(_block(n_cols), 2048)
+            _grad_kernel[(n_rows, triton.cdiv(n_cols, block))](
+                logits, logits.stride(0), labels, lse.contiguous(),
+                coef.to(torch.float32).contiguous(), n_cols, vocab_start, opts.ignore_index,
+                1.0 if cap is None else cap, 2.0 * opts.z_loss, eps / vocab_size, 1.0 - eps,
+                HAS_CAP=cap is not None, BLOCK=block, num_warps=4)
+    return ChunkResult(loss, lse, logits)

@@ -83,6 +83,7 @@ def linear_cross_entropy(
     logit_softcapping: Optional[float] = None,
     chunk_size: int = 1024,
     accum_dtype: torch.dtype = torch.float32,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden_states @ weight.T + bias`` against ``labels``, chunked.
 
@@ -100,7 +101,8 @@ def linear_cross_entropy(
         loss_weights: optional ``[...]`` float per-token weights (shape of ``labels``), e.g.
             from :class:`megaloss.LossCalibrator`.
         ignore_index, reduction, label_smoothing, z_loss, logit_softcapping, chunk_size,
-            accum_dtype: see :class:`~megaloss.ops.options.CrossEntropyOptions`.
+            accum_dtype, impl: see :class:`~megaloss.ops.options.CrossEntropyOptions` (``impl``
+            picks the chunk epilogue: the Triton kernels on CUDA, the torch one elsewhere).
 
     Returns:
         fp32 scalar (fp64 for fp64 inputs), or ``[...]`` for ``reduction="none"``.
@@ -119,7 +121,7 @@ def linear_cross_entropy(
     opts = CrossEntropyOptions(ignore_index=ignore_index, reduction=reduction,
                                label_smoothing=label_smoothing, z_loss=z_loss,
                                logit_softcapping=logit_softcapping, chunk_size=chunk_size,
-                               accum_dtype=accum_dtype)
+                               accum_dtype=accum_dtype, impl=impl)
     return linear_cross_entropy_with_stats(hidden_states, weight, labels, bias=bias,
                                            loss_weights=loss_weights, options=opts).loss
 

@@ -151,6 +151,7 @@ def vocab_parallel_linear_cross_entropy(
     logit_softcapping: Optional[float] = None,
     chunk_size: int = 1024,
     accum_dtype: torch.dtype = torch.float32,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Exact cross-entropy over the full vocabulary from this rank's lm_head shard, chunked.
 
@@ -173,7 +174,8 @@ def vocab_parallel_linear_cross_entropy(
         bias: optional ``[Vp]`` bias shard.
         loss_weights: optional per-token weights, shape of ``labels``.
         ignore_index, reduction, label_smoothing, z_loss, logit_softcapping, chunk_size,
-            accum_dtype: see :class:`~megaloss.ops.options.CrossEntropyOptions`.
+            accum_dtype, impl: see :class:`~megaloss.ops.options.CrossEntropyOptions` (``impl``
+            picks the chunk epilogue: the Triton kernels on CUDA, the torch one elsewhere).
 
     Returns:
         fp32 scalar (fp64 for fp64 inputs), or per-token losses for ``reduction="none"``.
@@ -186,7 +188,7 @@ def vocab_parallel_linear_cross_entropy(
     opts = CrossEntropyOptions(ignore_index=ignore_index, reduction=reduction,
                                label_smoothing=label_smoothing, z_loss=z_loss,
                                logit_softcapping=logit_softcapping, chunk_size=chunk_size,
-                               accum_dtype=accum_dtype)
+                               accum_dtype=accum_dtype, impl=impl)
     return vocab_parallel_linear_cross_entropy_with_stats(
         hidden_states, weight_shard, labels, tp_group=tp_group, vocab_size=vocab_size,
         sequence_parallel=sequence_parallel, bias=bias, loss_weights=loss_weights,

@@ -52,6 +52,19 @@ MAX_BLOCK = 4096
 
 
 @triton.jit
+def _tanh(a):
+    """tanh in fp32 from ``exp`` (libdevice's tanh does not run in the interpreter), with a
+    Taylor polynomial near 0 where ``(1 - e) / (1 + e)`` cancels."""
+    e = tl.exp(-2.0 * tl.abs(a))
+    a2 = a * a
+    t = tl.where(tl.abs(a) < 0.125,
+                 tl.abs(a) * (1.0 + a2 * (-0.333333333333 + a2 * (0.133333333333
+                                                               - a2 * 0.0539682539683))),
+                 (1.0 - e) / (1.0 + e))
+    return tl.where(a < 0, -t, t)
+
+
+@triton.jit
 def _stats_kernel(logits_ptr, stride_row, labels_ptr, max_ptr, sumexp_ptr, target_ptr,
                   sumlogits_ptr, n_cols, vocab_start, ignore_index, cap,
                   HAS_CAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, BLOCK: tl.constexpr):
@@ -69,14 +82,7 @@ def _stats_kernel(logits_ptr, stride_row, labels_ptr, max_ptr, sumexp_ptr, targe
         mask = cols < n_cols
         y = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_CAP:
-            a = y / cap
-            e = tl.exp(-2.0 * tl.abs(a))
-            a2 = a * a
-            t = tl.where(tl.abs(a) < 0.125,
-                         tl.abs(a) * (1.0 + a2 * (-0.333333333333 + a2 * (0.133333333333
-                                                                       - a2 * 0.0539682539683))),
-                         (1.0 - e) / (1.0 + e))
-            y = cap * tl.where(a < 0, -t, t)
+            y = cap * _tanh(y / cap)
         target += tl.where(cols == local, y, 0.0)  # masked lanes hold y = 0
         if HAS_SMOOTH:
             sum_y += y
@@ -105,14 +111,7 @@ def _grad_kernel(logits_ptr, stride_row, labels_ptr, lse_ptr, coef_ptr, n_cols, 
     local = tl.where(label != ignore_index, label - vocab_start, -1)
     y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_CAP:
-        a = y / cap
-        e = tl.exp(-2.0 * tl.abs(a))
-        a2 = a * a
-        t = tl.where(tl.abs(a) < 0.125,
-                     tl.abs(a) * (1.0 + a2 * (-0.333333333333 + a2 * (0.133333333333
-                                                                   - a2 * 0.0539682539683))),
-                     (1.0 - e) / (1.0 + e))
-        t = tl.where(a < 0, -t, t)
+        t = _tanh(y / cap)
         y = cap * t
     g = tl.exp(y - lse) * (coef * (1.0 + two_z * lse)) - coef * eps_over_v
     g = tl.where(cols == local, g - coef * one_minus_eps, g)

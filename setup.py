@@ -27,5 +27,8 @@ setup(
         # Neither depends on torch.
         "wandb": ["wandb>=0.31"],
         "tensorboard": ["tensorboard>=2.14"],
+        # The sentence-transformers drop-in (megaloss.integrations.hf.sentence_transformers) and
+        # the HF Trainer paths; sentence-transformers 6.2 + datasets + accelerate keep torch 2.13.
+        "st": ["sentence-transformers>=6.2", "datasets>=3", "accelerate>=1.1"],
     },
 )

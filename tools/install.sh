@@ -9,5 +9,5 @@ cd "$(dirname "$0")/.."
 # interpreter runs the Triton epilogue's tests on CPU.
 # The wandb and tensorboard extras: the monitors the LM job's tests read back (no torch either).
 python3 -m pip install -q "torch==2.13.0"
-python3 -m pip install -q --no-build-isolation -e ".[test,deepspeed,hf,wandb,tensorboard]"
+python3 -m pip install -q --no-build-isolation -e ".[test,deepspeed,hf,wandb,tensorboard,st]"
 python3 -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"

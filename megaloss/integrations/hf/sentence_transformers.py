@@ -1,0 +1,200 @@
+"""A sentence-transformers loss that is megaloss's gathered MNR: a drop-in for
+``SentenceTransformerTrainer`` (and ``model.fit``) that stays exact across data-parallel ranks with
+uneven, even empty, per-rank batches.
+
+sentence-transformers' ``MultipleNegativesRankingLoss(gather_across_devices=True)``
+(``sentence_transformers/sentence_transformer/losses/multiple_negatives_ranking.py``) gathers
+with ``all_gather_with_grad``, which needs the same batch size on every rank (gloo aborts the
+process otherwise). :class:`GatheredMultipleNegativesRankingLoss` follows the same conventions
+(``model`` first in the constructor, ``forward(sentence_features, labels)``, ``get_config_dict``,
+``citation``, ``compute_loss_from_embeddings``) and computes :func:`megaloss.mnr_loss`:
+
+- columns: ``(anchor, positive, negative_1, ..., negative_k)``; the extra columns are hard
+  negatives of their row (they become ``negatives [B, k, D]``);
+- ``scale`` is sentence-transformers' (``scale = 1 / temperature``; 20 is ``T = 0.05``),
+  ``similarity_fct`` ``"cosine"`` / ``"dot"`` (or ST's ``util.cos_sim`` / ``util.dot_score``);
+- ``symmetric=True`` is ST's ``directions=("query_to_doc", "doc_to_query"),
+  partition_mode="per_direction"`` (ST's MultipleNegativesSymmetricRankingLoss);
+- ``labels_as_duplicate_ids=True``: the dataset's ``label`` column is an integer id per row; rows
+  sharing an id are not each other's negatives (a repeated text is not a negative);
+- the gather group is the data-parallel group (``group=None``: torch's default group, which is the
+  DP group of ``SentenceTransformerTrainer`` / DeepSpeed without model parallelism).
+
+Gradient contract (:mod:`megaloss.losses.mnr`): the value is the loss of the *global* batch on
+every rank, and after the engine *averages* gradients over the DP group (DDP, DeepSpeed ZeRO 0-2)
+they are the single-device gradients of that loss. Gradient accumulation: the Trainer divides each
+micro-batch's loss by the accumulation steps, so a step is the mean of its micro-batches' global
+losses (exact when every micro-batch has the same global size, as with the Trainer's samplers).
+
+An empty per-rank batch: Hugging Face encoders cannot run 0 rows (attention reshapes fail), so
+the encoder is skipped and a ``[0, D]`` embedding tied to the trainable parameters with a zero
+gradient stands in (ZeRO 0-2 / DDP then reduce a zero gradient from that rank, as they must).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ...losses.mnr import SIMILARITIES, mnr_loss
+from ...parallel.groups import GroupLike
+
+__all__ = ["GatheredMultipleNegativesRankingLoss"]
+
+CITATION = """
+@misc{oord2019representationlearningcontrastivepredictive,
+      title={Representation Learning with Contrastive Predictive Coding},
+      author={Aaron van den Oord and Yazhe Li and Oriol Vinyals},
+      year={2019},
+      eprint={1807.03748},
+      archivePrefix={arXiv},
+      primaryClass={cs.LG},
+      url={https://arxiv.org/abs/1807.03748},
+}
+"""
+
+
+def _similarity_name(similarity_fct: Any) -> str:
+    if isinstance(similarity_fct, str):
+        name = {"cos_sim": "cosine", "dot_score": "dot"}.get(similarity_fct, similarity_fct)
+    else:
+        name = {"cos_sim": "cosine", "dot_score": "dot"}.get(
+            getattr(similarity_fct, "__name__", ""), "")
+    if name not in SIMILARITIES:
+        raise ValueError(f"similarity_fct must be 'cosine', 'dot', sentence_transformers.util."
+                         f"cos_sim or util.dot_score, got {similarity_fct!r}")
+    return name
+
+
+def _rows(features: Dict[str, Any]) -> int:
+    for key in ("input_ids", "attention_mask", "pixel_values", "inputs_embeds"):
+        value = features.get(key)
+        if isinstance(value, Tensor) and value.dim() >= 1:
+            return int(value.shape[0])
+    for value in features.values():
+        if isinstance(value, Tensor) and value.dim() >= 1:
+            return int(value.shape[0])
+    raise ValueError("cannot tell the batch size of a sentence_features dict (no tensor in it)")
+
+
+class GatheredMultipleNegativesRankingLoss(nn.Module):
+    """megaloss's gathered MNR / InfoNCE as a sentence-transformers loss (module docstring).
+
+    Args:
+        model: the ``SentenceTransformer`` (the Trainer swaps in its wrapped model, as for ST's
+            own losses).
+        scale: ``1 / temperature`` (> 0); ST's default 20.
+        similarity_fct: ``"cosine"`` (default), ``"dot"``, or ST's ``util.cos_sim`` /
+            ``util.dot_score``.
+        symmetric: average with the document -> query direction.
+        gather_across_devices: use every rank's documents as candidates (default True; False:
+            this rank's batch only, as ST's default).
+        group: the data-parallel group; ``None`` is torch's default group.
+        labels_as_duplicate_ids: read ``labels`` (an integer ``[B]`` tensor from the dataset's
+            ``label`` column) as duplicate ids; otherwise labels are ignored, as in ST's MNRL.
+        chunk_size: score rows per block (memory ``chunk_size x C``; same result for any value).
+
+    Raises:
+        ValueError: ``scale <= 0`` or an unknown similarity.
+    """
+
+    def __init__(self, model: nn.Module, scale: float = 20.0, similarity_fct: Any = "cosine", *,
+                 symmetric: bool = False, gather_across_devices: bool = True,
+                 group: GroupLike = None, labels_as_duplicate_ids: bool = False,
+                 chunk_size: int = 1024) -> None:
+        super().__init__()
+        if not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+            raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+        self.model = model
+        self.scale = float(scale)
+        self.similarity = _similarity_name(similarity_fct)
+        self.symmetric = bool(symmetric)
+        self.gather_across_devices = bool(gather_across_devices)
+        self.group = group
+        self.labels_as_duplicate_ids = bool(labels_as_duplicate_ids)
+        self.chunk_size = int(chunk_size)
+
+    @property
+    def temperature(self) -> float:
+        return 1.0 / self.scale
+
+    # embeddings ------------------------------------------------------------------------------
+    def _embedding_dim(self) -> int:
+        get = getattr(self.model, "get_sentence_embedding_dimension", None)
+        if get is None:  # a wrapped model (DeepSpeed engine, DDP): ask the module inside
+            inner = getattr(self.model, "module", None)
+            get = getattr(inner, "get_sentence_embedding_dimension", None)
+        dim = get() if get is not None else None
+        if not dim:
+            raise ValueError("an empty batch needs the model's sentence embedding dimension "
+                             "(model.get_sentence_embedding_dimension() returned nothing)")
+        return int(dim)
+
+    def _empty_embeddings(self, columns: int) -> List[Tensor]:
+        """``[0, D]`` embeddings whose backward gives every trainable parameter a zero gradient."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        dtype = params[0].dtype if params else torch.float32
+        device = params[0].device if params else torch.device("cpu")
+        tie = sum((p.reshape(-1)[:1].sum() * 0 for p in params),
+                  torch.zeros((), dtype=dtype, device=device))
+        dim = self._embedding_dim()
+        return [torch.zeros(0, dim, dtype=dtype, device=device) + tie for _ in range(columns)]
+
+    def embed(self, sentence_features: Iterable[Dict[str, Any]]) -> List[Tensor]:
+        """One ``[B, D]`` embedding per column (ST's ``embed_columns``: candidate columns share
+        one forward when they tokenise alike)."""
+        features = list(sentence_features)
+        if len(features) < 2:
+            raise ValueError(f"expected at least 2 columns (anchor, positive), got {len(features)}")
+        if _rows(features[0]) == 0:
+            return self._empty_embeddings(len(features))
+        try:
+            from sentence_transformers.base.losses.merged_forward import embed_columns
+        except ImportError:  # older sentence-transformers: one forward per column
+            return [self.model(f)["sentence_embedding"] for f in features]
+        return embed_columns(self.model, features)
+
+    # the loss --------------------------------------------------------------------------------
+    def forward(self, sentence_features: Iterable[Dict[str, Any]],
+                labels: Optional[Tensor] = None, *,
+                duplicate_ids: Optional[Tensor] = None) -> Tensor:
+        """The global batch's MNR loss (same value on every rank).
+
+        Args:
+            sentence_features: one tokenised dict per column: anchor, positive, hard negatives.
+            labels: ignored unless ``labels_as_duplicate_ids`` (then ``[B]`` integer ids).
+            duplicate_ids: explicit ``[B]`` integer ids (overrides ``labels``).
+        """
+        return self.compute_loss_from_embeddings(self.embed(sentence_features), labels,
+                                                 duplicate_ids=duplicate_ids)
+
+    def compute_loss_from_embeddings(self, embeddings: Sequence[Tensor],
+                                     labels: Optional[Tensor] = None, *,
+                                     duplicate_ids: Optional[Tensor] = None) -> Tensor:
+        """The loss from per-column embeddings ``[anchor, positive, negative_1, ...]``."""
+        if len(embeddings) < 2:
+            raise ValueError(f"expected at least 2 embeddings, got {len(embeddings)}")
+        query, positive = embeddings[0], embeddings[1]
+        negatives = torch.stack(list(embeddings[2:]), dim=1) if len(embeddings) > 2 else None
+        if duplicate_ids is None and self.labels_as_duplicate_ids:
+            if labels is None:
+                raise ValueError("labels_as_duplicate_ids=True needs an integer label column")
+            duplicate_ids = labels.reshape(-1).to(query.device)
+        return mnr_loss(query, positive, negatives, temperature=self.temperature,
+                        similarity=self.similarity, symmetric=self.symmetric,
+                        gather=self.gather_across_devices, group=self.group,
+                        duplicate_ids=duplicate_ids, chunk_size=self.chunk_size)
+
+    def get_config_dict(self) -> Dict[str, Any]:
+        return {"scale": self.scale, "similarity_fct": self.similarity,
+                "symmetric": self.symmetric,
+                "gather_across_devices": self.gather_across_devices,
+                "labels_as_duplicate_ids": self.labels_as_duplicate_ids}
+
+    @property
+    def citation(self) -> str:
+        return CITATION
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.get_config_dict().items())

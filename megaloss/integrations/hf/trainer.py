@@ -1,0 +1,203 @@
+"""``transformers.Trainer`` for a ``*ForCausalLM`` with megaloss's chunked CE and global loss
+calibration: :class:`MegalossTrainer`.
+
+What the stock Trainer does (transformers 5.x ``trainer.py``: ``get_batch_samples``,
+``_get_num_items_in_batch``, ``compute_loss``, ``training_step``): it fetches the micro-batches of
+an optimizer step up front, counts the valid tokens after the causal shift over them and over all
+ranks (``num_items_in_batch``), lets the model divide its token sum by that count, multiplies by the
+world size (undoing the data-parallel average), skips its own division by the accumulation steps
+and passes ``scale_wrt_gas=False`` to DeepSpeed. Net: the global token mean, but only ``token``,
+and with full ``[tokens, vocab]`` logits.
+
+What :class:`MegalossTrainer` does instead:
+
+- the model is wrapped in :class:`megaloss.CausalLMWithLoss` (lm_head replaced by the chunked
+  linear CE head: no logits; z-loss, label smoothing, softcapping and ``loss_reduction`` from the
+  ds_config's ``"megaloss"`` section, :func:`megaloss.integrations.deepspeed.load_megaloss_config`);
+- ``get_batch_samples``: the step's micro-batches are calibrated together
+  (:func:`megaloss.calibration.compute_loss_weights`, one all-reduce of 3 numbers over the
+  data-parallel group): every batch gets ``shift_labels`` (HF's ``labels`` shifted, or the
+  collator's ``shift_labels`` as they are) and ``loss_weights`` ``w_t = u_t / D`` (``u_t`` 1,
+  ``1/n_s`` or ``1/sqrt(n_s)``, ``D`` the global sum of ``u_t`` over the step's micro-batches and
+  ranks: XTuner v1's ``token`` / ``sample`` / ``square``);
+- ``compute_loss`` returns ``W * sum_t w_t l_t`` (``W`` the data-parallel world size) and
+  :attr:`loss_is_scaled_for_ga` is True, so the Trainer neither divides by the accumulation steps
+  nor lets DeepSpeed do it (``scale_wrt_gas=False``); the engine's average over the ``W`` ranks
+  then leaves ``sum over ranks and micro-batches of sum_t w_t grad l_t``: the single-device
+  gradient of the global loss. The Trainer's logged ``loss`` (mean over ranks of the per-step
+  sums) is that global loss;
+- ``log``: adds ``ce_loss``, ``z_loss`` (the two parts of ``loss``) and ``num_valid_tokens``
+  (global valid tokens per optimizer step), averaged over the steps since the last log (one
+  all-reduce per log), so ``report_to`` (W&B, TensorBoard) shows them.
+
+Evaluation (``compute_loss`` without calibration weights) returns the micro-batch's token mean.
+Scope: data parallelism (DDP, DeepSpeed ZeRO 0-3); no tensor / sequence parallelism here.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ...calibration.weights import LOSS_REDUCTIONS, compute_loss_weights
+from ...ops.labels import causal_shift
+from ...parallel.groups import SINGLE_RANK
+from ..deepspeed.config import MegalossConfig, load_megaloss_config
+from .causal_lm import CausalLMWithLoss
+
+try:
+    from transformers import Trainer
+except ImportError as err:  # pragma: no cover - transformers is the hf extra
+    raise ImportError("megaloss.integrations.hf.trainer needs transformers "
+                      "(pip install 'megaloss[hf]')") from err
+
+__all__ = ["MegalossTrainer", "megaloss_config_from_args"]
+
+_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def megaloss_config_from_args(args: Any) -> MegalossConfig:
+    """The ``"megaloss"`` section of ``args.deepspeed`` (a ds_config path or dict; defaults
+    without one)."""
+    ds = getattr(args, "deepspeed", None)
+    if isinstance(ds, (str, os.PathLike, Mapping)):
+        return load_megaloss_config(ds)
+    return MegalossConfig()
+
+
+class MegalossTrainer(Trainer):
+    """A ``transformers.Trainer`` whose causal-LM loss is megaloss's (module docstring).
+
+    Args:
+        model: a ``*ForCausalLM`` (wrapped here in :class:`megaloss.CausalLMWithLoss`) or an
+            already wrapped :class:`~megaloss.CausalLMWithLoss`.
+        args: ``TrainingArguments``; its ``deepspeed`` ds_config's ``"megaloss"`` section gives
+            the CE options and ``loss_reduction``.
+        megaloss_config: overrides the section (a :class:`MegalossConfig` or a dict of it).
+        **kwargs: the rest of ``Trainer``'s arguments (datasets, collator, callbacks...).
+
+    After ``train()``, ``trainer.model`` is the wrapper; ``trainer.model.model`` the HF model
+    (its ``lm_head`` is megaloss's head, holding the same weight Parameter).
+
+    Raises:
+        ValueError: ``tensor_parallel_size > 1`` in the section (use megaloss's own DeepSpeed
+            loop for TP), or an invalid section.
+    """
+
+    loss_is_scaled_for_ga = True  # compute_loss's value is already calibrated for accumulation
+
+    def __init__(self, model: torch.nn.Module = None, args: Any = None, *,
+                 megaloss_config: Union[MegalossConfig, Mapping[str, Any], None] = None,
+                 **kwargs: Any) -> None:
+        if megaloss_config is None:
+            cfg = megaloss_config_from_args(args)
+        elif isinstance(megaloss_config, MegalossConfig):
+            cfg = megaloss_config
+        else:
+            cfg = load_megaloss_config({"megaloss": dict(megaloss_config)})
+        if cfg.tensor_parallel_size != 1:
+            raise ValueError("MegalossTrainer supports data parallelism only "
+                             f"(megaloss.tensor_parallel_size={cfg.tensor_parallel_size})")
+        self.megaloss_config = cfg
+        self.loss_reduction = cfg.ce.loss_reduction
+        assert self.loss_reduction in LOSS_REDUCTIONS
+        if model is not None and not isinstance(model, CausalLMWithLoss):
+            model = CausalLMWithLoss(model, options=cfg.ce.options())
+        self._parts = torch.zeros(3, dtype=torch.float64)  # ce, z, tokens since the last log
+        self._parts_steps = 0
+        super().__init__(model=model, args=args, **kwargs)
+
+    # process groups -----------------------------------------------------------------------------
+    @staticmethod
+    def _dp_group():
+        return None if dist.is_available() and dist.is_initialized() else SINGLE_RANK
+
+    @staticmethod
+    def _dp_size() -> int:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    # calibration ---------------------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
+                          device: torch.device) -> tuple:
+        """Fetch the step's micro-batches and attach ``shift_labels`` / ``loss_weights``.
+
+        Every rank calls this once per optimizer step (also with fewer or no batches left), so
+        the one all-reduce of :func:`compute_loss_weights` is matched.
+        """
+        batches: List[Dict[str, Any]] = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        ignore = self.megaloss_config.ce.options().ignore_index
+        shifted = []
+        for b in batches:
+            if "shift_labels" in b:
+                shifted.append(torch.as_tensor(b["shift_labels"]).to(device))
+            elif "labels" in b:
+                shifted.append(causal_shift(torch.as_tensor(b["labels"]).to(device), ignore))
+            else:
+                raise ValueError("MegalossTrainer needs 'labels' (or 'shift_labels') in every "
+                                 "batch (DataCollatorForLanguageModeling(mlm=False) gives them)")
+        positions = [b.get("position_ids") for b in batches]
+        positions = None if all(p is None for p in positions) else [
+            None if p is None else torch.as_tensor(p).to(device) for p in positions]
+        labels_for_weights = shifted or [torch.full((1,), ignore, dtype=torch.long, device=device)]
+        lw = compute_loss_weights(labels_for_weights, self.loss_reduction, group=self._dp_group(),
+                                  ignore_index=ignore, position_ids=positions
+                                  if shifted else None)
+        for i, b in enumerate(batches):
+            b.pop("labels", None)
+            b["shift_labels"] = shifted[i]
+            b["loss_weights"] = lw.weights[i]
+        if batches:
+            self._parts[2] += float(lw.num_tokens)
+            self._parts_steps += 1
+        return batches, lw.num_tokens
+
+    def compute_loss(self, model: torch.nn.Module, inputs: Dict[str, Any],
+                     return_outputs: bool = False,
+                     num_items_in_batch: Optional[Any] = None) -> Any:
+        """Training (inputs carry ``loss_weights``): ``W * sum_t w_t l_t``; evaluation: the
+        micro-batch's token mean. The CE (and z-loss) parts are accumulated for :meth:`log`."""
+        kwargs = {k: inputs[k] for k in _MODEL_INPUTS if inputs.get(k) is not None}
+        weights = inputs.get("loss_weights")
+        if "shift_labels" in inputs:
+            shift_labels = inputs["shift_labels"]
+        else:
+            shift_labels = causal_shift(inputs["labels"], self.megaloss_config.ce.options()
+                                        .ignore_index)
+        out = model(shift_labels=shift_labels, loss_weights=weights, **kwargs)
+        if weights is None:  # evaluation: this micro-batch's token mean
+            loss = out.loss / out.num_valid_tokens.clamp_min(1)
+        else:
+            world = self._dp_size()
+            loss = out.loss * world
+            if model.training:
+                z = out.z_loss.detach().double().cpu()
+                self._parts[0] += float(out.loss.detach().double().cpu() - z)
+                self._parts[1] += float(z)
+        return (loss, {}) if return_outputs else loss
+
+    # logging -------------------------------------------------------------------------------------
+    def log(self, logs: Dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Add ``ce_loss``, ``z_loss`` and ``num_valid_tokens`` (per optimizer step, averaged
+        since the last log; one all-reduce) to the Trainer's training logs."""
+        if "loss" in logs and self._parts_steps > 0:
+            parts = self._parts[:2].clone()
+            if self._dp_group() is None:
+                device = self.args.device if dist.get_backend() != "gloo" else torch.device("cpu")
+                parts = parts.to(device)
+                dist.all_reduce(parts)
+                parts = parts.cpu()
+            steps = self._parts_steps
+            logs = dict(logs)
+            logs["ce_loss"] = round(float(parts[0]) / steps, 6)
+            logs["z_loss"] = round(float(parts[1]) / steps, 8)
+            logs["num_valid_tokens"] = float(self._parts[2]) / steps
+            self._parts.zero_()
+            self._parts_steps = 0
+        super().log(logs, *args, **kwargs)

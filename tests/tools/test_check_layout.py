@@ -1,0 +1,157 @@
+"""``tools/check_layout.py``: "does my layout train like one device?".
+
+Slow tier (each runs the tool as a user does: the layout through the ``deepspeed`` launcher on
+CPU, the one-device reference in the tool's process, a few steps of the tiny model):
+
+- PASS on DP 2 x TP 2 (4 processes) under ZeRO-2 and ZeRO-3, the LM job;
+- PASS for the embedding job (gathered MNR) on DP 2;
+- FAIL, naming the cause, when the calibration is deliberately wrong (``--_inject_wrong_scale``
+  multiplies the engine scale's loss multiplier by the world size).
+
+Fast tier: the comparison and the diagnosis on hand-made records.
+"""
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch_helpers import REPO
+
+sys.path.insert(0, str(REPO / "tools"))  # spawned ranks import it by name too
+import check_layout  # noqa: E402
+
+
+def _config(tmp_path, stage: int, tp: int = 2) -> str:
+    """A shipped config, shrunk (micro-batch 2, GAS 2) and without the lr warm-up from 0, so the
+    first step already moves the parameters."""
+    cfg = json.loads((REPO / "configs" / f"zero{stage}.json").read_text())
+    cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
+    cfg.pop("scheduler")
+    cfg["megaloss"]["tensor_parallel_size"] = tp
+    path = tmp_path / f"zero{stage}-tp{tp}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _run_tool(*args, timeout=230):
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "check_layout.py"), *args,
+                           "--steps", "2"], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+    print(proc.stdout)
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_dp2_tp2_trains_like_one_device(tmp_path, stage):
+    proc = _run_tool("--deepspeed_config", _config(tmp_path, stage), "--num_procs", "4")
+    out = proc.stdout
+    assert proc.returncode == 0 and f"PASS: DP 2 x TP 2 ZeRO-{stage}" in out, out
+    # the groups and the measured engine scale are reported
+    assert "tensor parallel:             [0, 1] [2, 3]" in out
+    assert "data parallel:               [0, 2] [1, 3]" in out
+    assert f"deepspeed-zero{stage}/engine.backward: gradient_factor 1/4" in out
+    assert "loss_multiplier 4, group ranks [0, 2]; GAS x DP = 4" in out
+    assert "tolerance (fp32): loss 1e-05" in out
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_wrong_calibration_fails_and_names_the_cause(tmp_path):
+    proc = _run_tool("--deepspeed_config", _config(tmp_path, 2), "--num_procs", "4",
+                     "--_inject_wrong_scale")
+    out = proc.stdout
+    assert proc.returncode == 1 and "FAIL: grad_norm at step 1" in out, out
+    # x world size: the gradient is 4 x one device's while the loss is right
+    assert "the loss matches at step 1 but the gradient is 4 x one device's" in out
+    assert "The loss multiplier in use is 16" in out and "the probe measured 4" in out
+    assert "predicts 4" in out
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_embedding_job_trains_like_one_device(tmp_path):
+    proc = _run_tool("--deepspeed_config", _config(tmp_path, 2), "--num_procs", "2",
+                     "--job", "embed")
+    out = proc.stdout
+    assert proc.returncode == 0 and "PASS: DP 2 x TP 1 ZeRO-2" in out, out
+    assert "data parallel:               [0, 1]" in out and "job embed" in out
+
+
+# fast: comparison and diagnosis ------------------------------------------------------------------
+def _record(losses, norms, updates, multiplier=4.0, measured=4.0):
+    import torch
+    p0 = {"w": torch.zeros(3)}
+    scale = {"engine": "deepspeed-zero2/engine.backward", "gradient_factor": 1 / multiplier,
+             "loss_multiplier": multiplier, "gradient_accumulation_steps": 2, "group_size": 2,
+             "measured": 1 / multiplier, "group_ranks": (0, 2)}
+    return {"loss": losses, "grad_norm": norms, "params0": p0,
+            "params": [{"w": torch.full((3,), u)} for u in updates],
+            "used_scale": scale, "measured_scale": {**scale, "loss_multiplier": measured,
+                                                    "gradient_factor": 1 / measured},
+            "gas": 2, "dp": 2, "tp": 2, "world": 4, "zero_stage": 2, "micro": 2,
+            "groups": [{"rank": r, "tp": [r - r % 2, r - r % 2 + 1], "dp": [r % 2, r % 2 + 2],
+                        "dp_sp": [r % 2, r % 2 + 2], "engine_reduce": [r % 2, r % 2 + 2]}
+                       for r in range(4)]}
+
+
+def test_compare_passes_within_tolerance():
+    ref = _record([2.0, 1.9], [1.0, 0.9], [0.1, 0.2])
+    lay = _record([2.0 * (1 + 1e-7), 1.9], [1.0, 0.9 * (1 + 1e-6)], [0.1, 0.2 * (1 + 1e-5)])
+    result = check_layout.compare(lay, ref, "fp32")
+    assert result["failures"] == [] and result["diagnosis"] == []
+    assert result["rows"][1]["update_rel"] == pytest.approx(1e-5, rel=1e-2)
+
+
+def test_diagnosis_gradient_scale():
+    ref = _record([2.0, 1.9], [1.0, 0.9], [0.1, 0.2])
+    lay = _record([2.0, 1.9], [4.0, 3.6], [0.1, 0.2], multiplier=16.0, measured=4.0)
+    result = check_layout.compare(lay, ref, "fp32")
+    assert [f[:2] for f in result["failures"]] == [(1, "grad_norm"), (2, "grad_norm")]
+    text = " ".join(result["diagnosis"])
+    assert "gradient is 4 x one device's" in text and "in use is 16" in text
+    assert "does not use the measured engine scale" in text
+    lay = _record([2.0, 1.9], [0.25, 0.225], [0.1, 0.2])
+    assert "gradient is 1/4 x" in " ".join(check_layout.compare(lay, ref, "fp32")["diagnosis"])
+
+
+def test_diagnosis_loss_and_update_and_groups():
+    ref = _record([2.0, 1.9], [1.0, 0.9], [0.1, 0.2])
+    lay = _record([2.1, 1.9], [1.0, 0.9], [0.1, 0.2])
+    assert "the loss differs at step 1" in check_layout.compare(lay, ref, "fp32")["diagnosis"][0]
+    lay = _record([2.0, 1.9], [1.0, 0.9], [0.1, 0.25])
+    result = check_layout.compare(lay, ref, "fp32")
+    assert result["failures"][0][:2] == (2, "params")
+    assert "parameters after it differ" in result["diagnosis"][0]
+    lay["groups"][1]["engine_reduce"] = [0, 1, 2, 3]
+    assert "reduces gradients over another group" in check_layout.compare(
+        lay, ref, "fp32")["diagnosis"][-1]
+    # the same differences pass the bf16 tolerances where they are rounding
+    lay = _record([2.0 * (1 + 1e-3), 1.9], [1.0, 0.9 * 1.01], [0.1, 0.2 * 1.2])
+    assert check_layout.compare(lay, ref, "bf16")["failures"] == []
+    assert not math.isnan(check_layout.TOLERANCES["bf16"]["params"])
+
+
+def test_reference_config_is_one_plain_process():
+    layout = check_layout.layout_config(json.loads((REPO / "configs" / "zero3.json").read_text()),
+                                        "lm")
+    assert all(not layout[k]["enabled"] for k in ("csv_monitor", "wandb", "tensorboard"))
+    ref = check_layout.reference_config(layout, dp=4)
+    assert ref["zero_optimization"] == {"stage": 0}
+    assert ref["megaloss"]["tensor_parallel_size"] == 1
+    assert ref["train_micro_batch_size_per_gpu"] == 4 * layout["train_micro_batch_size_per_gpu"]
+    assert ref["gradient_accumulation_steps"] == layout["gradient_accumulation_steps"]
+    assert ref["optimizer"] == layout["optimizer"] and ref["scheduler"] == layout["scheduler"]
+    assert check_layout.layout_config(layout, "embed")["megaloss"]["tensor_parallel_size"] == 1
+    assert check_layout.training_dtype({"bf16": {"enabled": True}}) == "bf16"
+    assert check_layout.training_dtype(layout) == "fp32"

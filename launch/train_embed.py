@@ -16,8 +16,15 @@ module ``engine.forward`` runs (``megaloss.integrations.hf.embedding``); every s
 query mean over the global batch, with the engine's gradient scale measured at start-up. It
 reports held-out MRR@10 and recall@1 before and after training, a progress bar and a summary
 table on rank 0, metrics through ``engine.monitor`` (so the ds_config's ``csv_monitor`` /
-``tensorboard`` / ``wandb`` sections work), and writes
-``metrics.csv``, ``loss_curve.png`` and ``summary.json`` to ``--output_dir``.
+``tensorboard`` / ``wandb`` sections work; every event at DeepSpeed's global sample count), and
+writes ``metrics.csv``, ``loss_curve.png`` and ``summary.json`` to ``--output_dir`` (default
+``runs/embed`` under the current directory; a folder that holds a run is refused unless
+``--resume`` or ``--overwrite``).
+
+Checkpoints (``--save_every N``, ``--resume [latest|PATH]``, ``--eval_only``) go through
+DeepSpeed's ``engine.save_checkpoint`` / ``load_checkpoint`` with the data position, every rank's
+RNG states (dropout), the data cache key and the metrics so far; SIGTERM / SIGINT save at the
+next step boundary and write what ran.
 """
 from __future__ import annotations
 
@@ -39,6 +46,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from jobs.code_search import CodePair, load_code_search, source_files  # noqa: E402
+from jobs.runs import (  # noqa: E402
+    CHECKPOINTS, StopRequest, add_run_arguments, agreed, check_run_arguments,
+    prepare_output_dir, resume_source)
 from jobs.text_data import (  # noqa: E402
     EOS, StepBatches, atomic_write, files_digest, read_texts, train_bpe_tokenizer)
 from megaloss.integrations.hf import EmbeddingModelWithMNR, step_loss_weights  # noqa: E402
@@ -86,7 +96,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--log_every", type=int, default=1,
                    help="write monitor events every N steps (metrics.csv gets every step)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output_dir", type=str, default="runs/embed")
+    p.add_argument("--output_dir", type=str, default=os.path.join("runs", "embed"),
+                   help="the run's folder, relative to the current directory: metrics.csv, "
+                        "summary.json, loss_curve.png, monitor/, wandb/, checkpoints/")
     p.add_argument("--cache_dir", type=str,
                    default=os.environ.get("MEGALOSS_CACHE",
                                           os.path.join(Path.home(), ".cache", "megaloss")),
@@ -94,7 +106,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                    help="set by the deepspeed launcher")
+    add_run_arguments(p)
     args = p.parse_args(argv)
+    check_run_arguments(p, args)
     for name in ("steps", "vocab_size", "max_query_len", "max_doc_len", "eval_batch_size",
                  "log_every"):
         if getattr(args, name) < 1:
@@ -102,38 +116,60 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-# caching helpers (rank 0 of each node builds, the others wait and read) --------------------------
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def load_pairs_cached(args: argparse.Namespace) -> Tuple[List[CodePair], List[CodePair]]:
+# caching helpers (local rank 0 of each node builds, every rank agrees on failure) ----------------
+def load_pairs_cached(args: argparse.Namespace) -> Tuple[List[CodePair], List[CodePair], str]:
     """Training and held-out pairs, cached under a key of the source files' paths and contents
-    and the options, so an edited source or another Python's stdlib invalidates it."""
+    and the options, so an edited source or another Python's stdlib invalidates it.
+
+    Returns:
+        ``(train pairs, held-out pairs, cache key)``.
+
+    Raises:
+        SystemExit: no training or no held-out pairs (every rank, naming the sources).
+    """
     train_files = source_files(args.train_data)
     eval_files = source_files(args.eval_data) if args.eval_data else []
     key = files_digest(read_texts(train_files) + ["\0eval\0"] + read_texts(eval_files),
                        "pairs-v2", [str(f) for f in train_files + eval_files],
                        args.eval_fraction, args.max_train, args.max_eval)
     path = Path(args.cache_dir) / f"code_search-{key}.json"
-    if args.local_rank == 0 and not path.exists():
-        train, held = load_code_search(args.train_data, args.eval_data,
-                                       eval_fraction=args.eval_fraction,
-                                       max_train=args.max_train, max_eval=args.max_eval)
-        atomic_write(path, json.dumps({"train": [p.__dict__ for p in train],
-                                       "eval": [p.__dict__ for p in held]}))
-    _barrier()
+
+    def build():
+        if args.local_rank == 0 and not path.exists():
+            train, held = load_code_search(args.train_data, args.eval_data,
+                                           eval_fraction=args.eval_fraction,
+                                           max_train=args.max_train, max_eval=args.max_eval)
+            atomic_write(path, json.dumps({"train": [p.__dict__ for p in train],
+                                           "eval": [p.__dict__ for p in held]}))
+
+    agreed(build, everywhere=True, what="extracting the code-search pairs")
     data = json.loads(path.read_text(encoding="utf-8"))
-    return ([CodePair(**d) for d in data["train"]], [CodePair(**d) for d in data["eval"]])
+    train = [CodePair(**d) for d in data["train"]]
+    held = [CodePair(**d) for d in data["eval"]]
+    named = " ".join(map(str, args.train_data)) if args.train_data else "the standard library"
+    empty = [str(f) for f in train_files if f.is_file() and f.stat().st_size == 0]
+    if not train:
+        raise SystemExit(
+            f"no training pairs in --train_data {named}: it needs functions with a docstring of "
+            "3 words or more (or JSON Lines of {\"query\", \"document\"})"
+            + (f"; empty: {', '.join(empty[:3])}" if empty else ""))
+    if not held:
+        raise SystemExit(
+            "no held-out pairs: " + (f"--eval_data {' '.join(map(str, args.eval_data))} has "
+                                       "none (or only pairs also in training)"
+                                       if args.eval_data else
+                                       f"--eval_fraction {args.eval_fraction} holds out no file "
+                                       f"with pairs of {named}; pass --eval_data or a larger "
+                                       "--eval_fraction"))
+    return train, held, key
 
 
 def tokenizer_cached(texts: List[str], vocab_size: int, cache_dir: str, local_rank: int):
     """Byte-level BPE trained on the training texts (launch/jobs/text_data.py), built once per
     node by local rank 0 and read from the cache by the others."""
-    if local_rank == 0:
-        train_bpe_tokenizer(texts, vocab_size, cache_dir=cache_dir)
-    _barrier()
+    agreed(lambda: local_rank == 0 and train_bpe_tokenizer(texts, vocab_size,
+                                                           cache_dir=cache_dir),
+           everywhere=True, what="training the tokenizer")
     return train_bpe_tokenizer(texts, vocab_size, cache_dir=cache_dir)
 
 
@@ -264,27 +300,33 @@ def write_outputs(out_dir: Path, rows: List[Dict[str, float]], summary: Dict) ->
     write_summary_json(out_dir / "summary.json", summary)
     steps = [r["step"] for r in rows]
     b, a = summary["eval_before"], summary["eval_after"]
+    title = (f"code-search embedding: MRR@10 {b['mrr@10']:.3f} -> {a['mrr@10']:.3f}" if a else
+             f"code-search embedding: MRR@10 {b['mrr@10']:.3f} (stopped at step "
+             f"{summary['steps']})")
     plot_loss_curve(
         out_dir / "loss_curve.png",
         [Curve("MNR loss (global batch)", steps, [r["loss"] for r in rows], style={"lw": 1})],
         secondary=[Curve("in-batch accuracy", steps, [r["accuracy"] for r in rows],
                          style={"color": "tab:orange", "alpha": 0.6, "lw": 1})],
-        title=f"code-search embedding: MRR@10 {b['mrr@10']:.3f} -> {a['mrr@10']:.3f}",
-        ylabel="loss", secondary_ylabel="in-batch top-1 accuracy")
+        title=title, ylabel="loss", secondary_ylabel="in-batch top-1 accuracy")
 
 
 def print_summary(summary: Dict) -> None:
     """The before/after table of held-out retrieval metrics and training figures."""
-    b, a = summary["eval_before"], summary["eval_after"]
-    rows = [("held-out MRR@10", f"{b['mrr@10']:.4f}", f"{a['mrr@10']:.4f}"),
-            ("held-out recall@1", f"{b['recall@1']:.4f}", f"{a['recall@1']:.4f}"),
-            ("train MNR loss (first/last step)", f"{summary['first_loss']:.4f}",
-             f"{summary['last_loss']:.4f}"),
-            ("train in-batch accuracy", f"{summary['first_accuracy']:.4f}",
-             f"{summary['last_accuracy']:.4f}")]
+    b, a = summary["eval_before"], summary["eval_after"] or {}
+    rows = [("held-out MRR@10", f"{b['mrr@10']:.4f}", f"{a['mrr@10']:.4f}" if a else "-"),
+            ("held-out recall@1", f"{b['recall@1']:.4f}", f"{a['recall@1']:.4f}" if a else "-")]
+    if summary["first_loss"] is not None:
+        rows += [("train MNR loss (first/last step)", f"{summary['first_loss']:.4f}",
+                  f"{summary['last_loss']:.4f}"),
+                 ("train in-batch accuracy", f"{summary['first_accuracy']:.4f}",
+                  f"{summary['last_accuracy']:.4f}")]
+    stopped = summary.get("stopped")
     extra = (f"{summary['train_pairs']} train / {summary['eval_pairs']} held-out pairs, "
              f"{summary['steps']} steps x {summary['global_batch']} pairs, "
-             f"{summary['parameters'] / 1e6:.2f} M params, {summary['train_seconds']:.0f} s")
+             f"{summary['parameters'] / 1e6:.2f} M params, {summary['train_seconds']:.0f} s"
+             + (f"; stopped by {stopped['signal']} at step {stopped['step']} (resume with "
+                "--resume)" if stopped else ""))
     print_summary_table("code-search embedding (gathered MNR)", rows, extra)
 
 
@@ -296,29 +338,55 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     from megaloss import Topology
-    from megaloss.integrations.deepspeed import (configure_launched_process, initialize,
-                                                 load_ds_config, peak_memory_mib, write_metrics)
+    from megaloss.integrations.deepspeed import (
+        close_monitors, configure_launched_process, initialize, load_checkpoint, load_ds_config,
+        peak_memory_mib, save_checkpoint, write_metrics)
+    from megaloss.integrations.deepspeed.checkpoint import checkpoint_bytes, prune_checkpoints
+
+    from deepspeed.accelerator import get_accelerator
 
     configure_launched_process()  # quiet DeepSpeed, threads per process on CPU, no JIT build
     deepspeed.init_distributed()
+    # this rank's device before the first object collective (NCCL needs it; a no-op on CPU)
+    get_accelerator().set_device(args.local_rank)
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
     out_dir = Path(args.output_dir)
+    ckpt_dir = out_dir / CHECKPOINTS
     log = rank0_logger("embed", rank, t_start)
 
     ds_config, ml = load_ds_config(prepare_ds_config(args), output_dir=str(out_dir))
+    if args.eval_only:  # evaluating a checkpoint must not touch the run's monitor files
+        for key in ("csv_monitor", "tensorboard", "wandb", "comet"):
+            if isinstance(ds_config.get(key), dict):
+                ds_config[key]["enabled"] = False
+
+    def run_folder():
+        source = resume_source(args, out_dir)
+        prepare_output_dir(out_dir, overwrite=args.overwrite, resuming=source is not None,
+                           eval_only=args.eval_only)
+        return None if source is None else str(source)
+
+    source = [agreed(run_folder, what=f"--output_dir {out_dir}")]
+    dist.broadcast_object_list(source, src=0)
+    resume_from = source[0]
+
     topo = Topology.build(1)
     group = topo.dp_group  # pure data parallel: the DP group is the world
     dp_size, dp_rank = topo.dp_size, topo.dp_rank
     micro = int(ds_config["train_micro_batch_size_per_gpu"])
     gas = int(ds_config["gradient_accumulation_steps"])
 
-    train, held = load_pairs_cached(args)
+    train, held, data_key = load_pairs_cached(args)
     tokenizer = tokenizer_cached([t for p in train for t in (p.query, p.document)],
                                  args.vocab_size, args.cache_dir, args.local_rank)
     pad_id = tokenizer.token_to_id(EOS)  # any id works under the attention mask
     train_enc = encode_pairs(tokenizer, train, args.max_query_len, args.max_doc_len)
     held_enc = encode_pairs(tokenizer, held, args.max_query_len, args.max_doc_len)
+    if len(train) < micro * gas * dp_size:
+        raise SystemExit(f"{len(train)} training pairs cannot fill one global batch of "
+                         f"{micro * gas * dp_size} (micro-batch {micro} x GAS {gas} x DP "
+                         f"{dp_size}): give more data or a smaller --micro_batch_size")
     log(f"data: {len(train)} train / {len(held)} held-out pairs "
         f"({'stdlib' if args.train_data is None else 'user data'}), BPE vocab "
         f"{tokenizer.get_vocab_size()}")
@@ -347,28 +415,80 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         f"{n_params / 1e6:.2f} M params, measured engine loss multiplier {multiplier:g} "
         f"({me.engine_scale.engine}), MNR {ml.mnr.model_dump()}")
 
-    before = evaluate(engine, held_enc, args.eval_batch_size, group)
-    write_metrics(engine, before, 0, prefix="Eval/megaloss/")
-    log(f"before training: held-out MRR@10 {before['mrr@10']:.4f}, "
-        f"recall@1 {before['recall@1']:.4f}")
+    # what a resumed run needs besides the engine's own state
+    job_state: Dict = {"rows": [], "before": None, "train_seconds": 0.0, "saves": []}
+    if resume_from is not None:
+        t0 = time.perf_counter()
+        path, client = load_checkpoint(me, resume_from)
+        saved = client.get("job", {})
+        if saved.get("data_key") != data_key or saved.get("vocab_size") != args.vocab_size:
+            raise SystemExit(
+                f"checkpoint {path} was trained on other pairs or another tokenizer (cache key "
+                f"{saved.get('data_key')}, vocab {saved.get('vocab_size')}; these options give "
+                f"{data_key}, vocab {args.vocab_size}): pass the same --train_data / --eval_data "
+                "/ --eval_fraction / --max_train / --max_eval / --vocab_size")
+        job_state.update({k: saved[k] for k in job_state if k in saved})
+        log(f"resumed from {path} at step {engine.global_steps} "
+            f"({engine.global_samples} samples) in {time.perf_counter() - t0:.2f} s")
+    start = int(engine.global_steps)
 
-    batches = iter(StepBatches(train_enc, micro=micro, gas=gas, dp_size=dp_size, dp_rank=dp_rank,
-                               seed=args.seed))
+    if args.eval_only:
+        result = evaluate(engine, held_enc, args.eval_batch_size, group)
+        report = {"checkpoint": str(resume_from), "step": start, "eval": result}
+        if rank == 0:
+            write_summary_json(out_dir / f"eval_step{start}.json", report)
+            print_summary_table("code-search embedding: checkpoint evaluation",
+                                [(k, f"{v:.4f}") for k, v in result.items()],
+                                f"step {start} of {resume_from}", columns=("metric", "value"))
+        dist.barrier()
+        return report
+
+    rows: List[Dict[str, float]] = job_state["rows"]
+    saves: List[Dict] = job_state["saves"]
+    before = job_state["before"]
+    if before is None:
+        before = evaluate(engine, held_enc, args.eval_batch_size, group)
+        write_metrics(engine, before, prefix="Eval/megaloss/")
+        log(f"before training: held-out MRR@10 {before['mrr@10']:.4f}, "
+            f"recall@1 {before['recall@1']:.4f}")
+
+    def save(step: int) -> None:
+        t0 = time.perf_counter()
+        client = {"job": {"name": "embed", "data_key": data_key, "vocab_size": args.vocab_size,
+                          "seed": args.seed, "steps_done": step, "rows": rows, "before": before,
+                          "saves": saves,
+                          "train_seconds": train_seconds_before + time.perf_counter() - t_train}}
+        folder = save_checkpoint(me, ckpt_dir, client_state=client)
+        if rank == 0:
+            atomic_write(folder / "tokenizer.json", tokenizer.to_str())
+            prune_checkpoints(ckpt_dir, args.keep_checkpoints)
+        seconds = time.perf_counter() - t0
+        saves.append({"step": step, "seconds": seconds,
+                      "mib": checkpoint_bytes(folder) / 2**20, "path": str(folder)})
+        log(f"saved {folder} ({saves[-1]['mib']:.1f} MiB) in {seconds:.2f} s")
+
+    batches = StepBatches(train_enc, micro=micro, gas=gas, dp_size=dp_size, dp_rank=dp_rank,
+                          seed=args.seed).iter_from(start)
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
-        bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
-    rows: List[Dict[str, float]] = []
+        bar = tqdm(total=args.steps, initial=min(start, args.steps), desc="train", unit="step",
+                   dynamic_ncols=True)
+    stop = StopRequest().install()
+    train_seconds_before = job_state["train_seconds"]
     t_train = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    stopped = None
+    for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         # The step's micro-batches, known up front: their sizes give the GAS compensation
-        # weights (one all-reduce); all ones when every micro-batch has the same global size.
+        # weights (one all-reduce); all ones when every micro-batch has the same global
+        # size.
         micro_batches = next(batches)
-        weights = step_loss_weights([len(b["query_input_ids"]) for b in micro_batches], group,
-                                    loss_multiplier=multiplier, device=engine.device)
-        # The step's global loss and accuracy, sum_m (n_m / N) (L_m, acc_m), and the gradient
-        # norm (a device tensor under ZeRO-1/2) stay on the device until one read per step.
+        weights = step_loss_weights([len(b["query_input_ids"]) for b in micro_batches],
+                                    group, loss_multiplier=multiplier, device=engine.device)
+        # The step's global loss and accuracy, sum_m (n_m / N) (L_m, acc_m), and the
+        # gradient norm (a device tensor under ZeRO-1/2) stay on the device until one read
+        # per step.
         stats = torch.zeros(3, device=engine.device)
         for b, w in zip(micro_batches, weights):
             out = engine(**{k: v.to(engine.device) for k, v in b.items()}, loss_weight=w)
@@ -383,27 +503,44 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         row = {"step": int(engine.global_steps), "loss": loss, "accuracy": accuracy,
                "lr": float(engine.get_lr()[0]), "grad_norm": grad_norm,
                "pairs_per_s": micro * gas * dp_size / seconds, "step_time_s": seconds,
-               "peak_memory_mib": peak_memory_mib(engine.device)}
+               "peak_memory_mib": peak_memory_mib(engine.device),
+               "samples": int(engine.global_samples)}
         rows.append(row)
         if step % args.log_every == 0 or step == args.steps:
             events = {("mnr_" + k if k in ("loss", "accuracy") else k): v
-                      for k, v in row.items() if k != "step"}
-            write_metrics(engine, events, row["step"])  # Train/megaloss/mnr_loss, ...
+                      for k, v in row.items() if k not in ("step", "samples")}
+            events["optimizer_step"] = row["step"]
+            write_metrics(engine, events)  # Train/megaloss/mnr_loss, ...
         if bar is not None:
             bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.2f}")
             bar.update(1)
-    train_seconds = time.perf_counter() - t_train
+        if stop.should_stop(engine.device):
+            stopped = {"signal": stop.received, "step": step}
+        if stopped or (args.save_every and (step % args.save_every == 0
+                                            or step == args.steps)):
+            save(step)
+        if stopped:
+            log(f"stopped by {stopped['signal']} after step {step}; continue with --resume")
+            break
+    train_seconds = train_seconds_before + time.perf_counter() - t_train
     if bar is not None:
         bar.close()
-    log(f"trained {args.steps} steps in {train_seconds:.1f} s")
-    after = evaluate(engine, held_enc, args.eval_batch_size, group)
-    write_metrics(engine, after, rows[-1]["step"], prefix="Eval/megaloss/")
-    log(f"after training: held-out MRR@10 {after['mrr@10']:.4f}, "
-        f"recall@1 {after['recall@1']:.4f}")
+    last = rows[-1]["step"] if rows else start
+    after = None
+    if stopped is None:
+        log(f"trained {last} steps in {train_seconds:.1f} s")
+        after = evaluate(engine, held_enc, args.eval_batch_size, group)
+        write_metrics(engine, after, prefix="Eval/megaloss/")
+        log(f"after training: held-out MRR@10 {after['mrr@10']:.4f}, "
+            f"recall@1 {after['recall@1']:.4f}")
 
-    summary = {"eval_before": before, "eval_after": after, "steps": args.steps,
-               "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
-               "first_accuracy": rows[0]["accuracy"], "last_accuracy": rows[-1]["accuracy"],
+    first_row, last_row = (rows[0], rows[-1]) if rows else ({}, {})
+    summary = {"eval_before": before, "eval_after": after, "steps": last,
+               "steps_requested": args.steps, "stopped": stopped,
+               "resumed_from": resume_from and str(resume_from), "resumed_at_step": start,
+               "first_loss": first_row.get("loss"), "last_loss": last_row.get("loss"),
+               "first_accuracy": first_row.get("accuracy"),
+               "last_accuracy": last_row.get("accuracy"),
                "train_pairs": len(train), "eval_pairs": len(held), "dp": dp_size,
                "micro_batch": micro, "gas": gas, "global_batch": micro * gas * dp_size,
                "parameters": n_params, "model": f"BERT {args.model_size} "
@@ -411,14 +548,22 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                "zero_stage": engine.zero_optimization_stage(),
                "engine_loss_multiplier": multiplier, "mnr": ml.mnr.model_dump(),
                "data": "stdlib" if args.train_data is None else "user data",
-               "peak_memory_mib": max(r["peak_memory_mib"] for r in rows),
+               "peak_memory_mib": max((r["peak_memory_mib"] for r in rows), default=0.0),
+               "checkpoints": None if not saves else {
+                   "saves": len(saves),
+                   "seconds_per_save": sum(x["seconds"] for x in saves) / len(saves),
+                   "mib_per_save": sum(x["mib"] for x in saves) / len(saves),
+                   "last": saves[-1]["path"]},
+               "data_key": data_key,
                "train_seconds": train_seconds, "total_seconds": time.perf_counter() - t_start}
+    close_monitors(engine)
     if rank == 0:
         write_outputs(out_dir, rows, summary)
         print_summary(summary)
         log(f"wrote {out_dir / 'metrics.csv'}, {out_dir / 'loss_curve.png'}, "
             f"{out_dir / 'summary.json'}")
     dist.barrier()
+    stop.restore()  # only now: a second signal must not cut the outputs' writing short
     return summary
 
 

@@ -3,10 +3,12 @@
 # the Python standard library, gathered MNR loss, on 2 processes (CPU or GPU). Reports held-out
 # MRR@10 and recall@1 before and after training. Extra arguments go to train_embed.py, e.g.
 #   NUM_PROCS=4 bash launch/train_embed.sh --steps 400 --deepspeed_config configs/zero3.json
-# (without --deepspeed_config the job uses its built-in ZeRO-2 config, micro-batch 32).
+# (without --deepspeed_config the job uses its built-in ZeRO-2 config, micro-batch 32). Runs in
+# the current directory: outputs go to ./runs/embed unless --output_dir says otherwise.
+# Several nodes: the settings come from the environment a scheduler sets (SLURM_NNODES /
+# SLURM_NODEID / SLURM_JOB_NODELIST; NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT; HOSTFILE);
+# NUM_PROCS is then the processes per node. See launch/multinode.sh and launch/README.md.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-NUM_PROCS="${NUM_PROCS:-2}"
-# A free rendezvous port unless MASTER_PORT is set (29500, the default, may be taken).
-PORT="${MASTER_PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
-exec deepspeed --num_gpus "${NUM_PROCS}" --master_port "${PORT}" launch/train_embed.py "$@"
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+JOB="${REPO}/launch/train_embed.py"
+source "${REPO}/launch/multinode.sh"

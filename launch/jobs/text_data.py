@@ -34,7 +34,7 @@ import torch
 from .code_search import is_held_out, stdlib_files, stdlib_root
 
 __all__ = ["EOS", "TEXT_SUFFIXES", "text_files", "stdlib_split", "strided_subset",
-           "read_texts", "files_digest", "atomic_write", "train_bpe_tokenizer", "encode_stream",
+           "read_texts", "check_texts", "files_digest", "atomic_write", "train_bpe_tokenizer", "encode_stream",
            "lm_blocks", "StepBatches"]
 
 PathLike = Union[str, Path]
@@ -98,6 +98,30 @@ def strided_subset(files: Sequence[Path], max_bytes: Optional[int]) -> List[Path
 def read_texts(files: Sequence[Path]) -> List[str]:
     """UTF-8 contents (undecodable bytes replaced, so any text file can be read)."""
     return [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def check_texts(files: Sequence[Path], texts: Sequence[str], what: str,
+                named: Sequence[PathLike] = ()) -> None:
+    """Refuse text that cannot be trained or evaluated on, naming the file.
+
+    Args:
+        files, texts: the files and their contents (:func:`read_texts`).
+        what: how the message names the set (``"--train_data"``, ``"held-out"``).
+        named: the sources the user named; a *file* among them that is empty (or whitespace
+            only) is an error. Empty files found inside a named directory (an empty
+            ``__init__.py``) are fine as long as some file has text.
+
+    Raises:
+        SystemExit: a named file is empty, or every file is.
+    """
+    given = {Path(n).resolve() for n in named if Path(n).is_file()}
+    empty = [f for f, t in zip(files, texts) if not t.strip()]
+    for f in empty:
+        if Path(f).resolve() in given:
+            raise SystemExit(f"{what} file {f} is empty")
+    if files and len(empty) == len(files):
+        shown = ", ".join(str(f) for f in empty[:3]) + (", ..." if len(empty) > 3 else "")
+        raise SystemExit(f"{what}: all {len(files)} files are empty ({shown})")
 
 
 def files_digest(texts: Sequence[str], *extra: object) -> str:
@@ -215,12 +239,20 @@ class StepBatches:
         self.steps_per_epoch = self.rows // self.per_step
 
     def __iter__(self) -> Iterator[List[Dict[str, torch.Tensor]]]:
-        epoch = 0
+        return self.iter_from(0)
+
+    def iter_from(self, start_step: int) -> Iterator[List[Dict[str, torch.Tensor]]]:
+        """The stream from optimizer step ``start_step`` on (0-based: ``iter_from(k)`` yields
+        what ``iter(self)`` yields after ``k`` steps), without drawing the skipped batches: a
+        resumed job continues exactly where the checkpoint left off."""
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        epoch, first = divmod(start_step, self.steps_per_epoch)
         while True:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             order = torch.randperm(self.rows, generator=g)
-            for s in range(self.steps_per_epoch):
+            for s in range(first, self.steps_per_epoch):
                 pieces = order[s * self.per_step:(s + 1) * self.per_step].split(self.micro)
                 yield [{k: v[pieces[i * self.dp + self.rank]] for k, v in self.data.items()}
                        for i in range(self.gas)]
-            epoch += 1
+            epoch, first = epoch + 1, 0

@@ -69,3 +69,28 @@ def test_shipped_configs_validate():
     assert paths, "configs/*.json missing"
     for p in paths:
         load_megaloss_config(p)
+
+
+@pytest.mark.parametrize("key", ["megalos", "mega_loss", "Megaloss", "megaloss "])
+def test_misspelled_section_fails_naming_megaloss(key):
+    """DeepSpeed keeps unknown top-level keys: a misspelled section would run with defaults."""
+    with pytest.raises(ValueError, match=r"ds_config key .* did you mean 'megaloss'\?"):
+        load_megaloss_config({key: {"tensor_parallel_size": 2}})
+
+
+def test_key_close_to_a_deepspeed_key_warns_naming_it():
+    with pytest.warns(UserWarning, match=r"'gradient_clippin' .* did you mean "
+                                         r"'gradient_clipping'\?"):
+        load_megaloss_config({"gradient_clippin": 1.0})
+    with pytest.warns(UserWarning, match="'zero_optimisation'.*'zero_optimization'"):
+        load_megaloss_config({"zero_optimisation": {"stage": 2}})
+
+
+def test_known_and_unrelated_keys_pass_silently(recwarn):
+    import glob
+    import os
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+    for p in sorted(glob.glob(os.path.join(root, "*.json"))):
+        load_megaloss_config(p)
+    load_megaloss_config({"my_experiment_notes": "kept for the user", "train_batch_size": 8})
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]

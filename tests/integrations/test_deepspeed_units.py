@@ -1,5 +1,7 @@
 """Single-process checks of the DeepSpeed wiring: the mpu object and TP tags as DeepSpeed reads
 them, and ds_config loading. Multi-process behaviour is in test_deepspeed_equivalence.py."""
+import os
+
 import pytest
 import torch
 
@@ -53,3 +55,112 @@ def test_load_ds_config_points_monitors_at_output_dir(tmp_path):
     assert topo.dp_size == topo.tp_size == 1
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         Topology.build(2)
+
+
+class _FakeMonitor:
+    """What DeepSpeed's MonitorMaster offers (enabled, write_events, the csv / tb monitors)."""
+
+    def __init__(self, log_dir=None):
+        self.enabled, self.events = True, []
+        self.csv_monitor = self.tb_monitor = self.wandb_monitor = None
+        if log_dir is not None:
+            from types import SimpleNamespace
+            self.csv_monitor = SimpleNamespace(enabled=True, log_dir=str(log_dir), filenames=[])
+
+    def write_events(self, events):
+        self.events += events
+
+
+def test_write_metrics_uses_the_sample_axis_deepspeed_uses():
+    from types import SimpleNamespace
+
+    from megaloss.integrations.deepspeed import monitor_step, write_metrics
+    engine = SimpleNamespace(monitor=_FakeMonitor(), global_samples=48, global_steps=3)
+    assert monitor_step(engine) == 48
+    write_metrics(engine, {"loss": 2.5, "grad_norm": None})
+    write_metrics(engine, {"loss": 2.0}, prefix="Eval/megaloss/")
+    write_metrics(engine, {"x": 1}, step=7)
+    assert engine.monitor.events == [("Train/megaloss/loss", 2.5, 48),
+                                     ("Eval/megaloss/loss", 2.0, 48), ("Train/megaloss/x", 1.0, 7)]
+
+
+def test_continue_monitors_truncates_csv_files_and_writes_no_second_header(tmp_path):
+    from types import SimpleNamespace
+
+    from megaloss.integrations.deepspeed import continue_monitors
+    (tmp_path / "Train_megaloss_loss.csv").write_text("step,loss\n8,3.0\n16,2.5\n24,2.0\n")
+    (tmp_path / "Eval_megaloss_loss.csv").write_text("step,loss\n0,4.0\n16,2.6\n")
+    engine = SimpleNamespace(monitor=_FakeMonitor(tmp_path), global_samples=16)
+    continue_monitors(engine)
+    assert (tmp_path / "Train_megaloss_loss.csv").read_text() == "step,loss\n8,3.0\n16,2.5\n"
+    assert (tmp_path / "Eval_megaloss_loss.csv").read_text() == "step,loss\n0,4.0\n16,2.6\n"
+    assert sorted(engine.monitor.csv_monitor.filenames) == ["Eval_megaloss_loss",
+                                                            "Train_megaloss_loss"]
+    continue_monitors(SimpleNamespace(monitor=None))  # no monitor: nothing to do
+
+
+def test_needs_output_dir_and_default_run_folder(tmp_path, monkeypatch):
+    from megaloss.integrations.deepspeed.engine import default_output_dir, needs_output_dir
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    assert not needs_output_dir({"csv_monitor": {"enabled": False, "output_path": ""}})
+    assert needs_output_dir({"csv_monitor": {"enabled": True, "output_path": ""}})
+    assert not needs_output_dir({"csv_monitor": {"enabled": True, "output_path": "/x"}})
+    assert needs_output_dir({"wandb": {"enabled": True}})
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    assert not needs_output_dir({"wandb": {"enabled": True}})
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("time.strftime", lambda fmt: "20260101-000000")
+    first = default_output_dir()
+    assert first == os.path.join("runs", "20260101-000000")
+    (tmp_path / first).mkdir(parents=True)
+    assert default_output_dir() == first + "-2"  # never an existing run's folder
+
+
+def test_checkpoint_helpers(tmp_path):
+    import random
+
+    from megaloss.integrations.deepspeed import resolve_checkpoint
+    from megaloss.integrations.deepspeed.checkpoint import (latest_tag, prune_checkpoints,
+                                                            rng_state, set_rng_state)
+    state = rng_state()
+    a = (random.random(), torch.rand(3))
+    set_rng_state(state)
+    b = (random.random(), torch.rand(3))
+    assert a[0] == b[0] and torch.equal(a[1], b[1])
+
+    for k in (2, 4, 6):
+        (tmp_path / f"step_{k}").mkdir()
+        (tmp_path / f"step_{k}" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        resolve_checkpoint(tmp_path)  # no latest yet
+    (tmp_path / "latest").write_text("step_4")
+    assert latest_tag(tmp_path) == "step_4"
+    assert resolve_checkpoint(tmp_path) == (tmp_path, "step_4")
+    assert resolve_checkpoint(tmp_path / "step_6") == (tmp_path, "step_6")
+    prune_checkpoints(tmp_path, 1)  # keeps the newest and the one latest names
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_4", "step_6"]
+    (tmp_path / "latest").write_text("step_9")
+    with pytest.raises(FileNotFoundError, match="step_9"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_continue_monitors_purges_tensorboard_events_after_the_checkpoint(tmp_path):
+    from types import SimpleNamespace
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megaloss.integrations.deepspeed import continue_monitors
+    writer = SummaryWriter(log_dir=str(tmp_path))
+    for x, v in ((8, 3.0), (16, 2.5), (24, 2.0)):  # the interrupted run got past its checkpoint
+        writer.add_scalar("Train/megaloss/loss", v, x)
+    writer.close()
+    master = _FakeMonitor()
+    master.tb_monitor = SimpleNamespace(summary_writer=SummaryWriter(log_dir=str(tmp_path)))
+    continue_monitors(SimpleNamespace(monitor=master, global_samples=16))
+    master.tb_monitor.summary_writer.add_scalar("Train/megaloss/loss", 1.5, 24)
+    master.tb_monitor.summary_writer.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("Train/megaloss/loss")] == [
+        (8, 3.0), (16, 2.5), (24, 1.5)]

@@ -8,14 +8,20 @@ gradient factor, the engine set-up, the calibrated training step and metrics thr
 - :mod:`.probe`: :func:`probe_deepspeed`, the gradient factor of a DeepSpeed engine.
 - :mod:`.engine`: :func:`initialize` -> :class:`MegalossEngine` (engine + calibrator).
 - :mod:`.train_step`: :func:`train_step` and :func:`evaluate`.
-- :mod:`.monitor`: :func:`write_metrics`.
+- :mod:`.monitor`: :func:`write_metrics` (every event at the engine's global sample count, the
+  x-axis DeepSpeed's own events use), :func:`continue_monitors`, :func:`close_monitors`.
+- :mod:`.checkpoint`: :func:`save_checkpoint` / :func:`load_checkpoint` (DeepSpeed's own, plus
+  per-rank RNG states and an atomic ``latest``).
 
 Importing this package does not import ``deepspeed``; the functions import it when called.
 """
+from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from .compat import configure_launched_process, skip_cpu_shm_comm_build
-from .config import CEConfig, MegalossConfig, MNRConfig, load_megaloss_config
+from .config import (CEConfig, MegalossConfig, MNRConfig, check_top_level_keys,
+                     load_megaloss_config)
 from .engine import MegalossEngine, initialize, load_ds_config
-from .monitor import MONITOR_SECTIONS, write_metrics
+from .monitor import (MONITOR_SECTIONS, close_monitors, continue_monitors, monitor_step,
+                      write_metrics)
 from .mpu import DeepSpeedMPU
 from .probe import probe_deepspeed
 from .train_step import EvalResult, StepMetrics, evaluate, peak_memory_mib, train_step
@@ -24,5 +30,7 @@ __all__ = [
     "MegalossConfig", "CEConfig", "MNRConfig", "load_megaloss_config", "load_ds_config",
     "DeepSpeedMPU", "probe_deepspeed", "initialize", "MegalossEngine", "train_step", "evaluate",
     "StepMetrics", "EvalResult", "peak_memory_mib", "write_metrics", "MONITOR_SECTIONS",
-    "skip_cpu_shm_comm_build", "configure_launched_process",
+    "skip_cpu_shm_comm_build", "configure_launched_process", "check_top_level_keys",
+    "monitor_step", "continue_monitors", "close_monitors", "save_checkpoint", "load_checkpoint",
+    "resolve_checkpoint",
 ]

@@ -12,20 +12,82 @@ file drives both the engine and megaloss::
 Every model forbids unknown keys, so a typo (``"chunksize"``) is an error instead of a silently
 ignored option. Errors are re-raised as :class:`ValueError` whose message names the full key path
 (``megaloss.ce.chunk_size: Input should be greater than 0``).
+
+DeepSpeed keeps *any* unknown top-level key, so a misspelled section name would run silently with
+defaults. :func:`check_top_level_keys` (called by :func:`load_megaloss_config`) compares every
+top-level key with DeepSpeed's and megaloss's own (``difflib``): a key close to ``"megaloss"``
+(``"megalos"``, ``"mega_loss"``) is an error, one close to a DeepSpeed key
+(``"gradient_clippin"``) a warning naming that key; keys close to none are left alone (a
+ds_config may carry keys of its own).
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import warnings
 from typing import Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ...ops.options import CrossEntropyOptions
 
-__all__ = ["CEConfig", "MNRConfig", "MegalossConfig", "load_megaloss_config", "SECTION"]
+__all__ = ["CEConfig", "MNRConfig", "MegalossConfig", "load_megaloss_config", "SECTION",
+           "DEEPSPEED_TOP_LEVEL_KEYS", "check_top_level_keys"]
 
 SECTION = "megaloss"
+
+# The top-level keys DeepSpeed 0.19.8 reads (recorded from ``DeepSpeedConfig`` reading a config,
+# plus the sections other components read: flops profiler, activation checkpointing, autotuning,
+# aio). A key outside this set and not close to one of them is left alone.
+DEEPSPEED_TOP_LEVEL_KEYS = frozenset({
+    "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint",
+    "comet", "comms_logger", "communication_data_type", "compile", "compression_training",
+    "csv_monitor", "curriculum_learning", "data_efficiency", "data_types",
+    "dataloader_drop_last", "datastates_ckpt", "disable_allgather", "disable_python_gc",
+    "dump_state", "eigenvalue", "elasticity", "expert_parallel", "flops_profiler", "fp16",
+    "gradient_accumulation_steps", "gradient_allreduce_op", "gradient_clipping",
+    "gradient_predivide_factor", "graph_harvesting", "hybrid_engine", "log_level",
+    "managed_gradient_accumulation", "memory_breakdown", "nebula", "optimizer", "pipeline",
+    "prescale_gradients", "progressive_layer_drop", "quantize_training", "scheduler",
+    "seq_parallel_communication_data_type", "sequence_parallel_size", "sparse_attention",
+    "sparse_gradients", "steps_per_print", "tensor_parallel", "tensorboard", "timers",
+    "torch_autocast", "train_batch_size", "train_micro_batch_size_per_gpu",
+    "use_data_before_expert_parallelism", "vocabulary_size", "wall_clock_breakdown", "wandb",
+    "weight_quantization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "zero_optimization",
+})
+
+
+def _closest(key: str, known) -> Optional[str]:
+    norm = {k.lower(): k for k in known}
+    match = difflib.get_close_matches(key.strip().lower(), list(norm), n=1, cutoff=0.8)
+    return norm[match[0]] if match else None
+
+
+def check_top_level_keys(ds_config: Mapping[str, Any]) -> None:
+    """Catch misspelled top-level ds_config keys, which DeepSpeed keeps without a word.
+
+    Raises:
+        ValueError: a key that is not ``"megaloss"`` but close to it (``"megalos"``): the run
+            would otherwise use megaloss's defaults (TP=1, no z-loss) silently.
+
+    Warns:
+        UserWarning: a key that DeepSpeed does not read but that is close to one it does, naming
+            that key (``"gradient_clippin"``: did you mean ``"gradient_clipping"``?).
+    """
+    for key in ds_config:
+        if not isinstance(key, str) or key == SECTION or key in DEEPSPEED_TOP_LEVEL_KEYS:
+            continue
+        if _closest(key, [SECTION]) is not None:
+            raise ValueError(f"ds_config key {key!r} is not a known key; did you mean {SECTION!r}? "
+                             f"(DeepSpeed ignores unknown keys, so the {SECTION!r} section's "
+                             "defaults would be used: TP=1, no z-loss)")
+        near = _closest(key, DEEPSPEED_TOP_LEVEL_KEYS)
+        if near is not None:
+            warnings.warn(f"ds_config key {key!r} is not read by DeepSpeed or megaloss; did you "
+                          f"mean {near!r}? (DeepSpeed ignores unknown keys)", UserWarning,
+                          stacklevel=3)
 
 
 class _Strict(BaseModel):
@@ -122,7 +184,9 @@ def load_megaloss_config(ds_config: Union[str, os.PathLike, Mapping[str, Any], N
 
     Raises:
         ValueError: unknown key or bad value; the message names the key path, e.g.
-            ``megaloss.ce.reduction``.
+            ``megaloss.ce.reduction``; or a top-level key close to ``"megaloss"`` (a misspelled
+            section, :func:`check_top_level_keys`, which also warns about keys close to
+            DeepSpeed's).
         TypeError: ``ds_config`` is not a path, mapping or None, or the section is not an object.
         FileNotFoundError: the path does not exist.
     """
@@ -133,6 +197,7 @@ def load_megaloss_config(ds_config: Union[str, os.PathLike, Mapping[str, Any], N
             ds_config = json.load(f)
     if not isinstance(ds_config, Mapping):
         raise TypeError(f"ds_config must be a path, a dict or None, got {type(ds_config).__name__}")
+    check_top_level_keys(ds_config)
     section = ds_config.get(SECTION, {})
     if not isinstance(section, Mapping):
         raise TypeError(f"ds_config[{SECTION!r}] must be a JSON object, got "

@@ -32,17 +32,21 @@ from ...calibration import EngineScale, LossCalibrator
 from ...parallel.topology import Topology
 from .compat import skip_cpu_shm_comm_build
 from .config import MegalossConfig, load_megaloss_config
-from .monitor import MONITOR_SECTIONS
 from .mpu import DeepSpeedMPU
 from .probe import probe_deepspeed
 
-__all__ = ["MegalossEngine", "load_ds_config", "initialize"]
+__all__ = ["MegalossEngine", "load_ds_config", "initialize", "needs_output_dir",
+           "default_output_dir"]
 
 
 def load_ds_config(ds_config: Union[str, os.PathLike, Mapping[str, Any]], *,
                    output_dir: Optional[str] = None) -> Tuple[Dict[str, Any], MegalossConfig]:
-    """Read a ds_config (path or dict), validate its ``"megaloss"`` section, and point the
-    monitors without an ``output_path`` at ``output_dir``.
+    """Read a ds_config (path or dict), validate its ``"megaloss"`` section (and catch a
+    misspelled one, :func:`~.config.check_top_level_keys`), and point the file-writing monitors
+    without an ``output_path`` (``csv_monitor``, ``tensorboard``) at ``<output_dir>/monitor``.
+
+    W&B takes no path from the ds_config: :func:`initialize` points ``WANDB_DIR`` at
+    ``output_dir``.
 
     Returns:
         ``(ds_config dict (a deep copy), MegalossConfig)``.
@@ -60,13 +64,51 @@ def load_ds_config(ds_config: Union[str, os.PathLike, Mapping[str, Any]], *,
         raise TypeError(f"ds_config must be a path or a dict, got {type(ds_config).__name__}")
     ml = load_megaloss_config(cfg)
     if output_dir is not None:
-        for key in MONITOR_SECTIONS:
+        for key in _FILE_MONITORS:
             section = cfg.get(key)
-            # wandb and comet log to their own services (or WANDB_DIR), not to a path.
-            if (key in ("csv_monitor", "tensorboard") and isinstance(section, dict)
-                    and section.get("enabled") and not section.get("output_path")):
+            if (isinstance(section, dict) and section.get("enabled")
+                    and not section.get("output_path")):
                 section["output_path"] = os.path.join(output_dir, "monitor")
     return cfg, ml
+
+
+_FILE_MONITORS = ("csv_monitor", "tensorboard")  # the monitors DeepSpeed writes to a path
+
+
+def _enabled(cfg: Mapping[str, Any], key: str) -> bool:
+    section = cfg.get(key)
+    return isinstance(section, Mapping) and bool(section.get("enabled"))
+
+
+def needs_output_dir(cfg: Mapping[str, Any]) -> bool:
+    """Whether an enabled monitor would write relative to the current directory: a
+    ``csv_monitor`` / ``tensorboard`` section without ``output_path``, or ``wandb`` without
+    ``WANDB_DIR``."""
+    return (any(_enabled(cfg, k) and not cfg[k].get("output_path") for k in _FILE_MONITORS)
+            or (_enabled(cfg, "wandb") and not _user_wandb_dir()))
+
+
+_OWN_WANDB_DIR = [None]  # the WANDB_DIR initialize set last (a later run in the process resets it)
+
+
+def _user_wandb_dir() -> Optional[str]:
+    """``WANDB_DIR`` when the user set it (not when an earlier :func:`initialize` did)."""
+    value = os.environ.get("WANDB_DIR")
+    return value if value and value != _OWN_WANDB_DIR[0] else None
+
+
+def default_output_dir() -> str:
+    """A fresh folder for one run's monitor output, ``runs/<date>-<time>`` under the current
+    directory (``-2``, ``-3``, ... appended when it exists). Not collective: DeepSpeed's monitors
+    write on global rank 0 only, so rank 0's choice is the one that counts."""
+    import time
+
+    base = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    name, n = base, 1
+    while os.path.exists(name):
+        n += 1
+        name = f"{base}-{n}"
+    return name
 
 
 @dataclass
@@ -118,7 +160,11 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
             section build one (use ``"torch_adam": true`` on CPU: DeepSpeed's fused/CPU Adam
             would JIT-compile an op).
         lr_scheduler: optional client scheduler (else the ds_config's ``"scheduler"``).
-        output_dir: where monitors without an ``output_path`` write (``<output_dir>/monitor``).
+        output_dir: the run's output folder: monitors without an ``output_path`` write to
+            ``<output_dir>/monitor``, and W&B (unless ``WANDB_DIR`` is set) to
+            ``<output_dir>/wandb``. When None and such a monitor is enabled, a fresh
+            ``runs/<date>-<time>`` folder under the current directory (logged), so no monitor
+            writes into the current directory or mixes with another run.
         ignore_index: label value without loss (calibration).
 
     Raises:
@@ -130,7 +176,19 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
     import deepspeed
 
     skip_cpu_shm_comm_build()
-    cfg, ml = load_ds_config(ds_config, output_dir=output_dir)
+    cfg, ml = load_ds_config(ds_config)
+    if output_dir is None and needs_output_dir(cfg):
+        output_dir = default_output_dir()
+        from deepspeed.utils import log_dist
+
+        log_dist(f"megaloss.initialize: no output_dir given; monitor output goes to "
+                 f"{os.path.abspath(output_dir)}", ranks=[0], level=30)
+    if output_dir is not None:
+        cfg, ml = load_ds_config(cfg, output_dir=output_dir)
+        if _enabled(cfg, "wandb") and not _user_wandb_dir():
+            # DeepSpeed's wandb.init takes no dir: W&B reads WANDB_DIR (default: the cwd).
+            os.makedirs(output_dir, exist_ok=True)
+            os.environ["WANDB_DIR"] = _OWN_WANDB_DIR[0] = os.path.abspath(output_dir)
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a megaloss Topology, got {type(topology).__name__}")
     if ml.tensor_parallel_size != topology.tp_size:

@@ -12,7 +12,8 @@ One optimizer step (:func:`train_step`) over ``G`` micro-batches (``G`` = the ds
    lm_head there), ``engine.backward(loss x measured multiplier)``, ``engine.step()``;
 3. at the boundary: the global loss (one all-reduce, identical on all ranks, equal to what one
    device computes on the whole global batch), global z-loss, global valid tokens, learning rate,
-   gradient norm, tokens/s and peak memory, written through ``engine.monitor``.
+   gradient norm, tokens/s and peak memory, written through ``engine.monitor`` at the engine's
+   global sample count, the x-axis DeepSpeed's own events use (:mod:`.monitor`).
 
 The only host syncs are at the boundary, for logging.
 """
@@ -44,7 +45,8 @@ class StepMetrics:
     ``loss``: global calibrated loss (z-loss included); ``z_loss``: its z-loss part;
     ``num_tokens``: global valid tokens; ``lr``; ``grad_norm`` (None when the engine does not
     compute it); ``tokens_per_s``: global valid tokens / step wall time; ``peak_memory_mib``:
-    this process's peak (CUDA allocator, or max RSS on CPU); ``step``: optimizer steps done.
+    this process's peak (CUDA allocator, or max RSS on CPU); ``step``: optimizer steps done;
+    ``samples``: the engine's global sample count after the step (the monitors' x value).
     """
 
     step: int
@@ -56,6 +58,7 @@ class StepMetrics:
     tokens_per_s: float
     peak_memory_mib: float
     step_time_s: float
+    samples: int = 0
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -121,8 +124,9 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
             and either Hugging Face ``labels [B, T]`` (unshifted; shifted here) or
             ``shift_labels [B, T]`` (already shifted); optional ``attention_mask``,
             ``position_ids``, ``cu_seqlens``. TP ranks of one DP rank must pass the same batches.
-        log: write the metrics through ``engine.monitor`` (tags ``Train/megaloss/<name>``,
-            step = optimizer steps done).
+        log: write the metrics through ``engine.monitor`` (tags ``Train/megaloss/<name>``
+            and ``Train/megaloss/optimizer_step``, at the global sample count DeepSpeed's own
+            ``Train/Samples/*`` events use).
 
     Returns:
         :class:`StepMetrics`.
@@ -164,17 +168,18 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
         lr=float(engine.get_lr()[0]),
         grad_norm=None if grad_norm is None else float(grad_norm),
         tokens_per_s=num_tokens / max(elapsed, 1e-9), peak_memory_mib=peak_memory_mib(device),
-        step_time_s=elapsed)
+        step_time_s=elapsed, samples=int(getattr(engine, "global_samples", 0)))
     if log:
         d = metrics.as_dict()
-        d.pop("step")
-        write_metrics(engine, d, metrics.step)
+        d["optimizer_step"] = d.pop("step")
+        d.pop("samples")
+        write_metrics(engine, d)
     return metrics
 
 
 @torch.no_grad()
 def evaluate(me: MegalossEngine, batches: Iterable[Mapping[str, torch.Tensor]], *,
-             log_step: Optional[int] = None) -> EvalResult:
+             log: bool = False, log_step: Optional[int] = None) -> EvalResult:
     """Token-mean CE over held-out batches, global over ``dp x sp`` (one all-reduce at the end).
 
     Every rank must pass the same *number* of batches (an empty iterable is fine: the all-reduce
@@ -183,7 +188,10 @@ def evaluate(me: MegalossEngine, batches: Iterable[Mapping[str, torch.Tensor]], 
     value is the plain cross-entropy (with the configured label smoothing, if any).
 
     Args:
-        log_step: when given, writes ``Eval/megaloss/loss`` and ``.../perplexity`` at this step.
+        log: write ``Eval/megaloss/loss`` and ``.../perplexity`` through ``engine.monitor`` at
+            the engine's global sample count (the x-axis of every monitor event).
+        log_step: older spelling of ``log=True`` (the value is not used: the x value is the
+            sample count, so W&B keeps the events).
     """
     engine = me.engine
     device = engine.device
@@ -203,7 +211,7 @@ def evaluate(me: MegalossEngine, batches: Iterable[Mapping[str, torch.Tensor]], 
     n = float(sums[1])
     loss = float(sums[0]) / n if n > 0 else 0.0
     result = EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), num_tokens=n)
-    if log_step is not None:
-        write_metrics(engine, {"loss": result.loss, "perplexity": result.perplexity}, log_step,
+    if log or log_step is not None:
+        write_metrics(engine, {"loss": result.loss, "perplexity": result.perplexity},
                       prefix="Eval/megaloss/")
     return result

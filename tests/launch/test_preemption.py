@@ -1,0 +1,148 @@
+"""Preemption, end to end under ``deepspeed --num_gpus 2`` on CPU, with real signals:
+
+- the LM job gets a terminal's Ctrl-C (SIGINT to the whole process group: launcher and ranks);
+- the embedding job gets SIGTERM at the launcher's ``launch.py`` only, which forwards it to its
+  ranks one after the other (rank 0 first, the next only once rank 0 has exited), so the ranks
+  must agree to stop at the same step boundary by themselves.
+
+Both must save a checkpoint at the next step boundary, write ``metrics.csv``, ``summary.json``
+(saying where and why they stopped) and the plot for the steps that ran, and exit; a new
+launcher run with ``--resume`` then continues them: metrics and monitor files hold every step
+once, with one header.
+"""
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from launch_helpers import REPO, run_deepspeed_launcher
+
+from jobs.code_search import stdlib_root
+from megaloss.testing import free_port
+
+pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+
+
+class Launched:
+    """``deepspeed --num_gpus 2 script args`` in a session of its own, its output collected by a
+    thread."""
+
+    def __init__(self, script: Path, args: list) -> None:
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+               "--master_port", str(free_port()), str(script), *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        t0 = time.monotonic()
+        while text not in self.output:
+            assert self.proc.poll() is None or self.reader.is_alive(), self.output[-4000:]
+            assert time.monotonic() - t0 < timeout, f"no {text!r} in:\n{self.output[-4000:]}"
+            time.sleep(0.2)
+
+    def finish(self, timeout: float) -> str:
+        """Wait until every process of the session has closed the output (all exited)."""
+        self.reader.join(timeout)
+        if self.reader.is_alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError(f"still running after {timeout} s:\n{self.output[-4000:]}")
+        self.proc.wait(30)
+        return self.output
+
+
+def _rows(out: Path) -> list:
+    with open(out / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _check_stopped(out: Path, output: str, sig: str, tag: str) -> int:
+    """The stopped run's files: a checkpoint at the step it stopped after, every step's metrics,
+    the summary saying so, the plot. Returns that step."""
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"]["signal"] == sig, summary["stopped"]
+    k = summary["stopped"]["step"]
+    assert k >= 1 and summary["steps"] == k and summary["eval_after"] is None
+    assert [int(r["step"]) for r in _rows(out)] == list(range(1, k + 1))
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{k}"
+    assert (out / "checkpoints" / f"step_{k}" / "rng_state_rank00001.pt").exists()
+    assert (out / "loss_curve.png").stat().st_size > 0
+    assert f"{sig}: stopping at the next step boundary" in output
+    assert f"[{tag}" in output and f"stopped by {sig} after step {k}" in output
+    return k
+
+
+def _check_continued(out: Path, k: int, extra: int, monitor_file: str) -> None:
+    rows = _rows(out)
+    assert [int(r["step"]) for r in rows] == list(range(1, k + extra + 1))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] is None and summary["resumed_at_step"] == k
+    lines = (out / "monitor" / "megaloss" / monitor_file).read_text().splitlines()
+    assert sum(ln.startswith("step,") for ln in lines) == 1, lines
+    assert [int(ln.split(",")[0]) for ln in lines[1:]] == [int(r["samples"]) for r in rows]
+
+
+@pytest.mark.timeout(420)
+def test_ctrl_c_saves_and_resume_continues_lm(tmp_path):
+    root = stdlib_root()
+    out = tmp_path / "out"
+    args = ["--train_data", str(root / "json"), str(root / "csv.py"), "--eval_data",
+            str(root / "textwrap.py"), "--model_size", "tiny", "--seq_len", "32",
+            "--vocab_size", "300", "--eval_blocks", "8", "--eval_every", "0",
+            "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"), "--no_progress"]
+    job = Launched(REPO / "launch" / "train_lm.py", args + ["--steps", "100000"])
+    job.wait_for("before training", timeout=240)
+    time.sleep(2.0)  # some steps
+    os.killpg(job.proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
+    output = job.finish(timeout=120)
+    k = _check_stopped(out, output, "SIGINT", "lm")
+
+    proc = run_deepspeed_launcher(REPO / "launch" / "train_lm.py",
+                                  args + ["--steps", str(k + 2), "--resume"], timeout=240)
+    assert f"resumed from {out / 'checkpoints' / f'step_{k}'} at step {k}" in proc.stdout
+    _check_continued(out, k, 2, "Train_megaloss_loss.csv")
+
+
+@pytest.mark.timeout(420)
+def test_sigterm_to_the_launcher_saves_and_resume_continues_embed(tmp_path):
+    root = stdlib_root()
+    out = tmp_path / "out"
+    args = ["--train_data", str(root / "email"), str(root / "json"), "--eval_fraction", "0.2",
+            "--max_eval", "24", "--micro_batch_size", "4", "--gradient_accumulation_steps", "1",
+            "--model_size", "tiny", "--vocab_size", "300", "--max_doc_len", "32",
+            "--max_query_len", "16", "--output_dir", str(out), "--cache_dir",
+            str(tmp_path / "cache"), "--no_progress"]
+    job = Launched(REPO / "launch" / "train_embed.py", args + ["--steps", "100000"])
+    job.wait_for("before training", timeout=240)
+    time.sleep(2.0)
+    launch_py = psutil.Process(job.proc.pid).children()[0]  # deepspeed.launcher.launch
+    assert "deepspeed.launcher.launch" in " ".join(launch_py.cmdline())
+    launch_py.send_signal(signal.SIGTERM)
+    output = job.finish(timeout=120)
+    k = _check_stopped(out, output, "SIGTERM", "embed")
+
+    proc = run_deepspeed_launcher(REPO / "launch" / "train_embed.py",
+                                  args + ["--steps", str(k + 2), "--resume", "latest"],
+                                  timeout=240)
+    assert f"at step {k}" in proc.stdout
+    _check_continued(out, k, 2, "Train_megaloss_mnr_loss.csv")

@@ -68,6 +68,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--deepspeed_config", type=str, default=str(REPO / "configs" / "zero2.json"),
                    help="ds_config JSON; its 'megaloss' section sets TP size and CE options")
+    p.add_argument("--sequence_parallel_size", type=int, default=None,
+                   help="DeepSpeed-Ulysses sequence parallelism: ranks sharing each sample's "
+                        "tokens (overrides megaloss.sequence_parallel_size of the config); "
+                        "NUM_PROCS must be a multiple of tp x sp")
     p.add_argument("--train_data", nargs="*", default=None,
                    help="text files or directories (.py/.txt/.md/.rst); default: the stdlib")
     p.add_argument("--eval_data", nargs="*", default=None,
@@ -178,7 +182,7 @@ def make_blocks(stream: torch.Tensor, seq_len: int, what: str, files: int,
 
 
 # model ------------------------------------------------------------------------------------------
-def build_model(args, vocab_size: int):
+def build_model(args, vocab_size: int, attn_implementation: Optional[str] = None):
     from transformers import LlamaConfig, LlamaForCausalLM
     hidden, layers, heads, kv, ffn = MODEL_SIZES[args.model_size]
     hidden = args.hidden_size or hidden
@@ -193,6 +197,8 @@ def build_model(args, vocab_size: int):
                       num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv, max_position_embeddings=args.seq_len,
                       tie_word_embeddings=False)
+    if attn_implementation is not None:  # Ulysses wraps transformers' sdpa attention
+        cfg._attn_implementation = attn_implementation
     # Same seed on every rank: TP ranks must hold the same replicated decoder (DeepSpeed
     # broadcasts from DP rank 0 only within the DP group).
     torch.manual_seed(args.seed)
@@ -241,8 +247,8 @@ def print_summary(summary: Dict[str, Any]) -> None:
     stopped = summary.get("stopped")
     info = (f"{summary['steps']} steps in {summary['train_seconds']:.1f} s, "
             f"{summary['tokens_per_s']:.0f} tokens/s, layout DP={summary['dp']} x "
-            f"TP={summary['tp']}, ZeRO-{summary['zero_stage']}, engine loss multiplier "
-            f"{summary['engine_loss_multiplier']:g}, peak memory "
+            f"SP={summary.get('sp', 1)} x TP={summary['tp']}, ZeRO-{summary['zero_stage']}, "
+            f"engine loss multiplier {summary['engine_loss_multiplier']:g}, peak memory "
             f"{summary['peak_memory_mib']:.0f} MiB/rank"
             + (f"; stopped by {stopped['signal']} at step {stopped['step']} (resume with "
                "--resume)" if stopped else ""))
@@ -265,6 +271,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     import deepspeed
 
     from megaloss import CausalLMWithLoss, Topology
+    from megaloss.integrations.hf.ulysses import enable_ulysses_attention
     from megaloss.integrations.deepspeed import (
         close_monitors, configure_launched_process, evaluate, initialize, load_checkpoint,
         load_ds_config, save_checkpoint, train_step)
@@ -305,7 +312,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     dist.broadcast_object_list(source, src=0)
     resume_from = source[0]
 
-    topo = Topology.build(ml.tensor_parallel_size)
+    if args.sequence_parallel_size is not None:
+        ml.sequence_parallel_size = args.sequence_parallel_size
+        ds_config.setdefault("megaloss", {})["sequence_parallel_size"] = args.sequence_parallel_size
+    topo = Topology.build(ml.tensor_parallel_size,
+                          sequence_parallel_size=ml.sequence_parallel_size)
     micro = ds_config.get("train_micro_batch_size_per_gpu", 1)
     gas = ds_config.get("gradient_accumulation_steps", 1)
 
@@ -319,13 +330,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         f"{info['eval_files']} held-out files ({held_blocks['input_ids'].shape[0]} blocks); "
         f"BPE vocab {vocab}")
 
-    model, cfg = build_model(args, vocab)
+    model, cfg = build_model(args, vocab, "sdpa" if topo.sp_size > 1 else None)
+    # With SP each rank runs the decoder on its slice of every sample; attention all-to-alls
+    # heads over the SP group (DeepSpeed's UlyssesSPAttentionHF).
+    enable_ulysses_attention(model, topo, micro_batch_size=micro)
     wrapper = CausalLMWithLoss(model, options=ml.ce.options(), tp_group=topo.tp_group)
     # decoder + the full (unsharded) lm_head, whatever the TP size
     n_params = sum(p.numel() for p in model.base_model.parameters()) + vocab * cfg.hidden_size
     me = initialize(wrapper, ds_config, topology=topo, output_dir=str(out_dir))
     engine = me.engine
-    log(f"engine ready: DP={topo.dp_size} x TP={topo.tp_size}, "
+    log(f"engine ready: DP={topo.dp_size} x SP={topo.sp_size} x TP={topo.tp_size}, "
         f"ZeRO-{engine.zero_optimization_stage()}, micro-batch {micro} x GAS {gas} x DP "
         f"{topo.dp_size} = {micro * gas * topo.dp_size} x {args.seq_len} tokens/step, "
         f"{n_params / 1e6:.2f} M params, measured engine loss multiplier "
@@ -430,7 +444,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "train_seconds": train_seconds, "tokens_per_s": tokens / max(train_seconds, 1e-9),
         "train_tokens_seen": tokens,
         "peak_memory_mib": max((r["peak_memory_mib"] for r in rows), default=0.0),
-        "dp": topo.dp_size, "tp": topo.tp_size,
+        "dp": topo.dp_size, "sp": topo.sp_size, "tp": topo.tp_size,
         "zero_stage": engine.zero_optimization_stage(), "micro_batch": micro, "gas": gas,
         "seq_len": args.seq_len, "vocab_size": vocab, "parameters": int(n_params),
         "engine_loss_multiplier": me.engine_scale.loss_multiplier,

@@ -152,11 +152,16 @@ class MegalossConfig(_Strict):
     Attributes:
         tensor_parallel_size: ranks sharing one model replica (vocab-parallel lm_head); must
             divide the world size. 1 disables tensor parallelism.
+        sequence_parallel_size: DeepSpeed-Ulysses sequence parallelism: ranks holding slices
+            of the same samples (attention through DeepSpeed's ``UlyssesSPAttentionHF``, the
+            calibration counting split samples whole). ``tp * sp`` must divide the world size.
+            Not Megatron's ``sequence_parallel`` flag inside the TP group.
         ce: :class:`CEConfig`.
         mnr: :class:`MNRConfig`.
     """
 
     tensor_parallel_size: int = Field(1, ge=1, strict=True)
+    sequence_parallel_size: int = Field(1, ge=1, strict=True)
     ce: CEConfig = Field(default_factory=CEConfig)
     mnr: MNRConfig = Field(default_factory=MNRConfig)
 

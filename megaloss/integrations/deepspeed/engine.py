@@ -194,6 +194,9 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
     if ml.tensor_parallel_size != topology.tp_size:
         raise ValueError(f"megaloss.tensor_parallel_size={ml.tensor_parallel_size} but the process "
                          f"groups have tp={topology.tp_size}")
+    if ml.sequence_parallel_size != topology.sp_size:
+        raise ValueError(f"megaloss.sequence_parallel_size={ml.sequence_parallel_size} but the "
+                         f"process groups have sp={topology.sp_size}")
     import torch.distributed as dist
 
     mpu = DeepSpeedMPU(topology) if dist.is_initialized() else None

@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from ...calibration.weights import split_for_sequence_parallel
 from ...ops.labels import causal_shift
 from ...parallel.comm import all_reduce_sum_
 from ...parallel.param_tags import is_tensor_parallel
@@ -110,8 +111,22 @@ def _shift_labels(mb: Mapping[str, Any], ignore_index: int) -> torch.Tensor:
     return causal_shift(mb["labels"], ignore_index)
 
 
-def _model_kwargs(mb: Mapping[str, Any]) -> Dict[str, Any]:
-    return {k: mb[k] for k in ("attention_mask", "position_ids") if mb.get(k) is not None}
+def _model_inputs(mb: Mapping[str, Any], topology: Topology) -> Dict[str, Any]:
+    """``input_ids`` and the decoder's keyword inputs of this rank. With sequence parallelism
+    (``sp > 1``) this SP rank's contiguous slice of the tokens, cut (and right-padded) exactly as
+    the calibration cuts the labels, with the *global* ``position_ids`` Ulysses needs; the
+    attention mask is dropped (Ulysses attends causally over the gathered sequence)."""
+    out = {"input_ids": mb["input_ids"]}
+    out.update({k: mb[k] for k in ("attention_mask", "position_ids") if mb.get(k) is not None})
+    if topology.sp_size == 1:
+        return out
+    ids = out["input_ids"]
+    pos = out.get("position_ids")
+    if pos is None:
+        pos = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    sp, rank = topology.sp_size, topology.sp_rank
+    return {"input_ids": split_for_sequence_parallel(ids, rank, sp, 0),
+            "position_ids": split_for_sequence_parallel(pos, rank, sp, 0)}
 
 
 def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Tensor]], *,
@@ -149,8 +164,9 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
     z_local = torch.zeros((), dtype=torch.float64, device=device)
     own_norm = None
     for i, mb in enumerate(mbs):
-        out = engine(mb["input_ids"], shift_labels=step.local_labels(i),
-                     loss_weights=step.weights(i), **_model_kwargs(mb))
+        inputs = _model_inputs(mb, me.topology)
+        out = engine(inputs.pop("input_ids"), shift_labels=step.local_labels(i),
+                     loss_weights=step.weights(i), **inputs)
         engine.backward(step.loss_for_backward(out.loss))
         z_local += out.z_loss.detach().to(torch.float64)
         if i == gas - 1 and engine.zero_optimization_stage() == 0:
@@ -183,7 +199,8 @@ def evaluate(me: MegalossEngine, batches: Iterable[Mapping[str, torch.Tensor]], 
     """Token-mean CE over held-out batches, global over ``dp x sp`` (one all-reduce at the end).
 
     Every rank must pass the same *number* of batches (an empty iterable is fine: the all-reduce
-    is still entered). Batches hold ``labels`` or ``shift_labels`` as in :func:`train_step`. The
+    is still entered). Batches hold ``labels`` or ``shift_labels`` as in :func:`train_step`
+    (full sequences; with sequence parallelism each SP rank scores its slice). The
     module's z-loss part is subtracted, so the
     value is the plain cross-entropy (with the configured label smoothing, if any).
 
@@ -200,9 +217,11 @@ def evaluate(me: MegalossEngine, batches: Iterable[Mapping[str, torch.Tensor]], 
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for mb in batches:
         mb = _to_device(mb, device)
-        out = engine(mb["input_ids"],
-                     shift_labels=_shift_labels(mb, me.calibrator.ignore_index),
-                     **_model_kwargs(mb))
+        ignore, topo = me.calibrator.ignore_index, me.topology
+        labels = split_for_sequence_parallel(_shift_labels(mb, ignore), topo.sp_rank,
+                                             topo.sp_size, ignore)
+        inputs = _model_inputs(mb, topo)
+        out = engine(inputs.pop("input_ids"), shift_labels=labels, **inputs)
         sums[0] += (out.loss - out.z_loss).to(torch.float64)
         sums[1] += out.num_valid_tokens.to(torch.float64)
     all_reduce_sum_(sums, me.topology.dp_sp_group)

@@ -1,0 +1,28 @@
+"""The LM job with DeepSpeed-Ulysses sequence parallelism from the README command:
+``NUM_PROCS=4 bash launch/train_lm.sh --sequence_parallel_size 2`` (DP=1 x SP=2 x TP=2 with the
+default ZeRO-2 config), a tiny model for a few steps; summary.json records the layout and the loss
+falls. (Exactness of SP against one device is tests/integrations/test_deepspeed_sequence_parallel.py.)"""
+import json
+import os
+import subprocess
+
+import pytest
+
+from launch_helpers import REPO
+
+pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
+
+
+@pytest.mark.timeout(400)
+def test_lm_job_runs_with_sequence_parallelism(tmp_path):
+    out = tmp_path / "sp"
+    env = {**os.environ, "NUM_PROCS": "4", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "train_lm.sh"), "--sequence_parallel_size", "2",
+         "--model_size", "tiny", "--steps", "6", "--max_train_bytes", "200000",
+         "--eval_blocks", "8", "--output_dir", str(out), "--no_progress"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["dp"], summary["sp"], summary["tp"]) == (1, 2, 2)
+    assert summary["last_loss"] < summary["first_loss"]

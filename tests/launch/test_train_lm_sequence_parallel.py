@@ -1,7 +1,8 @@
 """The LM job with DeepSpeed-Ulysses sequence parallelism from the README command:
 ``NUM_PROCS=4 bash launch/train_lm.sh --sequence_parallel_size 2`` (DP=1 x SP=2 x TP=2 with the
 default ZeRO-2 config), a tiny model for a few steps; summary.json records the layout and the loss
-falls. (Exactness of SP against one device is tests/integrations/test_deepspeed_sequence_parallel.py.)"""
+falls; the 12 held-out blocks make a full and a partial evaluation batch. (Exactness of SP against
+one device: tests/integrations/test_deepspeed_sequence_parallel.py.)"""
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ def test_lm_job_runs_with_sequence_parallelism(tmp_path):
     proc = subprocess.run(
         ["bash", str(REPO / "launch" / "train_lm.sh"), "--sequence_parallel_size", "2",
          "--model_size", "tiny", "--steps", "6", "--max_train_bytes", "200000",
-         "--eval_blocks", "8", "--output_dir", str(out), "--no_progress"],
+         "--eval_blocks", "12", "--output_dir", str(out), "--no_progress"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 from ...parallel.topology import Topology
 
 __all__ = ["enable_ulysses_attention"]
@@ -32,7 +34,8 @@ def enable_ulysses_attention(model: Any, topology: Topology, *, micro_batch_size
         model: a ``transformers`` ``PreTrainedModel`` (or a wrapper with ``.config``) loaded with
             ``attn_implementation=attn_implementation``.
         topology: the process groups; nothing happens when ``topology.sp_size == 1``.
-        micro_batch_size: rows per micro-batch (Ulysses checks the shapes it exchanges).
+        micro_batch_size: rows per micro-batch (Ulysses checks the shapes it exchanges; a
+            batch with other rows, e.g. for evaluation, is followed).
         attn_implementation: the core attention ``transformers`` runs after the all-to-all
             (``"sdpa"`` on CPU; flash-attention variants on GPU). ``"eager"`` is refused by
             DeepSpeed (it needs a 4D mask).
@@ -72,6 +75,17 @@ def enable_ulysses_attention(model: Any, topology: Topology, *, micro_batch_size
     uattn.core_attn_implementation = attn_implementation
 
     def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        # UlyssesSPAttentionHF checks every exchanged shape against a batch size fixed at
+        # construction (its sequence length follows the input when seq_length_is_variable);
+        # an evaluation batch or a last partial batch has fewer rows, so follow the input here.
+        rows = query.shape[0]
+        if rows != uattn.batch_size:
+            uattn.batch_size = rows
+            for name in ("required_query_shape", "required_key_value_shape",
+                         "required_context_shape"):
+                shape = list(getattr(uattn, name))
+                shape[1] = rows
+                setattr(uattn, name, torch.Size(shape))
         # The mask transformers builds covers the local slice only; Ulysses attends over the
         # gathered sequence with causal masking from the gathered position_ids instead.
         return uattn(module, query, key, value, None, *args, **kwargs)

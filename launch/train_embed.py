@@ -47,8 +47,8 @@ import torch.distributed as dist  # noqa: E402
 
 from jobs.code_search import CodePair, load_code_search, source_files  # noqa: E402
 from jobs.runs import (  # noqa: E402
-    CHECKPOINTS, StopRequest, add_run_arguments, agreed, check_run_arguments,
-    prepare_output_dir, resume_source)
+    CHECKPOINTS, StopRequest, add_run_arguments, agreed, check_run_arguments, open_run,
+    step_boundary)
 from jobs.text_data import (  # noqa: E402
     EOS, StepBatches, atomic_write, files_digest, read_texts, train_bpe_tokenizer)
 from megaloss.integrations.hf import EmbeddingModelWithMNR, step_loss_weights  # noqa: E402
@@ -356,20 +356,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     log = rank0_logger("embed", rank, t_start)
 
     ds_config, ml = load_ds_config(prepare_ds_config(args), output_dir=str(out_dir))
-    if args.eval_only:  # evaluating a checkpoint must not touch the run's monitor files
-        for key in ("csv_monitor", "tensorboard", "wandb", "comet"):
-            if isinstance(ds_config.get(key), dict):
-                ds_config[key]["enabled"] = False
-
-    def run_folder():
-        source = resume_source(args, out_dir)
-        prepare_output_dir(out_dir, overwrite=args.overwrite, resuming=source is not None,
-                           eval_only=args.eval_only)
-        return None if source is None else str(source)
-
-    source = [agreed(run_folder, what=f"--output_dir {out_dir}")]
-    dist.broadcast_object_list(source, src=0)
-    resume_from = source[0]
+    resume_from = open_run(args, out_dir, ds_config)
 
     topo = Topology.build(1)
     group = topo.dp_group  # pure data parallel: the DP group is the world
@@ -514,13 +501,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         if bar is not None:
             bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.2f}")
             bar.update(1)
-        if stop.should_stop(engine.device):
-            stopped = {"signal": stop.received, "step": step}
-        if stopped or (args.save_every and (step % args.save_every == 0
-                                            or step == args.steps)):
-            save(step)
+        stopped = step_boundary(stop, engine.device, step, args, save, log)
         if stopped:
-            log(f"stopped by {stopped['signal']} after step {step}; continue with --resume")
             break
     train_seconds = train_seconds_before + time.perf_counter() - t_train
     if bar is not None:

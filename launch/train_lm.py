@@ -45,8 +45,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from jobs.runs import (  # noqa: E402
-    CHECKPOINTS, StopRequest, add_run_arguments, agreed, check_run_arguments,
-    prepare_output_dir, resume_source)
+    CHECKPOINTS, StopRequest, add_run_arguments, agreed, check_run_arguments, open_run,
+    step_boundary)
 from jobs.text_data import (  # noqa: E402
     StepBatches, atomic_write, check_texts, encode_stream, files_digest, lm_blocks, read_texts,
     stdlib_split, strided_subset, text_files, train_bpe_tokenizer)
@@ -297,20 +297,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     # Inputs first, on every rank (same files, same answers), then the run folder on rank 0 with
     # its verdict shared: no rank fails alone.
     ds_config, ml = load_ds_config(args.deepspeed_config, output_dir=str(out_dir))
-    if args.eval_only:  # evaluating a checkpoint must not touch the run's monitor files
-        for key in ("csv_monitor", "tensorboard", "wandb", "comet"):
-            if isinstance(ds_config.get(key), dict):
-                ds_config[key]["enabled"] = False
-
-    def run_folder():
-        source = resume_source(args, out_dir)
-        prepare_output_dir(out_dir, overwrite=args.overwrite, resuming=source is not None,
-                           eval_only=args.eval_only)
-        return None if source is None else str(source)
-
-    source = [agreed(run_folder, what=f"--output_dir {out_dir}")]
-    dist.broadcast_object_list(source, src=0)
-    resume_from = source[0]
+    resume_from = open_run(args, out_dir, ds_config)
 
     if args.sequence_parallel_size is not None:
         ml.sequence_parallel_size = args.sequence_parallel_size
@@ -417,13 +404,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             bar.set_postfix(loss=f"{m.loss:.3f}", ppl_eval=f"{evals[-1]['perplexity']:.0f}",
                             tok_s=f"{m.tokens_per_s:.0f}")
             bar.update(1)
-        if stop.should_stop(engine.device):
-            stopped = {"signal": stop.received, "step": step}
-        if stopped or (args.save_every and (step % args.save_every == 0
-                                            or step == args.steps)):
-            save(step)
+        stopped = step_boundary(stop, engine.device, step, args, save, log)
         if stopped:
-            log(f"stopped by {stopped['signal']} after step {step}; continue with --resume")
             break
     train_seconds = train_seconds_before + time.perf_counter() - t_train
     if bar is not None:

@@ -27,7 +27,7 @@ from typing import Any, Callable, List, Optional, TypeVar
 import torch
 
 __all__ = ["RUN_OUTPUTS", "CHECKPOINTS", "add_run_arguments", "check_run_arguments", "agreed",
-           "prepare_output_dir", "resume_source", "StopRequest"]
+           "prepare_output_dir", "resume_source", "open_run", "step_boundary", "StopRequest"]
 
 T = TypeVar("T")
 
@@ -229,3 +229,38 @@ class StopRequest:
             self.received = "a signal on another rank"
         return stop
 
+
+def open_run(args: argparse.Namespace, out_dir: Path, ds_config: dict) -> Optional[str]:
+    """The run folder's verdict, decided on rank 0 and shared (no rank fails alone): the
+    checkpoint to resume from (``None`` for a fresh run), after refusing a folder that holds
+    another run (see :func:`prepare_output_dir`). With ``--eval_only`` the ds_config's monitors
+    are switched off first: evaluating a checkpoint must not touch the run's monitor files."""
+    if args.eval_only:
+        for key in ("csv_monitor", "tensorboard", "wandb", "comet"):
+            if isinstance(ds_config.get(key), dict):
+                ds_config[key]["enabled"] = False
+
+    def run_folder():
+        source = resume_source(args, out_dir)
+        prepare_output_dir(out_dir, overwrite=args.overwrite, resuming=source is not None,
+                           eval_only=args.eval_only)
+        return None if source is None else str(source)
+
+    source = [agreed(run_folder, what=f"--output_dir {out_dir}")]
+    dist = _dist()
+    if dist is not None:
+        dist.broadcast_object_list(source, src=0)
+    return source[0]
+
+
+def step_boundary(stop: "StopRequest", device: Any, step: int, args: argparse.Namespace,
+                  save: Callable[[int], Any], log: Callable[[str], Any]) -> Optional[dict]:
+    """What both jobs do after each optimizer step: agree across ranks whether SIGINT/SIGTERM
+    arrived, save a checkpoint when stopping, every ``--save_every`` steps and after the last
+    one. Returns ``{"signal", "step"}`` when the job must stop now, else ``None``."""
+    stopped = ({"signal": stop.received, "step": step} if stop.should_stop(device) else None)
+    if stopped or (args.save_every and (step % args.save_every == 0 or step == args.steps)):
+        save(step)
+    if stopped:
+        log(f"stopped by {stopped['signal']} after step {step}; continue with --resume")
+    return stopped

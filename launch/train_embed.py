@@ -48,7 +48,7 @@ import torch.distributed as dist  # noqa: E402
 from jobs.code_search import CodePair, load_code_search, source_files  # noqa: E402
 from jobs.runs import (  # noqa: E402
     CHECKPOINTS, StopRequest, add_run_arguments, agreed, check_run_arguments, open_run,
-    step_boundary)
+    save_run, step_boundary)
 from jobs.text_data import (  # noqa: E402
     EOS, StepBatches, atomic_write, files_digest, read_texts, train_bpe_tokenizer)
 from megaloss.integrations.hf import EmbeddingModelWithMNR, step_loss_weights  # noqa: E402
@@ -340,8 +340,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     from megaloss import Topology
     from megaloss.integrations.deepspeed import (
         close_monitors, configure_launched_process, initialize, load_checkpoint, load_ds_config,
-        peak_memory_mib, save_checkpoint, write_metrics)
-    from megaloss.integrations.deepspeed.checkpoint import checkpoint_bytes, prune_checkpoints
+        peak_memory_mib, write_metrics)
 
     from deepspeed.accelerator import get_accelerator
 
@@ -440,19 +439,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
             f"recall@1 {before['recall@1']:.4f}")
 
     def save(step: int) -> None:
-        t0 = time.perf_counter()
-        client = {"job": {"name": "embed", "data_key": data_key, "vocab_size": args.vocab_size,
-                          "seed": args.seed, "steps_done": step, "rows": rows, "before": before,
-                          "saves": saves,
-                          "train_seconds": train_seconds_before + time.perf_counter() - t_train}}
-        folder = save_checkpoint(me, ckpt_dir, client_state=client)
-        if rank == 0:
-            atomic_write(folder / "tokenizer.json", tokenizer.to_str())
-            prune_checkpoints(ckpt_dir, args.keep_checkpoints)
-        seconds = time.perf_counter() - t0
-        saves.append({"step": step, "seconds": seconds,
-                      "mib": checkpoint_bytes(folder) / 2**20, "path": str(folder)})
-        log(f"saved {folder} ({saves[-1]['mib']:.1f} MiB) in {seconds:.2f} s")
+        job = {"name": "embed", "data_key": data_key, "vocab_size": args.vocab_size,
+               "seed": args.seed, "steps_done": step, "rows": rows, "before": before,
+               "saves": saves,
+               "train_seconds": train_seconds_before + time.perf_counter() - t_train}
+        save_run(me, ckpt_dir, step, job, tokenizer, args.keep_checkpoints, saves, log)
 
     batches = StepBatches(train_enc, micro=micro, gas=gas, dp_size=dp_size, dp_rank=dp_rank,
                           seed=args.seed).iter_from(start)

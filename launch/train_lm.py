@@ -46,7 +46,7 @@ import torch.distributed as dist  # noqa: E402
 
 from jobs.runs import (  # noqa: E402
     CHECKPOINTS, StopRequest, add_run_arguments, agreed, check_run_arguments, open_run,
-    step_boundary)
+    save_run, step_boundary)
 from jobs.text_data import (  # noqa: E402
     StepBatches, atomic_write, check_texts, encode_stream, files_digest, lm_blocks, read_texts,
     stdlib_split, strided_subset, text_files, train_bpe_tokenizer)
@@ -274,8 +274,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     from megaloss.integrations.hf.ulysses import enable_ulysses_attention
     from megaloss.integrations.deepspeed import (
         close_monitors, configure_launched_process, evaluate, initialize, load_checkpoint,
-        load_ds_config, save_checkpoint, train_step)
-    from megaloss.integrations.deepspeed.checkpoint import checkpoint_bytes, prune_checkpoints
+        load_ds_config, train_step)
     from megaloss.testing import free_port
 
     from deepspeed.accelerator import get_accelerator
@@ -370,19 +369,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             f"{evals[0]['perplexity']:.1f}")
 
     def save(step: int) -> None:
-        t0 = time.perf_counter()
-        client = {"job": {"name": "lm", "data_key": data_key, "seed": args.seed,
-                          "seq_len": args.seq_len, "steps_done": step, "rows": rows,
-                          "evals": evals, "saves": saves,
-                          "train_seconds": train_seconds_before + time.perf_counter() - t_train}}
-        folder = save_checkpoint(me, ckpt_dir, client_state=client)
-        if rank == 0:
-            atomic_write(folder / "tokenizer.json", tok.to_str())
-            prune_checkpoints(ckpt_dir, args.keep_checkpoints)
-        seconds = time.perf_counter() - t0
-        saves.append({"step": step, "seconds": seconds,
-                      "mib": checkpoint_bytes(folder) / 2**20, "path": str(folder)})
-        log(f"saved {folder} ({saves[-1]['mib']:.1f} MiB) in {seconds:.2f} s")
+        job = {"name": "lm", "data_key": data_key, "seed": args.seed, "seq_len": args.seq_len,
+               "steps_done": step, "rows": rows, "evals": evals, "saves": saves,
+               "train_seconds": train_seconds_before + time.perf_counter() - t_train}
+        save_run(me, ckpt_dir, step, job, tok, args.keep_checkpoints, saves, log)
 
     batches = StepBatches(train_blocks, micro=micro, gas=gas, dp_size=topo.dp_size,
                           dp_rank=topo.dp_rank, seed=args.seed).iter_from(start)

@@ -27,7 +27,7 @@ from typing import Any, Callable, List, Optional, TypeVar
 import torch
 
 __all__ = ["RUN_OUTPUTS", "CHECKPOINTS", "add_run_arguments", "check_run_arguments", "agreed",
-           "prepare_output_dir", "resume_source", "open_run", "step_boundary", "StopRequest"]
+           "prepare_output_dir", "resume_source", "open_run", "step_boundary", "save_run", "StopRequest"]
 
 T = TypeVar("T")
 
@@ -264,3 +264,29 @@ def step_boundary(stop: "StopRequest", device: Any, step: int, args: argparse.Na
     if stopped:
         log(f"stopped by {stopped['signal']} after step {step}; continue with --resume")
     return stopped
+
+
+def save_run(me: Any, ckpt_dir: Path, step: int, job: dict, tokenizer: Any, keep: int,
+             saves: List[dict], log: Callable[[str], Any]) -> Path:
+    """One checkpoint of a job (collective): DeepSpeed's checkpoint with ``job`` as client state
+    (:func:`megaloss.integrations.deepspeed.save_checkpoint`), the tokenizer beside it and the
+    oldest checkpoints beyond ``keep`` pruned on rank 0; the save's step, seconds, MiB and path
+    are appended to ``saves`` (the job's record) and logged. Returns the checkpoint folder."""
+    import time
+
+    from megaloss.integrations.deepspeed import save_checkpoint
+    from megaloss.integrations.deepspeed.checkpoint import checkpoint_bytes, prune_checkpoints
+
+    from .text_data import atomic_write
+
+    t0 = time.perf_counter()
+    folder = save_checkpoint(me, ckpt_dir, client_state={"job": job})
+    dist = _dist()
+    if dist is None or dist.get_rank() == 0:
+        atomic_write(folder / "tokenizer.json", tokenizer.to_str())
+        prune_checkpoints(ckpt_dir, keep)
+    seconds = time.perf_counter() - t0
+    saves.append({"step": step, "seconds": seconds,
+                  "mib": checkpoint_bytes(folder) / 2**20, "path": str(folder)})
+    log(f"saved {folder} ({saves[-1]['mib']:.1f} MiB) in {seconds:.2f} s")
+    return folder

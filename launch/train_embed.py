@@ -48,7 +48,7 @@ import torch.distributed as dist  # noqa: E402
 from jobs.code_search import CodePair, load_code_search, source_files  # noqa: E402
 from jobs.runs import (  # noqa: E402
     CHECKPOINTS, StopRequest, add_run_arguments, agreed, check_run_arguments, open_run,
-    save_run, step_boundary)
+    progress_bar, save_run, step_boundary)
 from jobs.text_data import (  # noqa: E402
     EOS, StepBatches, atomic_write, files_digest, read_texts, train_bpe_tokenizer)
 from megaloss.integrations.hf import EmbeddingModelWithMNR, step_loss_weights  # noqa: E402
@@ -447,11 +447,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
     batches = StepBatches(train_enc, micro=micro, gas=gas, dp_size=dp_size, dp_rank=dp_rank,
                           seed=args.seed).iter_from(start)
-    bar = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=args.steps, initial=min(start, args.steps), desc="train", unit="step",
-                   dynamic_ncols=True)
+    bar = progress_bar(args, start)
     stop = StopRequest().install()
     train_seconds_before = job_state["train_seconds"]
     t_train = time.perf_counter()

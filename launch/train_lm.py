@@ -46,7 +46,7 @@ import torch.distributed as dist  # noqa: E402
 
 from jobs.runs import (  # noqa: E402
     CHECKPOINTS, StopRequest, add_run_arguments, agreed, check_run_arguments, open_run,
-    save_run, step_boundary)
+    progress_bar, save_run, step_boundary)
 from jobs.text_data import (  # noqa: E402
     StepBatches, atomic_write, check_texts, encode_stream, files_digest, lm_blocks, read_texts,
     stdlib_split, strided_subset, text_files, train_bpe_tokenizer)
@@ -376,11 +376,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
     batches = StepBatches(train_blocks, micro=micro, gas=gas, dp_size=topo.dp_size,
                           dp_rank=topo.dp_rank, seed=args.seed).iter_from(start)
-    bar = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=args.steps, initial=min(start, args.steps), desc="train", unit="step",
-                   dynamic_ncols=True)
+    bar = progress_bar(args, start)
     stop = StopRequest().install()
     train_seconds_before = job_state["train_seconds"]
     t_train = time.perf_counter()

@@ -27,7 +27,8 @@ from typing import Any, Callable, List, Optional, TypeVar
 import torch
 
 __all__ = ["RUN_OUTPUTS", "CHECKPOINTS", "add_run_arguments", "check_run_arguments", "agreed",
-           "prepare_output_dir", "resume_source", "open_run", "step_boundary", "save_run", "StopRequest"]
+           "prepare_output_dir", "resume_source", "open_run", "step_boundary", "save_run", "progress_bar",
+           "StopRequest"]
 
 T = TypeVar("T")
 
@@ -290,3 +291,14 @@ def save_run(me: Any, ckpt_dir: Path, step: int, job: dict, tokenizer: Any, keep
                   "mib": checkpoint_bytes(folder) / 2**20, "path": str(folder)})
     log(f"saved {folder} ({saves[-1]['mib']:.1f} MiB) in {seconds:.2f} s")
     return folder
+
+
+def progress_bar(args: argparse.Namespace, start: int) -> Any:
+    """The training progress bar (tqdm) on global rank 0 unless ``--no_progress``, starting at
+    ``start`` steps done (a resumed run); ``None`` elsewhere."""
+    dist = _dist()
+    if args.no_progress or (dist is not None and dist.get_rank() != 0):
+        return None
+    from tqdm import tqdm
+    return tqdm(total=args.steps, initial=min(start, args.steps), desc="train", unit="step",
+                dynamic_ncols=True)

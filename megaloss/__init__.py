@@ -21,8 +21,9 @@ from typing import Any
 from .calibration import (EngineScale, EngineScaleError, LossCalibrator, StepCalibration,
                           compute_loss_weights, probe_ddp, probe_no_engine)
 from .losses import (CrossEntropyOutput, LinearCrossEntropyLoss, MNROutput,
-                     MultipleNegativesRankingLoss, VocabParallelLMHead, linear_cross_entropy,
-                     linear_cross_entropy_with_stats, mnr_loss, mnr_loss_with_metrics,
+                     MultipleNegativesRankingLoss, VocabParallelLMHead, grad_cache,
+                     linear_cross_entropy, linear_cross_entropy_with_stats, mnr_loss,
+                     mnr_loss_with_metrics, split_rows,
                      vocab_parallel_linear_cross_entropy,
                      vocab_parallel_linear_cross_entropy_with_stats)
 from .ops import CrossEntropyOptions
@@ -49,6 +50,7 @@ __all__ = [
     "vocab_parallel_linear_cross_entropy_with_stats", "VocabParallelLMHead", "causal_shift",
     # contrastive
     "mnr_loss", "mnr_loss_with_metrics", "MNROutput", "MultipleNegativesRankingLoss",
+    "grad_cache", "split_rows",
     # calibration
     "LossCalibrator", "StepCalibration", "compute_loss_weights", "EngineScale",
     "EngineScaleError", "probe_no_engine", "probe_ddp",

@@ -4,9 +4,11 @@
 - :mod:`.cross_entropy`: chunked fused linear cross-entropy on one device.
 - :mod:`.vocab_parallel`: the same with the lm_head split over the vocabulary across TP ranks.
 - :mod:`.mnr`: gathered Multiple Negatives Ranking / InfoNCE with exact cross-rank gradients.
+- :mod:`.grad_cache`: GradCache, a contrastive loss over a batch embedded a mini-batch at a time.
 """
 from .cross_entropy import (CrossEntropyOutput, LinearCrossEntropyLoss, linear_cross_entropy,
                             linear_cross_entropy_with_stats)
+from .grad_cache import GradCacheStep, grad_cache, split_rows
 from .mnr import (SIMILARITIES, MNROutput, MultipleNegativesRankingLoss, mnr_loss,
                   mnr_loss_with_metrics)
 from .vocab_parallel import (VocabParallelLMHead, vocab_parallel_linear_cross_entropy,
@@ -17,5 +19,5 @@ __all__ = [
     "CrossEntropyOutput", "vocab_parallel_linear_cross_entropy",
     "vocab_parallel_linear_cross_entropy_with_stats", "VocabParallelLMHead", "vocab_shard_range",
     "mnr_loss", "mnr_loss_with_metrics", "MNROutput", "MultipleNegativesRankingLoss",
-    "SIMILARITIES",
+    "SIMILARITIES", "grad_cache", "GradCacheStep", "split_rows",
 ]

@@ -67,6 +67,14 @@ def all_gather_dim0(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
     return out
 
 
+def backend_device(group: GroupLike = None) -> torch.device:
+    """Where a small control tensor for ``group``'s collectives must live: the current CUDA
+    device when the group's backend is NCCL, else the CPU (gloo; also a trivial group)."""
+    if not is_trivial(group) and "nccl" in str(dist.get_backend(resolve_group(group))):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_gather_sizes(n: int, group: GroupLike = None,
                      device: torch.device = torch.device("cpu")) -> List[int]:
     """Every rank's integer ``n`` (e.g. its local batch size) in rank order: one all-gather of an

@@ -4,12 +4,15 @@
 - :mod:`.causal_lm`: :class:`CausalLMWithLoss`, any ``*ForCausalLM`` with the chunked /
   vocab-parallel CE of its last hidden states, no logits; HF's label convention.
 - :mod:`.embedding`: :class:`EmbeddingModelWithMNR`, a mean-pooled bi-encoder with the gathered
-  MNR loss, and the per-step gradient-accumulation weights of that loss.
+  MNR loss, its gradient-cached forward, and the per-step gradient-accumulation weights of that
+  loss.
 
 Importing this package does not import ``transformers``.
 """
 from .causal_lm import CausalLMWithLoss, LinearCrossEntropyHead, causal_shift
-from .embedding import EmbeddingModelWithMNR, EmbeddingOutput, mean_pool, step_loss_weights
+from .embedding import (EmbeddingModelWithMNR, EmbeddingOutput, cached_mnr_forward, mean_pool,
+                        step_loss_weights)
 
 __all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "causal_shift",
-           "EmbeddingModelWithMNR", "EmbeddingOutput", "mean_pool", "step_loss_weights"]
+           "EmbeddingModelWithMNR", "EmbeddingOutput", "cached_mnr_forward", "mean_pool",
+           "step_loss_weights"]

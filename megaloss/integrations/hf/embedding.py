@@ -26,16 +26,18 @@ states and ``m [B, T]`` the attention mask.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from ...losses.grad_cache import grad_cache, split_rows
 from ...losses.mnr import mnr_loss_with_metrics
 from ...parallel.comm import all_reduce_sum_
 from ...parallel.groups import GroupLike, group_size
 
-__all__ = ["mean_pool", "EmbeddingOutput", "EmbeddingModelWithMNR", "step_loss_weights"]
+__all__ = ["mean_pool", "EmbeddingOutput", "EmbeddingModelWithMNR", "cached_mnr_forward",
+           "step_loss_weights"]
 
 
 def mean_pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -133,7 +135,8 @@ class EmbeddingModelWithMNR(nn.Module):
                 negative_input_ids: Optional[torch.Tensor] = None,
                 negative_attention_mask: Optional[torch.Tensor] = None, *,
                 duplicate_ids: Optional[torch.Tensor] = None,
-                loss_weight: Optional[torch.Tensor] = None) -> EmbeddingOutput:
+                loss_weight: Optional[torch.Tensor] = None,
+                embeddings_only: bool = False) -> Union[EmbeddingOutput, List[torch.Tensor]]:
         """Encode and return the gathered MNR loss of one micro-batch.
 
         Args:
@@ -143,26 +146,93 @@ class EmbeddingModelWithMNR(nn.Module):
             duplicate_ids: optional ``[B]`` long; same id = same text, not a negative.
             loss_weight: optional scalar multiplying ``loss`` (the GAS compensation of
                 :func:`step_loss_weights`); ``None`` = 1.
+            embeddings_only: return the embedding columns ``[query [B, H], positive [B, H]
+                (, negatives [B, K, H])]`` and no loss (no collective): the encoder pass of
+                :func:`cached_mnr_forward`, run through the engine so its hooks fire.
 
         Every rank of ``group`` must call forward the same number of times (the gathers are
         collective), even with ``B = 0``.
         """
-        query = self.encode(query_input_ids, query_attention_mask)
-        positive = self.encode(document_input_ids, document_attention_mask)
-        negatives = None
+        columns = [self.encode(query_input_ids, query_attention_mask),
+                   self.encode(document_input_ids, document_attention_mask)]
         if negative_input_ids is not None:
             if negative_attention_mask is None:
                 raise ValueError("negative_attention_mask is required with negative_input_ids")
             b, k, t = negative_input_ids.shape
-            negatives = self.encode(negative_input_ids.reshape(b * k, t),
-                                    negative_attention_mask.reshape(b * k, t)).reshape(b, k, -1)
-        out = mnr_loss_with_metrics(query, positive, negatives, temperature=self.temperature,
-                                    similarity=self.similarity, symmetric=self.symmetric,
-                                    gather=self.gather, group=self.group,
-                                    local_loss=self.local_loss, duplicate_ids=duplicate_ids)
+            flat = self.encode(negative_input_ids.reshape(b * k, t),
+                               negative_attention_mask.reshape(b * k, t))
+            columns.append(flat.reshape(b, k, flat.shape[-1]))  # b may be 0
+        if embeddings_only:
+            return columns
+        return self.loss_from_embeddings(columns, duplicate_ids=duplicate_ids,
+                                         loss_weight=loss_weight)
+
+    def loss_from_embeddings(self, columns: Sequence[torch.Tensor], *,
+                             duplicate_ids: Optional[torch.Tensor] = None,
+                             loss_weight: Optional[torch.Tensor] = None) -> EmbeddingOutput:
+        """The gathered MNR loss of embedding columns ``[query, positive (, negatives)]`` (what
+        ``forward(..., embeddings_only=True)`` returns); collective over ``group``."""
+        negatives = columns[2] if len(columns) > 2 else None
+        out = mnr_loss_with_metrics(columns[0], columns[1], negatives,
+                                    temperature=self.temperature, similarity=self.similarity,
+                                    symmetric=self.symmetric, gather=self.gather,
+                                    group=self.group, local_loss=self.local_loss,
+                                    duplicate_ids=duplicate_ids)
         loss = out.loss if loss_weight is None else out.loss * loss_weight
         return EmbeddingOutput(loss=loss, value=out.loss.detach(), accuracy=out.accuracy,
                                mean_rank=out.mean_rank)
+
+
+def cached_mnr_forward(model: nn.Module, batch: Dict[str, torch.Tensor], *,
+                       mini_batch_size: int, backward: Optional[Callable[[torch.Tensor], None]]
+                       = None, loss_weight: Optional[torch.Tensor] = None) -> EmbeddingOutput:
+    """:meth:`EmbeddingModelWithMNR.forward` with gradient caching (GradCache, Gao et al. 2021,
+    arXiv:2101.06983; :mod:`megaloss.losses.grad_cache`): the encoder holds the activations of
+    ``mini_batch_size`` rows at a time, whatever the micro-batch size, with the same loss and
+    gradients.
+
+    Args:
+        model: the DeepSpeed engine (or DDP / bare module) around an
+            :class:`EmbeddingModelWithMNR`; the encoder runs through it.
+        batch: the keyword arguments of ``forward`` (``[B, ...]`` tensors; ``duplicate_ids``
+            ``[B]`` optional); ``B`` may differ per rank, or be 0.
+        mini_batch_size: rows encoded per pass (>= 1).
+        backward: back-propagates every replay but the last: under DeepSpeed
+            :func:`megaloss.integrations.deepspeed.grad_cache.inner_replay_backward`; ``None``:
+            ``Tensor.backward`` (one process, or inside ``DDP.no_sync()``).
+        loss_weight: as in ``forward``.
+
+    Returns:
+        :class:`EmbeddingOutput` whose ``loss`` (value: the weighted loss) carries the last
+        replay's graph: ``engine.backward(out.loss)`` then completes the micro-step exactly as
+        the non-cached ``engine.backward(engine(**batch).loss)`` would, with the same
+        ``loss_weight`` (the engine scale is unchanged, :mod:`megaloss.integrations.deepspeed.
+        grad_cache`). Replays run ``backward`` ``num_replays - 1`` times on every rank.
+
+    Raises:
+        ValueError: ``mini_batch_size < 1``; ``model`` does not hold an
+            :class:`EmbeddingModelWithMNR`.
+    """
+    module = getattr(model, "module", model)
+    if not isinstance(module, EmbeddingModelWithMNR):
+        raise ValueError(f"model must be (or wrap) an EmbeddingModelWithMNR, got "
+                         f"{type(module).__name__}")
+    inputs = {k: v for k, v in batch.items() if k != "duplicate_ids"}
+    duplicate_ids = batch.get("duplicate_ids")
+    outputs: List[EmbeddingOutput] = []
+
+    def loss_fn(columns: List[torch.Tensor]) -> torch.Tensor:
+        outputs.append(module.loss_from_embeddings(columns, duplicate_ids=duplicate_ids,
+                                                   loss_weight=loss_weight))
+        return outputs[-1].loss
+
+    step = grad_cache(lambda mini: model(**mini, embeddings_only=True),
+                      split_rows(inputs, mini_batch_size), loss_fn, backward=backward,
+                      empty_embeddings=lambda: model(**inputs, embeddings_only=True),
+                      group=module.group)  # the engine's DP group: equal replay counts
+    out = outputs[-1]
+    return EmbeddingOutput(loss=step.surrogate, value=out.value, accuracy=out.accuracy,
+                           mean_rank=out.mean_rank)
 
 
 def step_loss_weights(local_sizes: Sequence[int], group: GroupLike, *,

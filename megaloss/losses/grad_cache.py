@@ -1,0 +1,233 @@
+r"""Gradient caching (GradCache): a contrastive loss over a batch whose encoder graph would not fit.
+
+Gao, Zhang, Han, Callan, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup"
+(RepL4NLP 2021, arXiv:2101.06983; reference code ``luyug/GradCache``, ``src/grad_cache/grad_cache.py``;
+sentence-transformers' ``CachedMultipleNegativesRankingLoss``). The loss of a contrastive batch
+depends on the parameters only through the embeddings, so with ``e = f_theta(x)``::
+
+    dL/dtheta = sum_k  (dL/de_k)^T  de_k/dtheta          (k: mini-batches of rows)
+
+Three passes, and activation memory is that of ONE mini-batch, whatever the batch size:
+
+1. embed every mini-batch without a graph (``torch.no_grad``), saving the RNG state before each;
+2. compute the loss once on the concatenated embeddings (leaf tensors) and its gradient
+   ``g = dL/de`` (for the gathered MNR loss this pass holds every rank's collectives);
+3. replay each mini-batch *with* its graph under the saved RNG state (same dropout masks) and
+   back-propagate the surrogate ``sum(e_k * g_k)``, whose parameter gradient is exactly the
+   mini-batch's share of ``dL/dtheta``.
+
+The replays are separate backward passes, which a data-parallel engine must be told about:
+:func:`grad_cache` hands every replay but the last to ``backward`` (the engine's "inside an
+accumulation window" backward, e.g. :func:`megaloss.integrations.deepspeed.grad_cache.
+inner_replay_backward`, or ``DDP.no_sync()``) and returns the last one as ``surrogate``, to be
+back-propagated exactly as the non-cached loss would be (``engine.backward(surrogate)``, or
+returned to a Trainer). Its value is the loss, so logs read the same.
+
+Collectives: one all-reduce (MAX) of the number of mini-batches, so that every rank runs the same
+number of encoder passes and replays (ranks with fewer rows re-run a mini-batch with a zero
+gradient, ranks with no rows the empty batch): engines that reduce gradients in every backward
+(DeepSpeed ZeRO-2/3), and ZeRO-3's per-forward check that every rank traced the same modules,
+then enter the same collectives on every rank. Plus whatever ``loss_fn`` does in pass 2, once.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..parallel.comm import all_reduce_max_, backend_device
+from ..parallel.groups import GroupLike
+
+__all__ = ["grad_cache", "GradCacheStep", "RandomState", "split_rows"]
+
+Encode = Callable[[Any], Sequence[Tensor]]
+
+
+class RandomState:
+    """The CPU (and current CUDA device's) RNG state, to replay a forward with the same dropout.
+
+    ``RandomState()`` captures; ``with state.restored():`` runs its body from that state and
+    leaves the global RNG as it was before the block (``torch.random.fork_rng``).
+    """
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self.cuda = (torch.cuda.get_rng_state(self.cuda_device)
+                     if self.cuda_device is not None else None)
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        devices = [] if self.cuda_device is None else [self.cuda_device]
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.cuda_device)
+            yield
+
+
+def split_rows(batch: Any, mini_batch_size: int) -> List[Any]:
+    """Split a batch along dim 0 into mini-batches of at most ``mini_batch_size`` rows.
+
+    Args:
+        batch: a tensor, or a dict / list / tuple (nested) of tensors that share dim 0 (other
+            leaves are copied into every mini-batch).
+        mini_batch_size: rows per mini-batch (>= 1).
+
+    Returns:
+        ``ceil(B / mini_batch_size)`` structures like ``batch`` (views, no copies); ``[]`` for
+        ``B == 0``.
+
+    Raises:
+        ValueError: ``mini_batch_size < 1``, no tensor in ``batch``, or tensors whose dim 0
+            differ.
+    """
+    if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) \
+            or mini_batch_size < 1:
+        raise ValueError(f"mini_batch_size must be an int >= 1, got {mini_batch_size!r}")
+    sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError("batch must hold tensors that share dim 0 (the rows), got dim-0 sizes "
+                         f"{sorted(sizes) or 'none'}")
+    rows = sizes.pop()
+    return [_slice(batch, start, min(start + mini_batch_size, rows))
+            for start in range(0, rows, mini_batch_size)]
+
+
+def _tensors(tree: Any) -> Iterator[Tensor]:
+    if isinstance(tree, Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)
+
+
+def _slice(tree: Any, start: int, stop: int) -> Any:
+    if isinstance(tree, Tensor):
+        return tree[start:stop] if tree.dim() > 0 else tree
+    if isinstance(tree, dict):
+        return type(tree)((k, _slice(v, start, stop)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_slice(v, start, stop) for v in tree)
+    return tree
+
+
+class GradCacheStep(NamedTuple):
+    """What :func:`grad_cache` returns.
+
+    Attributes:
+        loss: 0-dim, detached: ``loss_fn``'s value on the whole batch.
+        surrogate: 0-dim with a graph: back-propagate it once, as the non-cached loss would be
+            (its value equals ``loss``; its gradient is the last replay's share).
+        num_replays: replays this rank ran (the maximum over the group's ranks).
+    """
+
+    loss: Tensor
+    surrogate: Tensor
+    num_replays: int
+
+
+def grad_cache(encode: Encode, mini_batches: Sequence[Any],
+               loss_fn: Callable[[List[Tensor]], Tensor], *,
+               backward: Optional[Callable[[Tensor], None]] = None,
+               empty_embeddings: Optional[Callable[[], Sequence[Tensor]]] = None,
+               loss_parameters: Sequence[Tensor] = (), group: GroupLike = None) -> GradCacheStep:
+    """One GradCache step (module docstring): exact gradients of ``loss_fn`` over all the
+    mini-batches with the activation memory of one.
+
+    Args:
+        encode: ``encode(mini_batch)`` -> the mini-batch's embedding columns, a sequence of
+            tensors with the mini-batch's rows in dim 0 (e.g. ``[query [b, D], positive [b, D],
+            negatives [b, K, D]]``); run through the engine / wrapped model so its hooks fire.
+            Called once without a graph and once with, per mini-batch.
+        mini_batches: this rank's batch split by rows (:func:`split_rows`); may be empty.
+        loss_fn: ``loss_fn(columns)`` -> 0-dim loss, where ``columns[i]`` is column ``i`` of every
+            mini-batch concatenated along dim 0 (leaf tensors). Its collectives run once.
+        backward: back-propagates every replay but the last (``None``: ``Tensor.backward``).
+        empty_embeddings: for a rank with no mini-batches: columns with 0 rows whose graph
+            reaches every trainable parameter (a zero gradient; required then).
+        loss_parameters: tensors that ``loss_fn`` itself trains (a learnable temperature): their
+            gradient is routed through ``surrogate``, so the engine reduces it like the rest.
+        group: the group whose ranks must run the same number of replays (the data-parallel
+            group; ``None``: torch's default group).
+
+    Returns:
+        :class:`GradCacheStep`. Gradients left by ``backward(...)`` of the replays plus the
+        caller's backward of ``surrogate`` equal those of backward on the non-cached loss.
+
+    Raises:
+        ValueError: ``encode`` returned different column counts, or other shapes on a replay;
+            some rank has no mini-batches and no ``empty_embeddings`` (raised on every rank).
+    """
+    backward = backward or (lambda t: t.backward())
+    # Every rank runs the same number of encoder passes: engines that reduce in every backward
+    # (ZeRO-2/3) and ZeRO-3's check, at each forward, that all ranks traced the same modules
+    # are collectives. Ranks with fewer mini-batches re-run their last one (or the empty batch)
+    # and discard the result.
+    # The flag lets every rank raise together when one cannot join (no rank waits forever).
+    stuck = not mini_batches and empty_embeddings is None
+    agreed = torch.tensor([len(mini_batches), int(stuck)], dtype=torch.int64,
+                          device=backend_device(group))
+    most, stuck_anywhere = all_reduce_max_(agreed, group).tolist()
+    num_replays = max(1, most)
+    if stuck_anywhere:
+        raise ValueError("a rank has no mini-batches and no empty_embeddings: pass "
+                         "empty_embeddings (0-row columns through the encoder) so it can join")
+    states: List[RandomState] = []
+    cached: List[List[Tensor]] = []
+    for k in range(num_replays):
+        with torch.no_grad():
+            if k < len(mini_batches):
+                states.append(RandomState())
+                cached.append([t.detach() for t in encode(mini_batches[k])])
+            elif mini_batches:
+                encode(mini_batches[-1])
+            else:
+                cached.append([t.detach() for t in empty_embeddings()])
+    widths = {len(c) for c in cached}
+    if len(widths) != 1:
+        raise ValueError(f"encode returned different numbers of columns: {sorted(widths)}")
+    columns = [torch.cat([c[i] for c in cached]).requires_grad_(True)
+               for i in range(len(cached[0]))]
+    loss = loss_fn(columns)
+    loss_parameters = [p for p in loss_parameters if p.requires_grad]
+    grads = torch.autograd.grad(loss, columns + loss_parameters, allow_unused=True)
+    column_grads = [torch.zeros_like(c) if g is None else g
+                    for c, g in zip(columns, grads[:len(columns)])]
+
+    offsets = [0]
+    for c in cached:
+        offsets.append(offsets[-1] + c[0].shape[0])
+
+    surrogate = None
+    for k in range(num_replays):
+        if k < len(mini_batches):
+            with states[k].restored():
+                out = list(encode(mini_batches[k]))
+            rows = slice(offsets[k], offsets[k + 1])
+            upstream = [g[rows] for g in column_grads]
+        else:  # nothing left to replay on this rank: a zero gradient, same collectives
+            out = (list(encode(mini_batches[-1])) if mini_batches
+                   else list(empty_embeddings()))
+            upstream = [torch.zeros_like(t) for t in out]
+        if len(out) != len(upstream) or any(o.shape != u.shape for o, u in zip(out, upstream)):
+            raise ValueError("encode's replay returned other shapes than its first pass: "
+                             f"{[tuple(o.shape) for o in out]} vs "
+                             f"{[tuple(u.shape) for u in upstream]}")
+        # in the upstream's dtype (fp32 for megaloss's losses): the gradient reaching a
+        # half-precision embedding is formed before its cast, as the non-cached backward does
+        surrogate = sum(((o.to(u.dtype) * u).sum() for o, u in zip(out, upstream)),
+                        loss.new_zeros(()))
+        if k < num_replays - 1:
+            backward(surrogate)
+    for p, g in zip(loss_parameters, grads[len(columns):]):
+        if g is not None:
+            surrogate = surrogate + (p * g).sum()
+    value = loss.detach()
+    return GradCacheStep(loss=value, surrogate=surrogate - surrogate.detach() + value,
+                         num_replays=num_replays)

@@ -32,6 +32,7 @@ then enter the same collectives on every rank. Plus whatever ``loss_fn`` does in
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -72,8 +73,8 @@ def split_rows(batch: Any, mini_batch_size: int) -> List[Any]:
     """Split a batch along dim 0 into mini-batches of at most ``mini_batch_size`` rows.
 
     Args:
-        batch: a tensor, or a dict / list / tuple (nested) of tensors that share dim 0 (other
-            leaves are copied into every mini-batch).
+        batch: a tensor, or a mapping / list / tuple (nested) of tensors that share dim 0 (other
+            leaves are copied into every mini-batch; mappings come back as dicts).
         mini_batch_size: rows per mini-batch (>= 1).
 
     Returns:
@@ -99,7 +100,7 @@ def split_rows(batch: Any, mini_batch_size: int) -> List[Any]:
 def _tensors(tree: Any) -> Iterator[Tensor]:
     if isinstance(tree, Tensor):
         yield tree
-    elif isinstance(tree, dict):
+    elif isinstance(tree, Mapping):
         for value in tree.values():
             yield from _tensors(value)
     elif isinstance(tree, (list, tuple)):
@@ -110,8 +111,8 @@ def _tensors(tree: Any) -> Iterator[Tensor]:
 def _slice(tree: Any, start: int, stop: int) -> Any:
     if isinstance(tree, Tensor):
         return tree[start:stop] if tree.dim() > 0 else tree
-    if isinstance(tree, dict):
-        return type(tree)((k, _slice(v, start, stop)) for k, v in tree.items())
+    if isinstance(tree, Mapping):  # tokenizers' BatchEncoding is a Mapping, not a dict
+        return {k: _slice(v, start, stop) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(_slice(v, start, stop) for v in tree)
     return tree

@@ -29,6 +29,9 @@ losses (exact when every micro-batch has the same global size, as with the Train
 An empty per-rank batch: Hugging Face encoders cannot run 0 rows (attention reshapes fail), so
 the encoder is skipped and a ``[0, D]`` embedding tied to the trainable parameters with a zero
 gradient stands in (ZeRO 0-2 / DDP then reduce a zero gradient from that rank, as they must).
+Under DeepSpeed ZeRO-3 every module forward all-gathers its partitioned parameters, so skipping
+the encoder would leave the other ranks waiting: there the rank embeds one placeholder row per
+column through the same forwards and keeps none of it (a zero gradient, matched collectives).
 """
 from __future__ import annotations
 
@@ -37,10 +40,11 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from ...losses.grad_cache import grad_cache, split_rows
 from ...losses.mnr import SIMILARITIES, mnr_loss
 from ...parallel.groups import GroupLike
 
-__all__ = ["GatheredMultipleNegativesRankingLoss"]
+__all__ = ["GatheredMultipleNegativesRankingLoss", "CachedGatheredMultipleNegativesRankingLoss"]
 
 CITATION = """
 @misc{oord2019representationlearningcontrastivepredictive,
@@ -51,6 +55,19 @@ CITATION = """
       archivePrefix={arXiv},
       primaryClass={cs.LG},
       url={https://arxiv.org/abs/1807.03748},
+}
+"""
+
+
+GRADCACHE_CITATION = """
+@misc{gao2021scaling,
+      title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
+      author={Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan},
+      year={2021},
+      eprint={2101.06983},
+      archivePrefix={arXiv},
+      primaryClass={cs.LG},
+      url={https://arxiv.org/abs/2101.06983},
 }
 """
 
@@ -76,6 +93,23 @@ def _rows(features: Dict[str, Any]) -> int:
         if isinstance(value, Tensor) and value.dim() >= 1:
             return int(value.shape[0])
     raise ValueError("cannot tell the batch size of a sentence_features dict (no tensor in it)")
+
+
+def _zero3_partitioned(model: nn.Module) -> bool:
+    """DeepSpeed ZeRO-3 partitioned parameters (they carry ``ds_id``, set in
+    ``deepspeed/runtime/zero/partition_parameters.py``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _placeholder_row(features: Dict[str, Any]) -> Dict[str, Any]:
+    """One row shaped like the (empty) column ``features``: token id 0, attention on."""
+    out = dict(features)
+    for key, value in features.items():
+        if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == 0:
+            shape = (1,) + tuple(max(int(s), 1) for s in value.shape[1:])
+            fill = torch.ones if key == "attention_mask" else torch.zeros
+            out[key] = fill(shape, dtype=value.dtype, device=value.device)
+    return out
 
 
 class GatheredMultipleNegativesRankingLoss(nn.Module):
@@ -148,7 +182,11 @@ class GatheredMultipleNegativesRankingLoss(nn.Module):
         if len(features) < 2:
             raise ValueError(f"expected at least 2 columns (anchor, positive), got {len(features)}")
         if _rows(features[0]) == 0:
-            return self._empty_embeddings(len(features))
+            if not _zero3_partitioned(self.model):
+                return self._empty_embeddings(len(features))
+            # ZeRO-3 all-gathers the parameters in every module forward (a collective): this rank
+            # runs the forwards the others run, on one placeholder row per column, keeps 0 rows.
+            return [e[:0] for e in self.embed([_placeholder_row(f) for f in features])]
         try:
             from sentence_transformers.base.losses.merged_forward import embed_columns
         except ImportError:  # older sentence-transformers: one forward per column
@@ -198,3 +236,80 @@ class GatheredMultipleNegativesRankingLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.get_config_dict().items())
+
+
+class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankingLoss):
+    """:class:`GatheredMultipleNegativesRankingLoss` with gradient caching (GradCache, Gao et al.
+    2021, arXiv:2101.06983; :mod:`megaloss.losses.grad_cache`): the encoder keeps the
+    activations of ``mini_batch_size`` rows at a time, whatever the per-rank batch, with the same
+    loss and gradients.
+
+    sentence-transformers' ``CachedMultipleNegativesRankingLoss`` (``sentence_transformers/
+    sentence_transformer/losses/cached_multiple_negatives_ranking.py``) replays its mini-batches
+    inside the Trainer's one backward; DeepSpeed ZeRO-2 and ZeRO-3 stop on that ("Gradient
+    computed twice for this partition"). Here, in training (grad enabled), ``forward`` embeds
+    the batch without a graph, computes the gathered loss and its embedding gradients, runs every
+    replay but the last as its own ``engine.backward`` outside the accumulation boundary
+    (:mod:`megaloss.integrations.deepspeed.grad_cache`; under DDP inside ``no_sync()``), and
+    returns the last replay as the loss: the Trainer's own backward completes the micro-step.
+    The value returned is the loss. Every replay is scaled by the gradient accumulation steps as
+    the Trainer scales the returned loss (``engine.backward`` divides by GAS; the Trainer divides
+    its loss and passes ``scale_wrt_gas=False``). Under ``torch.no_grad`` (evaluation) it is
+    the non-cached loss.
+
+    Args:
+        model, scale, similarity_fct, symmetric, gather_across_devices, group,
+        labels_as_duplicate_ids, chunk_size: as :class:`GatheredMultipleNegativesRankingLoss`.
+        mini_batch_size: rows per encoder pass (sentence-transformers' name and default, 32).
+
+    Raises:
+        ValueError: ``mini_batch_size`` < 1, and the base class's errors.
+    """
+
+    def __init__(self, model: nn.Module, scale: float = 20.0, similarity_fct: Any = "cosine", *,
+                 mini_batch_size: int = 32, **kwargs: Any) -> None:
+        super().__init__(model, scale, similarity_fct, **kwargs)
+        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) \
+                or mini_batch_size < 1:
+            raise ValueError(f"mini_batch_size must be an int >= 1, got {mini_batch_size!r}")
+        self.mini_batch_size = mini_batch_size
+
+    def _replay_backward(self):
+        """How a replay that is not the micro-step's last is back-propagated."""
+        if hasattr(self.model, "set_gradient_accumulation_boundary"):  # a DeepSpeed engine
+            from ..deepspeed.grad_cache import inner_replay_backward
+            return inner_replay_backward(self.model)
+        no_sync = getattr(self.model, "no_sync", None)  # DDP: reduce once, in the last backward
+        if no_sync is None:
+            return None
+
+        def backward(surrogate: Tensor) -> None:
+            with no_sync():
+                surrogate.backward()
+        return backward
+
+    def forward(self, sentence_features: Iterable[Dict[str, Any]],
+                labels: Optional[Tensor] = None, *,
+                duplicate_ids: Optional[Tensor] = None) -> Tensor:
+        """The global batch's MNR loss; in training, the caller's backward of it completes the
+        cached gradient (class docstring)."""
+        features = list(sentence_features)
+        if not torch.is_grad_enabled():
+            return super().forward(features, labels, duplicate_ids=duplicate_ids)
+        if len(features) < 2:
+            raise ValueError(f"expected at least 2 columns (anchor, positive), got {len(features)}")
+        step = grad_cache(
+            self.embed, split_rows(features, self.mini_batch_size),
+            lambda columns: self.compute_loss_from_embeddings(columns, labels,
+                                                              duplicate_ids=duplicate_ids),
+            backward=self._replay_backward(), empty_embeddings=lambda: self.embed(features),
+            group=self.group)  # the engine's DP group: equal replay counts on its ranks
+        return step.surrogate
+
+    def get_config_dict(self) -> Dict[str, Any]:
+        return {**super().get_config_dict(), "mini_batch_size": self.mini_batch_size}
+
+    @property
+    def citation(self) -> str:
+        return CITATION + GRADCACHE_CITATION
+

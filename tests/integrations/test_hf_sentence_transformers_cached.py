@@ -1,0 +1,152 @@
+"""CachedGatheredMultipleNegativesRankingLoss (GradCache) equals the non-cached gathered loss.
+
+Single process, float64, the tiny random-init SentenceTransformer of
+test_hf_sentence_transformers.py: loss and every parameter gradient against
+GatheredMultipleNegativesRankingLoss on the same batch (rtol 1e-10 / 1e-8: summation order only),
+for mini-batch sizes that split the batch unevenly, with hard negatives and both directions; and
+the loss value against sentence-transformers' own CachedMultipleNegativesRankingLoss.
+
+Under ``deepspeed --num_gpus 2`` (CPU, gloo), SentenceTransformerTrainer, ZeRO-2 and ZeRO-3,
+gradient accumulation 2, 4 triplets per rank per micro-batch, mini-batch 3 (replays of 3 and 1
+rows): the SGD update (lr 1) of the cached loss equals that of the non-cached loss from the same
+seed (same data order): ``||u_cached - u|| <= 1e-5 ||u|| + 1e-8`` per parameter (fp32, summation
+order). sentence-transformers' own cached loss stops on the first step there ("Gradient computed
+twice for this partition"). This file is also the worker.
+"""
+import argparse
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("sentence_transformers")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_hf_sentence_transformers import (assert_grads_close, batch, features,  # noqa: E402
+                                           load_model, loss_and_grads, make_model_dir)
+
+from megaloss.integrations.hf.sentence_transformers import (  # noqa: E402
+    CachedGatheredMultipleNegativesRankingLoss, GatheredMultipleNegativesRankingLoss)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(str(tmp_path_factory.mktemp("tiny_st_cached")))
+
+
+@pytest.mark.parametrize("mini_batch_size,negatives,symmetric", [
+    (1, 1, False), (3, 2, True), (7, 0, False), (32, 1, True)])
+def test_cached_equals_non_cached(model_dir, mini_batch_size, negatives, symmetric):
+    model = load_model(model_dir)
+    columns = batch(7, negatives, seed=3)
+    ref_loss, ref_grads = loss_and_grads(
+        model, GatheredMultipleNegativesRankingLoss(model, symmetric=symmetric), columns)
+    cached = CachedGatheredMultipleNegativesRankingLoss(model, symmetric=symmetric,
+                                                        mini_batch_size=mini_batch_size)
+    loss, g = loss_and_grads(model, cached, columns)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=0)
+    assert_grads_close(g, ref_grads)
+    with torch.no_grad():  # evaluation: the plain loss, same value
+        torch.testing.assert_close(cached(features(model, columns), None), ref_loss,
+                                   rtol=1e-10, atol=0)
+
+
+def test_value_matches_sentence_transformers_cached_mnrl(model_dir):
+    from sentence_transformers.sentence_transformer.losses import \
+        CachedMultipleNegativesRankingLoss
+    model = load_model(model_dir)
+    columns = batch(6, 1, seed=4)
+    ref_loss, ref_grads = loss_and_grads(
+        model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=4), columns)
+    loss, g = loss_and_grads(
+        model, CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=4), columns)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=0)
+    assert_grads_close(g, ref_grads)
+
+
+def test_conventions_and_errors(model_dir):
+    model = load_model(model_dir)
+    loss_fn = CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=8, scale=10)
+    assert loss_fn.get_config_dict()["mini_batch_size"] == 8
+    assert loss_fn.get_config_dict()["scale"] == 10.0
+    assert "2101.06983" in loss_fn.citation and "1807.03748" in loss_fn.citation
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="mini_batch_size"):
+            CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=bad)
+    with pytest.raises(ValueError, match="at least 2"):
+        loss_fn(features(model, batch(3, 0)[:1]), None)
+
+
+# under DeepSpeed ----------------------------------------------------------------------------
+PER_RANK, GAS, MINI = 4, 2, 3
+
+
+def _worker_main(argv):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", required=True)
+    parser.add_argument("--model_dir", required=True)
+    parser.add_argument("--zero", type=int, required=True)
+    parser.add_argument("--local_rank", type=int, default=0)
+    a = parser.parse_args(argv)
+    from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
+    skip_cpu_shm_comm_build()
+    import deepspeed
+    deepspeed.init_distributed()  # ZeRO-3 builds the model under zero.Init: comm first
+    from datasets import Dataset
+    from sentence_transformers import (SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments)
+
+    anchor, positive, negative = batch(2 * PER_RANK * GAS, 1, seed=12)
+    data = Dataset.from_dict({"anchor": anchor, "positive": positive, "negative": negative})
+    cfg = {"train_micro_batch_size_per_gpu": PER_RANK, "gradient_accumulation_steps": GAS,
+           "train_batch_size": "auto", "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": a.zero}, "zero_allow_untested_optimizer": True,
+           "steps_per_print": 1000}
+    updates = {}
+    for name in ("plain", "cached"):
+        args = SentenceTransformerTrainingArguments(
+            output_dir=os.path.join(a.worker, name), per_device_train_batch_size=PER_RANK,
+            gradient_accumulation_steps=GAS, max_steps=1, learning_rate=1.0, optim="sgd",
+            lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
+            save_strategy="no", report_to=[], use_cpu=True, deepspeed=cfg, disable_tqdm=True,
+            seed=0)
+        model = load_model(a.model_dir).float()
+        loss = (CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=MINI)
+                if name == "cached" else GatheredMultipleNegativesRankingLoss(model))
+        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
+                                             loss=loss)
+        trainer.train()
+        # the trained fp32 weights (ZeRO-3: gathered from the partitions)
+        updates[name] = {k: deepspeed.utils.safe_get_full_fp32_param(p).clone()
+                         for k, p in trainer.model.named_parameters()}
+        updates[name + "_loss"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(updates, os.path.join(a.worker, "result.pt"))
+
+
+@pytest.mark.deepspeed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", [2, 3])
+def test_trainer_cached_equals_non_cached(tmp_path, zero):
+    pytest.importorskip("datasets")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
+    from launch_helpers import run_deepspeed_launcher
+    model_dir = make_model_dir(str(tmp_path / "model"))
+    run_deepspeed_launcher(os.path.abspath(__file__), ["--worker", str(tmp_path), "--model_dir",
+                                                       model_dir, "--zero", str(zero)],
+                           timeout=280)
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+    before = dict(load_model(model_dir).float().named_parameters())
+    for name in ("plain", "cached"):
+        result[name] = {k: v - before[k].detach() for k, v in result[name].items()}
+    assert result["cached_loss"] == pytest.approx(result["plain_loss"], rel=1e-5)
+    moved = 0
+    for name, u in result["plain"].items():
+        c = result["cached"][name]
+        assert (c - u).norm() <= 1e-5 * u.norm() + 1e-8, f"ZeRO-{zero} {name}"
+        moved += int(u.norm() > 0)
+    assert moved > len(result["plain"]) // 2  # the step did train the model
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])

@@ -6,6 +6,7 @@ Run through the launcher (it passes ``--local_rank``)::
     deepspeed --num_gpus 2 launch/train_embed.py                 # built-in ZeRO-2 config
     deepspeed --num_gpus 2 launch/train_embed.py --deepspeed_config configs/zero3.json \
         --micro_batch_size 32 --gradient_accumulation_steps 1
+    deepspeed --num_gpus 2 launch/train_embed.py --micro_batch_size 512 --mini_batch_size 32
 
 With no data arguments the job uses built-in real data: (docstring -> function source) pairs
 extracted from this interpreter's standard library, whole files held out for evaluation
@@ -13,7 +14,10 @@ extracted from this interpreter's standard library, whole files held out for eva
 (cached; ``launch/jobs/text_data.py``), a small BERT-style encoder from a ``transformers``
 config (random init, no download), mean pooling, and the gathered MNR loss computed inside the
 module ``engine.forward`` runs (``megaloss.integrations.hf.embedding``); every step's loss is the
-query mean over the global batch, with the engine's gradient scale measured at start-up. It
+query mean over the global batch, with the engine's gradient scale measured at start-up.
+``--mini_batch_size`` (or ``"mini_batch_size"`` in the ``megaloss.mnr`` section) turns on
+GradCache (``megaloss.integrations.hf.embedding.cached_mnr_forward``): the same loss and
+gradients with the encoder's activations of one mini-batch at a time. It
 reports held-out MRR@10 and recall@1 before and after training, a progress bar and a summary
 table on rank 0, metrics through ``engine.monitor`` (so the ds_config's ``csv_monitor`` /
 ``tensorboard`` / ``wandb`` sections work; every event at DeepSpeed's global sample count), and
@@ -51,7 +55,9 @@ from jobs.runs import (  # noqa: E402
     progress_bar, save_run, step_boundary)
 from jobs.text_data import (  # noqa: E402
     EOS, StepBatches, atomic_write, files_digest, read_texts, train_bpe_tokenizer)
-from megaloss.integrations.hf import EmbeddingModelWithMNR, step_loss_weights  # noqa: E402
+from megaloss.integrations.deepspeed.grad_cache import inner_replay_backward  # noqa: E402
+from megaloss.integrations.hf import (EmbeddingModelWithMNR, cached_mnr_forward,  # noqa: E402
+                                     step_loss_weights)
 from megaloss.parallel import all_gather_dim0, all_gather_sizes  # noqa: E402
 from jobs.reporting import (  # noqa: E402
     Curve, plot_loss_curve, print_summary_table, rank0_logger, write_metrics_csv,
@@ -84,6 +90,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="pairs per rank per micro-batch (overrides the ds_config)")
     p.add_argument("--gradient_accumulation_steps", type=int, default=None,
                    help="overrides the ds_config")
+    p.add_argument("--mini_batch_size", type=int, default=None,
+                   help="GradCache: encode this many pairs at a time (same loss and gradients, "
+                        "activation memory of one mini-batch); overrides megaloss.mnr."
+                        "mini_batch_size of the ds_config")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup_steps", type=int, default=20)
     p.add_argument("--model_size", choices=sorted(MODEL_SIZES), default="small")
@@ -109,6 +119,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     add_run_arguments(p)
     args = p.parse_args(argv)
     check_run_arguments(p, args)
+    if args.mini_batch_size is not None and args.mini_batch_size < 1:
+        p.error("--mini_batch_size must be >= 1")
     for name in ("steps", "vocab_size", "max_query_len", "max_doc_len", "eval_batch_size",
                  "log_every"):
         if getattr(args, name) < 1:
@@ -282,6 +294,10 @@ def prepare_ds_config(args: argparse.Namespace) -> dict:
         config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
     if args.gradient_accumulation_steps is not None:
         config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+    if args.mini_batch_size is not None:
+        section = config.setdefault("megaloss", {})
+        if isinstance(section, dict):
+            section.setdefault("mnr", {})["mini_batch_size"] = args.mini_batch_size
     # Keep DeepSpeed's three batch keys consistent after the overrides.
     config.pop("train_batch_size", None)
     config.setdefault("train_micro_batch_size_per_gpu", 32)
@@ -445,6 +461,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                "train_seconds": train_seconds_before + time.perf_counter() - t_train}
         save_run(me, ckpt_dir, step, job, tokenizer, args.keep_checkpoints, saves, log)
 
+    mini = ml.mnr.mini_batch_size
     batches = StepBatches(train_enc, micro=micro, gas=gas, dp_size=dp_size, dp_rank=dp_rank,
                           seed=args.seed).iter_from(start)
     bar = progress_bar(args, start)
@@ -465,7 +482,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         # per step.
         stats = torch.zeros(3, device=engine.device)
         for b, w in zip(micro_batches, weights):
-            out = engine(**{k: v.to(engine.device) for k, v in b.items()}, loss_weight=w)
+            batch = {k: v.to(engine.device) for k, v in b.items()}
+            if mini is None:
+                out = engine(**batch, loss_weight=w)
+            else:  # GradCache: the replays but the last run as accumulation passes
+                out = cached_mnr_forward(engine, batch, mini_batch_size=mini,
+                                         backward=inner_replay_backward(engine), loss_weight=w)
             engine.backward(out.loss)
             engine.step()
             share = w * (dp_size / multiplier)

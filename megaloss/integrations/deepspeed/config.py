@@ -139,11 +139,15 @@ class MNRConfig(_Strict):
         temperature: softmax temperature (> 0); 0.05 is sentence-transformers' ``scale=20``.
         symmetric: also score documents -> queries and average both directions.
         gather_across_ranks: use every DP rank's documents as negatives (autograd gather).
+        mini_batch_size: GradCache (Gao et al. 2021, arXiv:2101.06983): encode this many rows at
+            a time, same loss and gradients, encoder activation memory of one mini-batch
+            (``None``: the whole micro-batch in one graph).
     """
 
     temperature: float = Field(0.05, gt=0.0)
     symmetric: bool = Field(False, strict=True)
     gather_across_ranks: bool = Field(True, strict=True)
+    mini_batch_size: Optional[int] = Field(None, ge=1, strict=True)
 
 
 class MegalossConfig(_Strict):

@@ -14,6 +14,7 @@ order). sentence-transformers' own cached loss stops on the first step there ("G
 twice for this partition"). This file is also the worker.
 """
 import argparse
+import itertools
 import os
 import sys
 
@@ -81,11 +82,10 @@ def test_conventions_and_errors(model_dir):
 PER_RANK, GAS, MINI = 4, 2, 3
 
 
-def _worker_main(argv):
+def _worker_main(argv):  # ZeRO-3's zero.Init follows the latest TrainingArguments
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", required=True)
     parser.add_argument("--model_dir", required=True)
-    parser.add_argument("--zero", type=int, required=True)
     parser.add_argument("--local_rank", type=int, default=0)
     a = parser.parse_args(argv)
     from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
@@ -98,14 +98,15 @@ def _worker_main(argv):
 
     anchor, positive, negative = batch(2 * PER_RANK * GAS, 1, seed=12)
     data = Dataset.from_dict({"anchor": anchor, "positive": positive, "negative": negative})
-    cfg = {"train_micro_batch_size_per_gpu": PER_RANK, "gradient_accumulation_steps": GAS,
-           "train_batch_size": "auto", "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": a.zero}, "zero_allow_untested_optimizer": True,
-           "steps_per_print": 1000}
     updates = {}
-    for name in ("plain", "cached"):
+    for zero, name in itertools.product((2, 3), ("plain", "cached")):
+        cfg = {"train_micro_batch_size_per_gpu": PER_RANK, "gradient_accumulation_steps": GAS,
+               "train_batch_size": "auto", "gradient_clipping": 0.0,
+               "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
+               "steps_per_print": 1000}
         args = SentenceTransformerTrainingArguments(
-            output_dir=os.path.join(a.worker, name), per_device_train_batch_size=PER_RANK,
+            output_dir=os.path.join(a.worker, f"{name}{zero}"),
+            per_device_train_batch_size=PER_RANK,
             gradient_accumulation_steps=GAS, max_steps=1, learning_rate=1.0, optim="sgd",
             lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
             save_strategy="no", report_to=[], use_cpu=True, deepspeed=cfg, disable_tqdm=True,
@@ -117,35 +118,42 @@ def _worker_main(argv):
                                              loss=loss)
         trainer.train()
         # the trained fp32 weights (ZeRO-3: gathered from the partitions)
-        updates[name] = {k: deepspeed.utils.safe_get_full_fp32_param(p).clone()
-                         for k, p in trainer.model.named_parameters()}
-        updates[name + "_loss"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        updates[zero, name] = {k: deepspeed.utils.safe_get_full_fp32_param(p).clone()
+                               for k, p in trainer.model.named_parameters()}
+        updates[zero, name + "_loss"] = [e["loss"] for e in trainer.state.log_history
+                                         if "loss" in e]
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(updates, os.path.join(a.worker, "result.pt"))
 
 
-@pytest.mark.deepspeed
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero", [2, 3])
-def test_trainer_cached_equals_non_cached(tmp_path, zero):
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """One launch: ZeRO-2 then ZeRO-3, each plain then cached (4 one-step trainings)."""
     pytest.importorskip("datasets")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
     from launch_helpers import run_deepspeed_launcher
+    tmp_path = tmp_path_factory.mktemp("st_cached_trainer")
     model_dir = make_model_dir(str(tmp_path / "model"))
-    run_deepspeed_launcher(os.path.abspath(__file__), ["--worker", str(tmp_path), "--model_dir",
-                                                       model_dir, "--zero", str(zero)],
-                           timeout=280)
+    run_deepspeed_launcher(os.path.abspath(__file__),
+                           ["--worker", str(tmp_path), "--model_dir", model_dir], timeout=380)
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     before = dict(load_model(model_dir).float().named_parameters())
-    for name in ("plain", "cached"):
-        result[name] = {k: v - before[k].detach() for k, v in result[name].items()}
-    assert result["cached_loss"] == pytest.approx(result["plain_loss"], rel=1e-5)
+    return result, before
+
+
+@pytest.mark.deepspeed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("zero", [2, 3])
+def test_trainer_cached_equals_non_cached(trainer_runs, zero):
+    result, before = trainer_runs
+    assert result[zero, "cached_loss"] == pytest.approx(result[zero, "plain_loss"], rel=1e-5)
     moved = 0
-    for name, u in result["plain"].items():
-        c = result["cached"][name]
+    for name, after in result[zero, "plain"].items():
+        u = after - before[name].detach()
+        c = result[zero, "cached"][name] - before[name].detach()
         assert (c - u).norm() <= 1e-5 * u.norm() + 1e-8, f"ZeRO-{zero} {name}"
         moved += int(u.norm() > 0)
-    assert moved > len(result["plain"]) // 2  # the step did train the model
+    assert moved > len(result[zero, "plain"]) // 2  # the step did train the model
 
 
 if __name__ == "__main__":

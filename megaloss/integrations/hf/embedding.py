@@ -199,7 +199,8 @@ def cached_mnr_forward(model: nn.Module, batch: Dict[str, torch.Tensor], *,
         mini_batch_size: rows encoded per pass (>= 1).
         backward: back-propagates every replay but the last: under DeepSpeed
             :func:`megaloss.integrations.deepspeed.grad_cache.inner_replay_backward`; ``None``:
-            ``Tensor.backward`` (one process, or inside ``DDP.no_sync()``).
+            ``Tensor.backward`` (one process; under DDP every replay is then reduced: correct,
+            as reduction is linear, at ``num_replays`` times the traffic).
         loss_weight: as in ``forward``.
 
     Returns:

@@ -250,7 +250,7 @@ class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankin
     computed twice for this partition"). Here, in training (grad enabled), ``forward`` embeds
     the batch without a graph, computes the gathered loss and its embedding gradients, runs every
     replay but the last as its own ``engine.backward`` outside the accumulation boundary
-    (:mod:`megaloss.integrations.deepspeed.grad_cache`; under DDP inside ``no_sync()``), and
+    (:mod:`megaloss.integrations.deepspeed.grad_cache`; without DeepSpeed a plain backward), and
     returns the last replay as the loss: the Trainer's own backward completes the micro-step.
     The value returned is the loss. Every replay is scaled by the gradient accumulation steps as
     the Trainer scales the returned loss (``engine.backward`` divides by GAS; the Trainer divides
@@ -275,18 +275,13 @@ class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankin
         self.mini_batch_size = mini_batch_size
 
     def _replay_backward(self):
-        """How a replay that is not the micro-step's last is back-propagated."""
+        """How a replay that is not the micro-step's last is back-propagated: under DeepSpeed as
+        an accumulation pass; otherwise plainly (DDP then reduces every replay: correct, as
+        reduction is linear, at ``num_replays`` times the traffic)."""
         if hasattr(self.model, "set_gradient_accumulation_boundary"):  # a DeepSpeed engine
             from ..deepspeed.grad_cache import inner_replay_backward
             return inner_replay_backward(self.model)
-        no_sync = getattr(self.model, "no_sync", None)  # DDP: reduce once, in the last backward
-        if no_sync is None:
-            return None
-
-        def backward(surrogate: Tensor) -> None:
-            with no_sync():
-                surrogate.backward()
-        return backward
+        return None
 
     def forward(self, sentence_features: Iterable[Dict[str, Any]],
                 labels: Optional[Tensor] = None, *,

@@ -19,7 +19,7 @@ Three passes, and activation memory is that of ONE mini-batch, whatever the batc
 The replays are separate backward passes, which a data-parallel engine must be told about:
 :func:`grad_cache` hands every replay but the last to ``backward`` (the engine's "inside an
 accumulation window" backward, e.g. :func:`megaloss.integrations.deepspeed.grad_cache.
-inner_replay_backward`, or ``DDP.no_sync()``) and returns the last one as ``surrogate``, to be
+inner_replay_backward``) and returns the last one as ``surrogate``, to be
 back-propagated exactly as the non-cached loss would be (``engine.backward(surrogate)``, or
 returned to a Trainer). Its value is the loss, so logs read the same.
 

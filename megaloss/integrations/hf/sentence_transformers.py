@@ -21,7 +21,9 @@ process otherwise). :class:`GatheredMultipleNegativesRankingLoss` follows the sa
   DP group of ``SentenceTransformerTrainer`` / DeepSpeed without model parallelism).
 
 Gradient contract (:mod:`megaloss.losses.mnr`): the value is the loss of the *global* batch on
-every rank, and after the engine *averages* gradients over the DP group (DDP, DeepSpeed ZeRO 0-2)
+every rank, and after the engine *averages* gradients over the DP group (DDP, DeepSpeed ZeRO 0-3;
+``SentenceTransformerTrainer`` under ZeRO-2 and ZeRO-3, uneven and empty ranks included, is
+checked against float64 in ``tests/integrations/test_hf_sentence_transformers_deepspeed.py``)
 they are the single-device gradients of that loss. Gradient accumulation: the Trainer divides each
 micro-batch's loss by the accumulation steps, so a step is the mean of its micro-batches' global
 losses (exact when every micro-batch has the same global size, as with the Trainer's samplers).

@@ -30,7 +30,15 @@ What :class:`MegalossTrainer` does instead:
   (global valid tokens per optimizer step), averaged over the steps since the last log (one
   all-reduce per log), so ``report_to`` (W&B, TensorBoard) shows them.
 
-Evaluation (``compute_loss`` without calibration weights) returns the micro-batch's token mean.
+Evaluation (``evaluate`` / ``predict``): ``{prefix}_loss`` is the calibrated loss of the whole
+evaluation set, with the training's ``loss_reduction`` and CE options (z-loss included):
+``sum_t u_t l_t / sum_t u_t`` over every valid token of every batch on every rank (one
+all-reduce of 4 numbers at the end), not the stock Trainer's mean of per-batch means; also
+``{prefix}_ce_loss``, ``{prefix}_z_loss`` and ``{prefix}_num_valid_tokens``. The rows that
+``accelerate`` repeats to even out the last batch across ranks (``even_batches``; the ones its
+``gather_for_metrics`` drops, ``accelerate/accelerator.py``) are left out. The wrapped model
+returns no logits, so evaluation gives no predictions (``compute_metrics`` is not called).
+
 Scope: data parallelism (DDP, DeepSpeed ZeRO 0-3); no tensor / sequence parallelism here.
 """
 from __future__ import annotations
@@ -41,7 +49,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ...calibration.weights import LOSS_REDUCTIONS, compute_loss_weights
+from ...calibration.weights import LOSS_REDUCTIONS, compute_loss_weights, raw_token_weights
 from ...ops.labels import causal_shift
 from ...parallel.groups import SINGLE_RANK
 from ..deepspeed.config import MegalossConfig, load_megaloss_config
@@ -107,6 +115,7 @@ class MegalossTrainer(Trainer):
             model = CausalLMWithLoss(model, options=cfg.ce.options())
         self._parts = torch.zeros(3, dtype=torch.float64)  # ce, z, tokens since the last log
         self._parts_steps = 0
+        self._eval_parts = torch.zeros(4, dtype=torch.float64)  # sum u*l, sum u*z, sum u, tokens
         super().__init__(model=model, args=args, **kwargs)
 
     # process groups -----------------------------------------------------------------------------
@@ -117,6 +126,15 @@ class MegalossTrainer(Trainer):
     @staticmethod
     def _dp_size() -> int:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def _all_reduce_cpu(self, t: torch.Tensor) -> torch.Tensor:
+        """SUM over the data-parallel ranks of a small CPU tensor (itself on one rank)."""
+        if self._dp_group() is not None:
+            return t
+        device = self.args.device if dist.get_backend() != "gloo" else torch.device("cpu")
+        t = t.to(device)
+        dist.all_reduce(t)
+        return t.cpu()
 
     # calibration ---------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
@@ -161,8 +179,10 @@ class MegalossTrainer(Trainer):
     def compute_loss(self, model: torch.nn.Module, inputs: Dict[str, Any],
                      return_outputs: bool = False,
                      num_items_in_batch: Optional[Any] = None) -> Any:
-        """Training (inputs carry ``loss_weights``): ``W * sum_t w_t l_t``; evaluation: the
-        micro-batch's token mean. The CE (and z-loss) parts are accumulated for :meth:`log`."""
+        """Training (inputs carry ``loss_weights``): ``W * sum_t w_t l_t``, its CE and z-loss
+        parts accumulated for :meth:`log`. Evaluation: ``sum_t u_t l_t / sum_t u_t`` of the
+        micro-batch (``u_t`` the unnormalised ``loss_reduction`` weights), the sums accumulated
+        for :meth:`evaluation_loop`."""
         kwargs = {k: inputs[k] for k in _MODEL_INPUTS if inputs.get(k) is not None}
         weights = inputs.get("loss_weights")
         if "shift_labels" in inputs:
@@ -170,29 +190,89 @@ class MegalossTrainer(Trainer):
         else:
             shift_labels = causal_shift(inputs["labels"], self.megaloss_config.ce.options()
                                         .ignore_index)
+        if weights is None:  # evaluation: u_t unnormalised, summed over the set in _eval_parts
+            shift_labels = self._without_repeated_eval_rows(shift_labels)
+            positions = inputs.get("position_ids")
+            raw = raw_token_weights(shift_labels, self.loss_reduction,
+                                    ignore_index=self.megaloss_config.ce.options().ignore_index,
+                                    position_ids=positions, dtype=torch.float32)
+            out = model(shift_labels=shift_labels, loss_weights=raw, **kwargs)
+            den = raw.detach().double().sum().cpu()
+            self._eval_parts += torch.stack([out.loss.detach().double().cpu(),
+                                             out.z_loss.detach().double().cpu(), den,
+                                             out.num_valid_tokens.detach().double().cpu()])
+            loss = out.loss / den.to(out.loss).clamp_min(torch.finfo(torch.float32).tiny)
+            return (loss, {}) if return_outputs else loss
         out = model(shift_labels=shift_labels, loss_weights=weights, **kwargs)
-        if weights is None:  # evaluation: this micro-batch's token mean
-            loss = out.loss / out.num_valid_tokens.clamp_min(1)
-        else:
-            world = self._dp_size()
-            loss = out.loss * world
-            if model.training:
-                z = out.z_loss.detach().double().cpu()
-                self._parts[0] += float(out.loss.detach().double().cpu() - z)
-                self._parts[1] += float(z)
+        loss = out.loss * self._dp_size()
+        if model.training:
+            z = out.z_loss.detach().double().cpu()
+            self._parts[0] += float(out.loss.detach().double().cpu() - z)
+            self._parts[1] += float(z)
         return (loss, {}) if return_outputs else loss
+
+    # evaluation ----------------------------------------------------------------------------------
+    def _without_repeated_eval_rows(self, shift_labels: torch.Tensor) -> torch.Tensor:
+        """``shift_labels`` with the rows that accelerate repeated to even out the last evaluation
+        batch set to ``ignore_index``: the rows ``gather_for_metrics`` drops (the gathered batch,
+        rank after rank, is cut to ``gradient_state.remainder`` rows)."""
+        acc = getattr(self, "accelerator", None)
+        if acc is None or acc.num_processes == 1 or not acc.even_batches:
+            return shift_labels
+        state = acc.gradient_state
+        if not state.end_of_dataloader or state.remainder <= 0:
+            return shift_labels
+        rows = shift_labels.shape[0]
+        first = acc.process_index * rows  # even_batches: every rank's last batch has `rows` rows
+        repeated = torch.arange(first, first + rows, device=shift_labels.device) >= \
+            state.remainder
+        if not bool(repeated.any()):
+            return shift_labels
+        ignore = self.megaloss_config.ce.options().ignore_index
+        return shift_labels.masked_fill(repeated.view(-1, *([1] * (shift_labels.dim() - 1))),
+                                        ignore)
+
+    def prediction_step(self, model: torch.nn.Module, inputs: Dict[str, Any],
+                        prediction_loss_only: bool,
+                        ignore_keys: Optional[List[str]] = None) -> tuple:
+        """The loss only (the wrapped model has no logits): ``(loss, None, None)``.
+
+        Raises:
+            ValueError: a batch without ``labels`` / ``shift_labels``.
+        """
+        if "labels" not in inputs and "shift_labels" not in inputs:
+            raise ValueError("MegalossTrainer evaluates a loss: every evaluation batch needs "
+                             "'labels' (or 'shift_labels')")
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def evaluation_loop(self, dataloader: Any, description: str,
+                        prediction_loss_only: Optional[bool] = None,
+                        ignore_keys: Optional[List[str]] = None,
+                        metric_key_prefix: str = "eval") -> Any:
+        """The stock loop, then ``{prefix}_loss`` replaced by the calibrated loss of the whole
+        set (module docstring) and its parts added."""
+        self._eval_parts = torch.zeros(4, dtype=torch.float64)
+        output = super().evaluation_loop(dataloader, description,
+                                         prediction_loss_only=prediction_loss_only,
+                                         ignore_keys=ignore_keys,
+                                         metric_key_prefix=metric_key_prefix)
+        num, z, den, tokens = self._all_reduce_cpu(self._eval_parts).tolist()
+        scale = 1.0 / den if den > 0 else 0.0
+        output.metrics[f"{metric_key_prefix}_loss"] = num * scale
+        output.metrics[f"{metric_key_prefix}_ce_loss"] = (num - z) * scale
+        output.metrics[f"{metric_key_prefix}_z_loss"] = z * scale
+        output.metrics[f"{metric_key_prefix}_num_valid_tokens"] = tokens
+        return output
 
     # logging -------------------------------------------------------------------------------------
     def log(self, logs: Dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add ``ce_loss``, ``z_loss`` and ``num_valid_tokens`` (per optimizer step, averaged
         since the last log; one all-reduce) to the Trainer's training logs."""
         if "loss" in logs and self._parts_steps > 0:
-            parts = self._parts[:2].clone()
-            if self._dp_group() is None:
-                device = self.args.device if dist.get_backend() != "gloo" else torch.device("cpu")
-                parts = parts.to(device)
-                dist.all_reduce(parts)
-                parts = parts.cpu()
+            parts = self._all_reduce_cpu(self._parts[:2].clone())
             steps = self._parts_steps
             logs = dict(logs)
             logs["ce_loss"] = round(float(parts[0]) / steps, 6)

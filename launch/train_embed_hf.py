@@ -1,0 +1,394 @@
+#!/usr/bin/env python3
+"""Train the code-search bi-encoder through sentence-transformers' ``SentenceTransformerTrainer``
+with megaloss's gathered MNR loss, under DeepSpeed.
+
+Run through the launcher (it passes ``--local_rank``)::
+
+    deepspeed --num_gpus 2 launch/train_embed_hf.py            # configs/zero2_hf.json (ZeRO-2)
+    deepspeed --num_gpus 2 launch/train_embed_hf.py --mini_batch_size 16   # GradCache variant
+
+The same task as ``launch/train_embed.py`` (megaloss's own DeepSpeed loop), the Hugging Face way:
+
+- data: the same (docstring -> function source) pairs from this interpreter's standard library
+  and the same held-out files (``launch/jobs/code_search.py``, cached with ``train_embed.py``'s
+  ``load_pairs_cached``, so both jobs share the cache and the split); the same byte-level BPE
+  (``launch/jobs/text_data.py``), here wrapped as a ``transformers.PreTrainedTokenizerFast``;
+- model: a ``SentenceTransformer`` of a ``Transformer`` module (a small random-init BERT from a
+  ``transformers.BertConfig``, ``train_embed.py``'s ``build_encoder``; no download) and mean
+  ``Pooling``;
+- loss: ``megaloss.integrations.hf.sentence_transformers.GatheredMultipleNegativesRankingLoss``
+  (in-batch negatives from every data-parallel rank, exact cross-rank gradients); with
+  ``--mini_batch_size N`` its cached (GradCache) variant
+  ``CachedGatheredMultipleNegativesRankingLoss`` (imported only then). ``scale`` (``1 /
+  temperature``), ``symmetric`` and ``gather_across_devices`` come from the ds_config's
+  ``"megaloss": {"mnr": ...}`` section;
+- training: ``SentenceTransformerTrainer`` with ``TrainingArguments(deepspeed=<ds_config>,
+  use_cpu=True on CPU)``; the ds_config's ``"auto"`` batch, clipping keys are filled by the
+  Trainer, which also builds the optimizer (torch AdamW) and the LR schedule (linear warm-up,
+  cosine decay to 10 % of ``--lr``).
+
+It reports held-out MRR@10 and recall@1 (cosine, each query against all held-out documents)
+before and after training on stdout and in ``<output_dir>/summary.json`` (default
+``runs/embed_hf`` under the current directory; a folder that holds a run is refused unless
+``--overwrite``), with ``metrics.csv`` (the Trainer's logged steps) and ``loss_curve.png``.
+``--report_to wandb`` (with ``WANDB_MODE=offline`` without a network) logs the Trainer's metrics
+to ``<output_dir>/wandb``. No checkpoints or resume here (use ``train_embed.py`` for those).
+
+Sources: sentence-transformers 6.2 ``sentence_transformers/sentence_transformer/trainer.py``
+(``SentenceTransformerTrainer``), transformers 5.24 ``integrations/deepspeed.py`` (``"auto"``
+filling, optimizer/scheduler choice), this repository's
+``megaloss/integrations/hf/sentence_transformers.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model is built here
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*", category=FutureWarning)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from jobs.reporting import (  # noqa: E402
+    Curve, plot_loss_curve, print_summary_table, rank0_logger, write_metrics_csv,
+    write_summary_json)
+from jobs.runs import RUN_OUTPUTS, agreed, prepare_output_dir  # noqa: E402
+from jobs.text_data import EOS  # noqa: E402
+# Pieces that live only in the megaloss-loop embedding job: the cached pair extraction and
+# tokenizer (same cache keys, so both jobs share data and split), the encoder and the metrics.
+from train_embed import (  # noqa: E402
+    MODEL_SIZES, build_encoder, load_pairs_cached, retrieval_metrics, tokenizer_cached)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--deepspeed_config", type=str,
+                   default=str(REPO / "configs" / "zero2_hf.json"),
+                   help="ds_config JSON for the Trainer ('auto' keys are filled from the "
+                        "arguments); its 'megaloss.mnr' section sets the loss")
+    p.add_argument("--train_data", nargs="+", default=None,
+                   help=".py files, directories or .jsonl files of {query, document}; "
+                        "default: the Python standard library")
+    p.add_argument("--eval_data", nargs="+", default=None,
+                   help="held-out sources; default: whole files held out from --train_data")
+    p.add_argument("--eval_fraction", type=float, default=0.1)
+    p.add_argument("--max_train", type=int, default=None, help="cap on training pairs")
+    p.add_argument("--max_eval", type=int, default=None, help="cap on held-out pairs")
+    p.add_argument("--steps", type=int, default=150,
+                   help="optimizer steps (train_embed.py: 200; 150 keeps the default run at a "
+                        "few minutes on 2 CPU cores)")
+    p.add_argument("--batch_size", type=int, default=32,
+                   help="pairs per rank per micro-batch (the Trainer's "
+                        "per_device_train_batch_size)")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--mini_batch_size", type=int, default=None,
+                   help="use CachedGatheredMultipleNegativesRankingLoss (GradCache): embed and "
+                        "back-propagate N pairs at a time; the loss is still over the whole "
+                        "global batch")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup_steps", type=int, default=20)
+    p.add_argument("--model_size", choices=sorted(MODEL_SIZES), default="small")
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--vocab_size", type=int, default=4096)
+    p.add_argument("--max_seq_len", type=int, default=128,
+                   help="tokens per text (queries and documents alike)")
+    p.add_argument("--eval_batch_size", type=int, default=128)
+    p.add_argument("--logging_steps", type=int, default=10,
+                   help="the Trainer logs (and metrics.csv gets) every N steps, and step 1")
+    p.add_argument("--report_to", type=str, default="none",
+                   help="the Trainer's report_to: none, wandb, tensorboard, all")
+    p.add_argument("--save_model", action="store_true",
+                   help="save the trained SentenceTransformer to <output_dir>/model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", type=str, default=os.path.join("runs", "embed_hf"),
+                   help="the run's folder, relative to the current directory")
+    p.add_argument("--cache_dir", type=str,
+                   default=os.environ.get("MEGALOSS_CACHE",
+                                          os.path.join(Path.home(), ".cache", "megaloss")),
+                   help="where extracted pairs and the tokenizer are cached")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --output_dir")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                   help="set by the deepspeed launcher")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "gradient_accumulation_steps", "vocab_size",
+                 "max_seq_len", "eval_batch_size", "logging_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.mini_batch_size is not None and args.mini_batch_size < 1:
+        p.error("--mini_batch_size must be >= 1")
+    return args
+
+
+# model -----------------------------------------------------------------------------------------
+def build_sentence_transformer(tokenizer, args: argparse.Namespace):
+    """A ``SentenceTransformer([Transformer, Pooling(mean)])`` around a random-init BERT
+    (``train_embed.build_encoder``: sizes from :data:`train_embed.MODEL_SIZES`) and the job's
+    BPE (a ``tokenizers.Tokenizer``, :data:`jobs.text_data.EOS` as padding). sentence-transformers
+    loads a ``Transformer`` module from a folder, so model and tokenizer go through a temporary
+    one per process (same seed on every rank: the same weights; DeepSpeed broadcasts rank 0's
+    anyway). Not collective."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars of the tiny local model
+
+    pad_id = tokenizer.token_to_id(EOS)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=EOS,
+                                     model_max_length=args.max_seq_len,
+                                     model_input_names=["input_ids", "attention_mask"])
+    torch.manual_seed(args.seed)
+    encoder = build_encoder(args.model_size, tokenizer.get_vocab_size(), args.max_seq_len,
+                            pad_id, args.dropout)
+    folder = tempfile.mkdtemp(prefix="megaloss_embed_hf_")
+    try:
+        # Not encoder.save_pretrained: transformers 5 writes the weights on global rank 0 only.
+        from safetensors.torch import save_file
+        hf_tok.save_pretrained(folder)
+        encoder.config.save_pretrained(folder)
+        save_file({k: v.contiguous() for k, v in encoder.state_dict().items()},
+                  os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        transformer = Transformer(folder, max_seq_length=args.max_seq_len,
+                                  model_kwargs={"add_pooling_layer": False})
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    pooling = Pooling(encoder.config.hidden_size, "mean")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return SentenceTransformer(modules=[transformer, pooling], device=device)
+
+
+def build_loss(model, mnr, mini_batch_size: Optional[int]):
+    """megaloss's gathered MNR as a sentence-transformers loss, or its cached (GradCache)
+    variant when ``mini_batch_size`` is given (imported only then). ``mnr`` is the ds_config's
+    :class:`megaloss.integrations.deepspeed.config.MNRConfig`."""
+    kwargs = dict(scale=1.0 / mnr.temperature, symmetric=mnr.symmetric,
+                  gather_across_devices=mnr.gather_across_ranks)
+    if mini_batch_size is None:
+        from megaloss.integrations.hf.sentence_transformers import \
+            GatheredMultipleNegativesRankingLoss
+        return GatheredMultipleNegativesRankingLoss(model, **kwargs)
+    try:
+        from megaloss.integrations.hf.sentence_transformers import \
+            CachedGatheredMultipleNegativesRankingLoss
+    except ImportError as e:
+        raise SystemExit("--mini_batch_size needs megaloss.integrations.hf.sentence_transformers."
+                         f"CachedGatheredMultipleNegativesRankingLoss, not in this megaloss ({e})")
+    return CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch_size,
+                                                      **kwargs)
+
+
+# evaluation ------------------------------------------------------------------------------------
+@torch.no_grad()
+def embed_texts(model, texts: List[str], batch_size: int) -> torch.Tensor:
+    """Embeddings ``[N, D]`` (float32, CPU) of all ``N`` texts, the same on every rank. Each rank
+    encodes a contiguous shard of ``ceil(N / world)`` texts (the last ones padded with the first
+    text, so every rank runs the same number of forwards, as ZeRO-3's collective parameter
+    gathers need), then one all-gather."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    per = math.ceil(len(texts) / world)
+    mine = texts[rank * per:(rank + 1) * per]
+    emb = model.encode(mine + [texts[0]] * (per - len(mine)), batch_size=batch_size,
+                       convert_to_tensor=True, show_progress_bar=False).float()
+    if world == 1:
+        return emb[:len(texts)].cpu()
+    parts = [torch.empty_like(emb) for _ in range(world)]
+    dist.all_gather(parts, emb.contiguous())
+    return torch.cat(parts)[:len(texts)].cpu()
+
+
+def evaluate(model, queries: List[str], documents: List[str],
+             batch_size: int) -> Dict[str, float]:
+    """Held-out ``mrr@10`` and ``recall@1`` of retrieving document i for query i among all
+    held-out documents (``train_embed.retrieval_metrics``: cosine); collective."""
+    was_training = model.training
+    q = embed_texts(model, queries, batch_size)
+    d = embed_texts(model, documents, batch_size)
+    model.train(was_training)
+    return retrieval_metrics(q, d)
+
+
+# outputs ---------------------------------------------------------------------------------------
+def train_rows(log_history: List[Dict[str, Any]]) -> List[Dict[str, float]]:
+    """The Trainer's training log entries (``{"loss", "grad_norm", "learning_rate", "epoch",
+    "step"}``; one per ``--logging_steps``) as metrics.csv rows."""
+    rows = []
+    for e in log_history:
+        if "loss" in e:
+            rows.append({"step": int(e["step"]), "loss": float(e["loss"]),
+                         "grad_norm": float(e.get("grad_norm", float("nan"))),
+                         "lr": float(e.get("learning_rate", float("nan"))),
+                         "epoch": float(e.get("epoch", float("nan")))})
+    return rows
+
+
+def write_outputs(out_dir: Path, rows: List[Dict[str, float]], summary: Dict) -> None:
+    write_metrics_csv(out_dir / "metrics.csv", rows)
+    write_summary_json(out_dir / "summary.json", summary)
+    b, a = summary["eval_before"], summary["eval_after"]
+    plot_loss_curve(
+        out_dir / "loss_curve.png",
+        [Curve(f"{summary['loss']} (global batch)", [r["step"] for r in rows],
+               [r["loss"] for r in rows], "o-", style={"lw": 1, "ms": 3})],
+        title=f"SentenceTransformerTrainer code search: MRR@10 {b['mrr@10']:.3f} -> "
+              f"{a['mrr@10']:.3f}", ylabel="loss")
+
+
+def print_summary(summary: Dict) -> None:
+    b, a = summary["eval_before"], summary["eval_after"]
+    rows = [("held-out MRR@10", f"{b['mrr@10']:.4f}", f"{a['mrr@10']:.4f}"),
+            ("held-out recall@1", f"{b['recall@1']:.4f}", f"{a['recall@1']:.4f}")]
+    if summary["first_loss"] is not None:
+        rows.append(("train MNR loss (first / last log)", f"{summary['first_loss']:.4f}",
+                     f"{summary['last_loss']:.4f}"))
+    extra = (f"{summary['train_pairs']} train / {summary['eval_pairs']} held-out pairs, "
+             f"{summary['steps']} steps x {summary['global_batch']} pairs (micro-batch "
+             f"{summary['micro_batch']} x GAS {summary['gas']} x DP {summary['dp']}), ZeRO-"
+             f"{summary['zero_stage']}, {summary['loss']}, {summary['parameters'] / 1e6:.2f} M "
+             f"params, {summary['train_seconds']:.0f} s training")
+    print_summary_table("code-search embedding (SentenceTransformerTrainer)", rows, extra)
+
+
+def open_run_folder(out_dir: Path, overwrite: bool) -> None:
+    """One run per folder (``jobs.runs.prepare_output_dir``; call on one rank, inside
+    ``jobs.runs.agreed``): a folder holding a run's outputs is refused unless ``overwrite``, which
+    removes them. This job has no ``--resume``, so the refusal says so itself."""
+    existing = [n for n in RUN_OUTPUTS if (out_dir / n).exists()]
+    if existing and not overwrite:
+        raise SystemExit(f"{out_dir} already holds a run ({', '.join(existing)}); pass "
+                         "--overwrite to replace it, or another --output_dir")
+    prepare_output_dir(out_dir, overwrite=overwrite, resuming=False)
+
+
+# main ------------------------------------------------------------------------------------------
+def main(argv: Optional[Sequence[str]] = None) -> Dict:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from megaloss.integrations.deepspeed import configure_launched_process, load_megaloss_config
+    from megaloss.testing import free_port
+
+    configure_launched_process()  # quiet DeepSpeed, threads per process on CPU, no JIT build
+    if not torch.cuda.is_available():
+        # accelerate (under the Trainer) sets torch's threads to physical cores / local processes
+        # when OMP_NUM_THREADS is unset, which can oversubscribe the cores; keep the above.
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        # plain `python launch/train_embed_hf.py`: one process (DeepSpeed would look for MPI)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+    # DeepSpeed's comm before any model: under ZeRO-3 the Trainer's models load via zero.Init
+    deepspeed.init_distributed()
+    get_accelerator().set_device(args.local_rank)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out_dir = Path(args.output_dir)
+    log = rank0_logger("embed_hf", rank, t_start)
+
+    with open(args.deepspeed_config, encoding="utf-8") as f:
+        ds_config = json.load(f)
+    ml = load_megaloss_config(ds_config)  # validates the "megaloss" section
+    agreed(lambda: open_run_folder(out_dir, args.overwrite), what=f"--output_dir {out_dir}")
+    if args.report_to != "none":
+        os.environ.setdefault("WANDB_DIR", str(out_dir.resolve()))  # <output_dir>/wandb
+        os.environ.setdefault("WANDB_PROJECT", "megaloss")
+
+    train, held, data_key = load_pairs_cached(args)
+    tokenizer = tokenizer_cached([t for p in train for t in (p.query, p.document)],
+                                 args.vocab_size, args.cache_dir, args.local_rank)
+    micro, gas = args.batch_size, args.gradient_accumulation_steps
+    if len(train) < micro * gas * world:
+        raise SystemExit(f"{len(train)} training pairs cannot fill one global batch of "
+                         f"{micro * gas * world}: give more data or a smaller --batch_size")
+    log(f"data: {len(train)} train / {len(held)} held-out pairs "
+        f"({'stdlib' if args.train_data is None else 'user data'}), BPE vocab "
+        f"{tokenizer.get_vocab_size()}")
+
+    model = agreed(lambda: build_sentence_transformer(tokenizer, args), everywhere=True,
+                   what="building the SentenceTransformer")
+    n_params = sum(p.numel() for p in model.parameters())
+    queries, documents = [p.query for p in held], [p.document for p in held]
+    before = evaluate(model, queries, documents, args.eval_batch_size)
+    log(f"before training: held-out MRR@10 {before['mrr@10']:.4f}, "
+        f"recall@1 {before['recall@1']:.4f}")
+
+    from datasets import Dataset
+    from sentence_transformers import (SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments)
+
+    loss = build_loss(model, ml.mnr, args.mini_batch_size)
+    train_ds = Dataset.from_dict({"anchor": [p.query for p in train],
+                                  "positive": [p.document for p in train]})
+    targs = SentenceTransformerTrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=gas, max_steps=args.steps, learning_rate=args.lr,
+        warmup_steps=args.warmup_steps, lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1}, weight_decay=0.01, max_grad_norm=1.0,
+        logging_steps=args.logging_steps, logging_first_step=True, save_strategy="no",
+        report_to=args.report_to, run_name=out_dir.name, seed=args.seed,
+        use_cpu=not torch.cuda.is_available(), deepspeed=ds_config,
+        dataloader_drop_last=True, dataloader_num_workers=0, disable_tqdm=args.no_progress)
+    trainer = SentenceTransformerTrainer(model=model, args=targs, train_dataset=train_ds,
+                                         loss=loss)
+    log(f"training: DP={world}, ZeRO-{ds_config.get('zero_optimization', {}).get('stage', 0)}, "
+        f"micro-batch {micro} x GAS {gas} x DP {world} = {micro * gas * world} pairs/step, "
+        f"{n_params / 1e6:.2f} M params, loss {type(loss).__name__}"
+        f"({', '.join(f'{k}={v!r}' for k, v in loss.get_config_dict().items())})")
+    t_train = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - t_train
+    model = trainer.model  # the SentenceTransformer, trained (DeepSpeed's engine wraps it)
+    log(f"trained {trainer.state.global_step} steps in {train_seconds:.1f} s")
+    after = evaluate(model, queries, documents, args.eval_batch_size)
+    log(f"after training: held-out MRR@10 {after['mrr@10']:.4f}, "
+        f"recall@1 {after['recall@1']:.4f}")
+    trainer.log({"eval_mrr@10": after["mrr@10"], "eval_recall@1": after["recall@1"]})
+    if args.save_model:
+        trainer.save_model(str(out_dir / "model"))  # collective under ZeRO-3
+
+    rows = train_rows(trainer.state.log_history)
+    engine = trainer.model_wrapped
+    zero_stage = (engine.zero_optimization_stage()
+                  if hasattr(engine, "zero_optimization_stage") else None)
+    summary = {"eval_before": before, "eval_after": after, "steps": trainer.state.global_step,
+               "first_loss": rows[0]["loss"] if rows else None,
+               "last_loss": rows[-1]["loss"] if rows else None,
+               "train_pairs": len(train), "eval_pairs": len(held), "dp": world,
+               "micro_batch": micro, "gas": gas, "global_batch": micro * gas * world,
+               "mini_batch_size": args.mini_batch_size, "loss": type(loss).__name__,
+               "loss_config": loss.get_config_dict(), "parameters": n_params,
+               "model": f"BERT {args.model_size} ({model[0].auto_model.config.num_hidden_layers}"
+                        f"L x {model[0].auto_model.config.hidden_size}) + mean pooling",
+               "zero_stage": zero_stage, "deepspeed_config": args.deepspeed_config,
+               "data": "stdlib" if args.train_data is None else "user data",
+               "data_key": data_key, "train_seconds": train_seconds,
+               "total_seconds": time.perf_counter() - t_start}
+    if rank == 0:
+        write_outputs(out_dir, rows, summary)
+        print_summary(summary)
+        log(f"wrote {out_dir / 'metrics.csv'}, {out_dir / 'loss_curve.png'}, "
+            f"{out_dir / 'summary.json'}")
+    dist.barrier()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

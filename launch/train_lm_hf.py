@@ -1,0 +1,368 @@
+#!/usr/bin/env python3
+"""Train the LM job's small Llama through ``transformers.Trainer`` with megaloss's chunked
+cross-entropy and global loss calibration (``MegalossTrainer``), under DeepSpeed.
+
+Run through the launcher (it passes ``--local_rank``)::
+
+    deepspeed --num_gpus 2 launch/train_lm_hf.py              # configs/zero2_hf.json (ZeRO-2)
+    deepspeed --num_gpus 2 launch/train_lm_hf.py --report_to wandb   # WANDB_MODE=offline here
+
+The same task as ``launch/train_lm.py`` (megaloss's own DeepSpeed loop), the Hugging Face way:
+
+- data: the same standard-library text, held-out files, BPE tokenizer and token cache
+  (``launch/jobs/text_data.py`` through ``train_lm.py``'s ``load_data``), cut into blocks of
+  ``--seq_len`` tokens with ``shift_labels`` (already shifted targets, ``[N, seq_len]`` int64);
+- model: ``train_lm.py``'s ``build_model`` (a ``transformers.LlamaForCausalLM`` from a
+  ``LlamaConfig``, random init, no download), wrapped in ``megaloss.CausalLMWithLoss``;
+- training: ``megaloss.integrations.hf.trainer.MegalossTrainer`` (a ``transformers.Trainer``):
+  no ``[tokens, vocab]`` logits, each optimizer step's loss the global token mean over its
+  micro-batches and all data-parallel ranks (``"megaloss": {"ce": ...}`` of the ds_config: chunk
+  size, z-loss, ``loss_reduction``). ``TrainingArguments(deepspeed=<ds_config>, use_cpu=True on
+  CPU)``; the ds_config's ``"auto"`` keys are filled by the Trainer, which builds the optimizer
+  (torch AdamW, betas 0.9 / 0.95, as in ``configs/zero2.json``) and the LR schedule
+  (``--lr_scheduler``; default linear warm-up over ``--warmup_steps``, then constant). Data
+  parallel only (``megaloss.tensor_parallel_size`` must be 1; TP / SP layouts are
+  ``train_lm.py``'s).
+
+It reports the held-out cross-entropy (nats per token, z-loss excluded) and perplexity before
+training, every ``--eval_every`` steps and after, on stdout and in ``<output_dir>/summary.json``
+(default ``runs/lm_hf`` under the current directory; a folder that holds a run is refused unless
+``--overwrite``), with ``metrics.csv`` (the Trainer's logged steps: global loss, ``ce_loss``,
+``z_loss``, ``num_valid_tokens``, grad norm, lr) and ``loss_curve.png``. ``--report_to wandb``
+sends the same logs (and the held-out ones) to W&B under ``<output_dir>/wandb``. No checkpoints
+or resume here (use ``train_lm.py`` for those).
+
+Sources: transformers 5.24 ``trainer.py`` and ``integrations/deepspeed.py``; this repository's
+``megaloss/integrations/hf/trainer.py`` and ``megaloss/integrations/hf/causal_lm.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*", category=FutureWarning)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from jobs.reporting import (  # noqa: E402
+    Curve, plot_loss_curve, print_summary_table, rank0_logger, write_metrics_csv,
+    write_summary_json)
+from jobs.runs import RUN_OUTPUTS, agreed, prepare_output_dir  # noqa: E402
+# Pieces that live only in the megaloss-loop LM job: the cached stdlib split, tokenizer and token
+# streams (same cache keys, so both jobs share them), the model and the eval sharding.
+from train_lm import MODEL_SIZES, build_model, eval_batches, load_data, make_blocks  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--deepspeed_config", type=str,
+                   default=str(REPO / "configs" / "zero2_hf.json"),
+                   help="ds_config JSON for the Trainer ('auto' keys are filled from the "
+                        "arguments); its 'megaloss.ce' section sets the loss")
+    p.add_argument("--train_data", nargs="*", default=None,
+                   help="text files or directories (.py/.txt/.md/.rst); default: the stdlib")
+    p.add_argument("--eval_data", nargs="*", default=None,
+                   help="held-out text files or directories; default: the stdlib's held-out "
+                        "files, or a crc32 split of --train_data files")
+    p.add_argument("--eval_fraction", type=float, default=0.05)
+    p.add_argument("--max_train_bytes", type=int, default=2_500_000,
+                   help="keep a strided subset of training files under this size (0: all)")
+    p.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    p.add_argument("--batch_size", type=int, default=4,
+                   help="blocks per rank per micro-batch (per_device_train_batch_size)")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=2)
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--vocab_size", type=int, default=2048, help="BPE vocabulary size")
+    p.add_argument("--model_size", choices=sorted(MODEL_SIZES), default="small")
+    p.add_argument("--hidden_size", type=int, default=None, help="overrides --model_size")
+    p.add_argument("--num_layers", type=int, default=None, help="overrides --model_size")
+    p.add_argument("--num_heads", type=int, default=None, help="overrides --model_size")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup_steps", type=int, default=10)
+    p.add_argument("--lr_scheduler", type=str, default="constant_with_warmup",
+                   help="the Trainer's lr_scheduler_type (the default: linear warm-up, then "
+                        "constant, as train_lm.py's configs)")
+    p.add_argument("--eval_blocks", type=int, default=64,
+                   help="held-out blocks of seq_len tokens evaluated (evenly spaced)")
+    p.add_argument("--eval_batch_size", type=int, default=8)
+    p.add_argument("--eval_every", type=int, default=50,
+                   help="steps between held-out evaluations (0: only before and after)")
+    p.add_argument("--logging_steps", type=int, default=10,
+                   help="the Trainer logs (and metrics.csv gets) every N steps, and step 1")
+    p.add_argument("--report_to", type=str, default="none",
+                   help="the Trainer's report_to: none, wandb, tensorboard, all")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", type=str, default=os.path.join("runs", "lm_hf"),
+                   help="the run's folder, relative to the current directory")
+    p.add_argument("--cache_dir", type=str,
+                   default=os.environ.get("MEGALOSS_CACHE", str(Path.home() / ".cache" /
+                                                                "megaloss")))
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --output_dir")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                   help="set by the deepspeed launcher")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "gradient_accumulation_steps", "seq_len",
+                 "eval_blocks", "eval_batch_size", "logging_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.eval_every < 0:
+        p.error("--eval_every must be >= 0")
+    return args
+
+
+class Blocks(torch.utils.data.Dataset):
+    """Rows of :func:`jobs.text_data.lm_blocks`' output: ``{"input_ids": [T], "shift_labels":
+    [T]}`` int64 each (``default_data_collator`` stacks them to ``[B, T]``)."""
+
+    def __init__(self, blocks: Dict[str, torch.Tensor]) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return int(self.blocks["input_ids"].shape[0])
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.blocks.items()}
+
+
+@torch.no_grad()
+def evaluate(model, batches: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
+    """Held-out token-mean cross-entropy (nats, z-loss excluded) of ``model`` (a
+    :class:`megaloss.CausalLMWithLoss` with ``reduction="sum"``) over this rank's ``batches``
+    (:func:`train_lm.eval_batches`: the same count on every rank), summed over ranks with one
+    all-reduce; collective. Returns ``{"loss", "perplexity", "num_tokens"}``."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for b in batches:
+        out = model(b["input_ids"].to(device), shift_labels=b["shift_labels"].to(device))
+        sums[0] += (out.loss - out.z_loss).double()
+        sums[1] += out.num_valid_tokens.double()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    model.train(was_training)
+    n = float(sums[1])
+    loss = float(sums[0]) / n if n > 0 else 0.0
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "num_tokens": n}
+
+
+def eval_callback(batches, evals: List[Dict[str, Any]], every: int, log):
+    """A ``TrainerCallback`` that evaluates every ``every`` optimizer steps (not the last:
+    ``main`` does that), appends ``{"step", "loss", "perplexity", "num_tokens"}`` to ``evals``
+    and logs ``eval_loss`` / ``eval_perplexity`` through the Trainer (so ``report_to`` gets
+    them). Set its ``trainer`` attribute before training."""
+    from transformers import TrainerCallback
+
+    class HeldOutEval(TrainerCallback):
+        trainer = None
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            step = state.global_step
+            if every and step % every == 0 and step < state.max_steps:
+                r = evaluate(model, batches)
+                evals.append({"step": step, **r})
+                log(f"step {step}: held-out CE {r['loss']:.4f}, perplexity "
+                    f"{r['perplexity']:.1f}")
+                # Trainer.log's on_log clears control.should_log, which the Trainer reads after
+                # on_step_end to log this step's training loss: keep it.
+                should_log = control.should_log
+                self.trainer.log({"eval_loss": r["loss"], "eval_perplexity": r["perplexity"]})
+                control.should_log = should_log
+
+    return HeldOutEval()
+
+
+# outputs ---------------------------------------------------------------------------------------
+def train_rows(log_history: List[Dict[str, Any]],
+               evals: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """metrics.csv rows: the Trainer's training logs (one per ``--logging_steps``), with the
+    held-out CE / perplexity where an evaluation fell on that step (else empty)."""
+    eval_at = {e["step"]: e for e in evals}
+    rows = []
+    for e in log_history:
+        if "loss" not in e:
+            continue
+        step = int(e["step"])
+        rows.append({"step": step, "loss": float(e["loss"]),
+                     "ce_loss": e.get("ce_loss", ""), "z_loss": e.get("z_loss", ""),
+                     "num_valid_tokens": e.get("num_valid_tokens", ""),
+                     "grad_norm": e.get("grad_norm", ""), "lr": e.get("learning_rate", ""),
+                     "epoch": e.get("epoch", ""),
+                     "eval_loss": eval_at.get(step, {}).get("loss", ""),
+                     "eval_perplexity": eval_at.get(step, {}).get("perplexity", "")})
+    return rows
+
+
+def write_outputs(out_dir: Path, rows: List[Dict[str, Any]], evals: List[Dict[str, Any]],
+                  summary: Dict[str, Any]) -> None:
+    write_metrics_csv(out_dir / "metrics.csv", rows)
+    write_summary_json(out_dir / "summary.json", summary)
+    plot_loss_curve(
+        out_dir / "loss_curve.png",
+        [Curve("train (global loss)", [r["step"] for r in rows], [r["loss"] for r in rows]),
+         Curve("held-out CE", [e["step"] for e in evals], [e["loss"] for e in evals], "o-")],
+        title=f"MegalossTrainer: {summary['model']} on {summary['data']}",
+        ylabel="cross-entropy (nats / token)", grid=True)
+
+
+def print_summary(summary: Dict[str, Any]) -> None:
+    before, after = summary["eval_before"], summary["eval_after"]
+    rows = [("held-out perplexity", f"{before['perplexity']:.1f}", f"{after['perplexity']:.1f}"),
+            ("held-out CE (nats/token)", f"{before['loss']:.4f}", f"{after['loss']:.4f}")]
+    if summary["first_loss"] is not None:
+        rows.append(("train loss (first / last log)", f"{summary['first_loss']:.4f}",
+                     f"{summary['last_loss']:.4f}"))
+    info = (f"{summary['steps']} steps in {summary['train_seconds']:.1f} s, "
+            f"{summary['tokens_per_s']:.0f} tokens/s, micro-batch {summary['micro_batch']} x "
+            f"GAS {summary['gas']} x DP {summary['dp']} x {summary['seq_len']} tokens, ZeRO-"
+            f"{summary['zero_stage']}, {summary['parameters'] / 1e6:.2f} M params, "
+            f"loss_reduction {summary['ce']['loss_reduction']}")
+    print_summary_table("megaloss LM job (transformers.Trainer)", rows, info)
+
+
+def open_run_folder(out_dir: Path, overwrite: bool) -> None:
+    """One run per folder (``jobs.runs.prepare_output_dir``; call on one rank, inside
+    ``jobs.runs.agreed``): a folder holding a run's outputs is refused unless ``overwrite``, which
+    removes them. This job has no ``--resume``, so the refusal says so itself."""
+    existing = [n for n in RUN_OUTPUTS if (out_dir / n).exists()]
+    if existing and not overwrite:
+        raise SystemExit(f"{out_dir} already holds a run ({', '.join(existing)}); pass "
+                         "--overwrite to replace it, or another --output_dir")
+    prepare_output_dir(out_dir, overwrite=overwrite, resuming=False)
+
+
+# main ------------------------------------------------------------------------------------------
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from megaloss import CausalLMWithLoss
+    from megaloss.integrations.deepspeed import configure_launched_process, load_megaloss_config
+    from megaloss.testing import free_port
+
+    configure_launched_process()  # quiet DeepSpeed, threads per process on CPU, no JIT build
+    if not torch.cuda.is_available():
+        # accelerate (under the Trainer) sets torch's threads to physical cores / local processes
+        # when OMP_NUM_THREADS is unset, which can oversubscribe the cores; keep the above.
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        # plain `python launch/train_lm_hf.py`: one process (DeepSpeed would look for MPI)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+    deepspeed.init_distributed()
+    get_accelerator().set_device(args.local_rank)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out_dir = Path(args.output_dir)
+    log = rank0_logger("lm_hf", rank, t_start)
+
+    with open(args.deepspeed_config, encoding="utf-8") as f:
+        ds_config = json.load(f)
+    ml = load_megaloss_config(ds_config)  # validates the "megaloss" section
+    if ml.tensor_parallel_size != 1 or ml.sequence_parallel_size != 1:
+        raise SystemExit(f"{args.deepspeed_config}: the Trainer job is data parallel only "
+                         "(megaloss.tensor_parallel_size and sequence_parallel_size must be 1; "
+                         "launch/train_lm.py runs TP / SP)")
+    agreed(lambda: open_run_folder(out_dir, args.overwrite), what=f"--output_dir {out_dir}")
+    if args.report_to != "none":
+        os.environ.setdefault("WANDB_DIR", str(out_dir.resolve()))  # <output_dir>/wandb
+        os.environ.setdefault("WANDB_PROJECT", "megaloss")
+
+    tok, train_stream, eval_stream, info, data_key = load_data(args, rank)
+    vocab = tok.get_vocab_size()
+    train_blocks = make_blocks(train_stream, args.seq_len, "training", info["train_files"])
+    held_blocks = make_blocks(eval_stream, args.seq_len, "held-out", info["eval_files"],
+                              args.eval_blocks)
+    micro, gas = args.batch_size, args.gradient_accumulation_steps
+    log(f"data: {info['train_files']} train files ({info['train_bytes'] / 1e6:.1f} MB, "
+        f"{info['train_tokens']} tokens, {train_blocks['input_ids'].shape[0]} blocks), "
+        f"{info['eval_files']} held-out files ({held_blocks['input_ids'].shape[0]} blocks); "
+        f"BPE vocab {vocab}")
+    if train_blocks["input_ids"].shape[0] < micro * gas * world:
+        raise SystemExit(f"{train_blocks['input_ids'].shape[0]} training blocks cannot fill one "
+                         f"global batch of {micro * gas * world}: give more text or a smaller "
+                         "--batch_size / --seq_len")
+
+    llama, cfg = build_model(args, vocab)
+    model = CausalLMWithLoss(llama, options=ml.ce.options())
+    n_params = sum(p.numel() for p in llama.parameters())
+    held = eval_batches(held_blocks, args.eval_batch_size, world, rank)
+    evals: List[Dict[str, Any]] = [{"step": 0, **evaluate(model, held)}]
+    log(f"before training: held-out CE {evals[0]['loss']:.4f}, perplexity "
+        f"{evals[0]['perplexity']:.1f}")
+
+    from transformers import TrainingArguments, default_data_collator
+
+    from megaloss.integrations.hf.trainer import MegalossTrainer
+
+    targs = TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=gas, max_steps=args.steps, learning_rate=args.lr,
+        adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.01, warmup_steps=args.warmup_steps,
+        lr_scheduler_type=args.lr_scheduler,
+        max_grad_norm=1.0, logging_steps=args.logging_steps, logging_first_step=True,
+        save_strategy="no", report_to=args.report_to, run_name=out_dir.name, seed=args.seed,
+        use_cpu=not torch.cuda.is_available(), deepspeed=ds_config,
+        remove_unused_columns=False, dataloader_drop_last=True, dataloader_num_workers=0,
+        disable_tqdm=args.no_progress)
+    callback = eval_callback(held, evals, args.eval_every, log)
+    trainer = MegalossTrainer(model=model, args=targs, train_dataset=Blocks(train_blocks),
+                              data_collator=default_data_collator, callbacks=[callback])
+    callback.trainer = trainer
+    log(f"training: DP={world}, ZeRO-{ds_config.get('zero_optimization', {}).get('stage', 0)}, "
+        f"micro-batch {micro} x GAS {gas} x DP {world} = {micro * gas * world} x "
+        f"{args.seq_len} tokens/step, {n_params / 1e6:.2f} M params, CE {ml.ce.model_dump()}")
+    t_train = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - t_train
+    steps = trainer.state.global_step
+    log(f"trained {steps} steps in {train_seconds:.1f} s")
+    evals.append({"step": steps, **evaluate(trainer.model, held)})
+    after = evals[-1]
+    log(f"after training: held-out CE {after['loss']:.4f}, perplexity {after['perplexity']:.1f}")
+    trainer.log({"eval_loss": after["loss"], "eval_perplexity": after["perplexity"]})
+
+    rows = train_rows(trainer.state.log_history, evals)
+    engine = trainer.model_wrapped
+    zero_stage = (engine.zero_optimization_stage()
+                  if hasattr(engine, "zero_optimization_stage") else None)
+    tokens = steps * micro * gas * world * args.seq_len
+    summary = {
+        "eval_before": evals[0], "eval_after": after, "evals": evals, "steps": steps,
+        "first_loss": rows[0]["loss"] if rows else None,
+        "last_loss": rows[-1]["loss"] if rows else None,
+        "train_seconds": train_seconds, "tokens_per_s": tokens / max(train_seconds, 1e-9),
+        "train_tokens_seen": tokens, "dp": world, "zero_stage": zero_stage,
+        "micro_batch": micro, "gas": gas, "seq_len": args.seq_len, "vocab_size": vocab,
+        "parameters": int(n_params), "ce": ml.ce.model_dump(),
+        "deepspeed_config": args.deepspeed_config, "report_to": args.report_to,
+        "data": "stdlib" if not args.train_data else "user files",
+        "model": f"Llama {cfg.num_hidden_layers}L x {cfg.hidden_size}", "data_key": data_key,
+        "total_seconds": time.perf_counter() - t_start, **info,
+    }
+    if rank == 0:
+        write_outputs(out_dir, rows, evals, summary)
+        print_summary(summary)
+        log(f"wrote {out_dir / 'metrics.csv'}, {out_dir / 'loss_curve.png'}, "
+            f"{out_dir / 'summary.json'}")
+    dist.barrier()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

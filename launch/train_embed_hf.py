@@ -63,7 +63,7 @@ import torch.distributed as dist  # noqa: E402
 from jobs.reporting import (  # noqa: E402
     Curve, plot_loss_curve, print_summary_table, rank0_logger, write_metrics_csv,
     write_summary_json)
-from jobs.runs import RUN_OUTPUTS, agreed, prepare_output_dir  # noqa: E402
+from jobs.runs import agreed, open_fresh_run, start_trainer_process  # noqa: E402
 from jobs.text_data import EOS  # noqa: E402
 # Pieces that live only in the megaloss-loop embedding job: the cached pair extraction and
 # tokenizer (same cache keys, so both jobs share data and split), the encoder and the metrics.
@@ -266,50 +266,20 @@ def print_summary(summary: Dict) -> None:
     print_summary_table("code-search embedding (SentenceTransformerTrainer)", rows, extra)
 
 
-def open_run_folder(out_dir: Path, overwrite: bool) -> None:
-    """One run per folder (``jobs.runs.prepare_output_dir``; call on one rank, inside
-    ``jobs.runs.agreed``): a folder holding a run's outputs is refused unless ``overwrite``, which
-    removes them. This job has no ``--resume``, so the refusal says so itself."""
-    existing = [n for n in RUN_OUTPUTS if (out_dir / n).exists()]
-    if existing and not overwrite:
-        raise SystemExit(f"{out_dir} already holds a run ({', '.join(existing)}); pass "
-                         "--overwrite to replace it, or another --output_dir")
-    prepare_output_dir(out_dir, overwrite=overwrite, resuming=False)
-
-
 # main ------------------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
+    from megaloss.integrations.deepspeed import load_megaloss_config
 
-    from megaloss.integrations.deepspeed import configure_launched_process, load_megaloss_config
-    from megaloss.testing import free_port
-
-    configure_launched_process()  # quiet DeepSpeed, threads per process on CPU, no JIT build
-    if not torch.cuda.is_available():
-        # accelerate (under the Trainer) sets torch's threads to physical cores / local processes
-        # when OMP_NUM_THREADS is unset, which can oversubscribe the cores; keep the above.
-        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
-        # plain `python launch/train_embed_hf.py`: one process (DeepSpeed would look for MPI)
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
-    # DeepSpeed's comm before any model: under ZeRO-3 the Trainer's models load via zero.Init
-    deepspeed.init_distributed()
-    get_accelerator().set_device(args.local_rank)
-    rank, world = dist.get_rank(), dist.get_world_size()
     out_dir = Path(args.output_dir)
+    rank, world = start_trainer_process(args.local_rank, args.report_to, out_dir)
     log = rank0_logger("embed_hf", rank, t_start)
 
     with open(args.deepspeed_config, encoding="utf-8") as f:
         ds_config = json.load(f)
     ml = load_megaloss_config(ds_config)  # validates the "megaloss" section
-    agreed(lambda: open_run_folder(out_dir, args.overwrite), what=f"--output_dir {out_dir}")
-    if args.report_to != "none":
-        os.environ.setdefault("WANDB_DIR", str(out_dir.resolve()))  # <output_dir>/wandb
-        os.environ.setdefault("WANDB_PROJECT", "megaloss")
+    agreed(lambda: open_fresh_run(out_dir, args.overwrite), what=f"--output_dir {out_dir}")
 
     train, held, data_key = load_pairs_cached(args)
     tokenizer = tokenizer_cached([t for p in train for t in (p.query, p.document)],

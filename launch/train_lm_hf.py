@@ -56,7 +56,7 @@ import torch.distributed as dist  # noqa: E402
 from jobs.reporting import (  # noqa: E402
     Curve, plot_loss_curve, print_summary_table, rank0_logger, write_metrics_csv,
     write_summary_json)
-from jobs.runs import RUN_OUTPUTS, agreed, prepare_output_dir  # noqa: E402
+from jobs.runs import agreed, open_fresh_run, start_trainer_process  # noqa: E402
 # Pieces that live only in the megaloss-loop LM job: the cached stdlib split, tokenizer and token
 # streams (same cache keys, so both jobs share them), the model and the eval sharding.
 from train_lm import MODEL_SIZES, build_model, eval_batches, load_data, make_blocks  # noqa: E402
@@ -234,41 +234,15 @@ def print_summary(summary: Dict[str, Any]) -> None:
     print_summary_table("megaloss LM job (transformers.Trainer)", rows, info)
 
 
-def open_run_folder(out_dir: Path, overwrite: bool) -> None:
-    """One run per folder (``jobs.runs.prepare_output_dir``; call on one rank, inside
-    ``jobs.runs.agreed``): a folder holding a run's outputs is refused unless ``overwrite``, which
-    removes them. This job has no ``--resume``, so the refusal says so itself."""
-    existing = [n for n in RUN_OUTPUTS if (out_dir / n).exists()]
-    if existing and not overwrite:
-        raise SystemExit(f"{out_dir} already holds a run ({', '.join(existing)}); pass "
-                         "--overwrite to replace it, or another --output_dir")
-    prepare_output_dir(out_dir, overwrite=overwrite, resuming=False)
-
-
 # main ------------------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
     from megaloss import CausalLMWithLoss
-    from megaloss.integrations.deepspeed import configure_launched_process, load_megaloss_config
-    from megaloss.testing import free_port
+    from megaloss.integrations.deepspeed import load_megaloss_config
 
-    configure_launched_process()  # quiet DeepSpeed, threads per process on CPU, no JIT build
-    if not torch.cuda.is_available():
-        # accelerate (under the Trainer) sets torch's threads to physical cores / local processes
-        # when OMP_NUM_THREADS is unset, which can oversubscribe the cores; keep the above.
-        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
-        # plain `python launch/train_lm_hf.py`: one process (DeepSpeed would look for MPI)
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
-    deepspeed.init_distributed()
-    get_accelerator().set_device(args.local_rank)
-    rank, world = dist.get_rank(), dist.get_world_size()
     out_dir = Path(args.output_dir)
+    rank, world = start_trainer_process(args.local_rank, args.report_to, out_dir)
     log = rank0_logger("lm_hf", rank, t_start)
 
     with open(args.deepspeed_config, encoding="utf-8") as f:
@@ -278,10 +252,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         raise SystemExit(f"{args.deepspeed_config}: the Trainer job is data parallel only "
                          "(megaloss.tensor_parallel_size and sequence_parallel_size must be 1; "
                          "launch/train_lm.py runs TP / SP)")
-    agreed(lambda: open_run_folder(out_dir, args.overwrite), what=f"--output_dir {out_dir}")
-    if args.report_to != "none":
-        os.environ.setdefault("WANDB_DIR", str(out_dir.resolve()))  # <output_dir>/wandb
-        os.environ.setdefault("WANDB_PROJECT", "megaloss")
+    agreed(lambda: open_fresh_run(out_dir, args.overwrite), what=f"--output_dir {out_dir}")
 
     tok, train_stream, eval_stream, info, data_key = load_data(args, rank)
     vocab = tok.get_vocab_size()

@@ -18,6 +18,7 @@ Single-process use (``torch.distributed`` not initialised) works too: nothing to
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import sys
@@ -302,3 +303,48 @@ def progress_bar(args: argparse.Namespace, start: int) -> Any:
     from tqdm import tqdm
     return tqdm(total=args.steps, initial=min(start, args.steps), desc="train", unit="step",
                 dynamic_ncols=True)
+
+
+def open_fresh_run(out_dir: Path, overwrite: bool) -> None:
+    """One run per folder for a job without ``--resume`` (the Hugging Face trainer jobs; call on
+    one rank, inside :func:`agreed`): a folder holding a run's outputs is refused unless
+    ``overwrite``, which removes them (:func:`prepare_output_dir`)."""
+    existing = [n for n in RUN_OUTPUTS if (out_dir / n).exists()]
+    if existing and not overwrite:
+        raise SystemExit(f"{out_dir} already holds a run ({', '.join(existing)}); pass "
+                         "--overwrite to replace it, or another --output_dir")
+    prepare_output_dir(out_dir, overwrite=overwrite, resuming=False)
+
+
+def start_trainer_process(local_rank: int, report_to: str, out_dir: Path) -> tuple:
+    """Process start-up of a job that hands its loop to a Hugging Face trainer under the
+    ``deepspeed`` launcher (or plain ``python``: then one process).
+
+    Quiet DeepSpeed and threads per process (``configure_launched_process``), keep that thread
+    count from accelerate (which resets torch's threads when ``OMP_NUM_THREADS`` is unset), start
+    DeepSpeed's comm before any model is built (under ZeRO-3 the trainers load models through
+    ``zero.Init``), and point W&B at ``<out_dir>/wandb`` when ``report_to`` is not ``"none"``.
+
+    Returns:
+        ``(rank, world_size)``.
+    """
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from megaloss.integrations.deepspeed import configure_launched_process
+    from megaloss.testing import free_port
+
+    configure_launched_process()
+    if not torch.cuda.is_available():
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        # plain `python launch/<job>.py`: one process (DeepSpeed would look for MPI)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+    deepspeed.init_distributed()
+    get_accelerator().set_device(local_rank)
+    if report_to != "none":
+        os.environ.setdefault("WANDB_DIR", str(out_dir.resolve()))  # <output_dir>/wandb
+        os.environ.setdefault("WANDB_PROJECT", "megaloss")
+    return dist.get_rank(), dist.get_world_size()

@@ -25,6 +25,8 @@ How memory is measured (the README states the same):
 from __future__ import annotations
 
 import csv
+import ctypes
+import gc
 import json
 import math
 import os
@@ -34,13 +36,23 @@ import subprocess
 import sys
 from typing import Any, Dict, Iterable, Optional, Sequence
 
-__all__ = ["MALLOC_ENV", "MemoryProbe", "median", "run_worker", "format_table",
+__all__ = ["MALLOC_ENV", "MemoryProbe", "trim_memory", "median", "run_worker", "format_table",
            "write_csv", "mib", "worker_env"]
 
 # Fixed glibc malloc behaviour in every worker process (see the module docstring).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
 
 _MIB = 1024.0 * 1024.0
+
+
+def trim_memory() -> None:
+    """Collect garbage and hand freed heap memory back to the OS (glibc ``malloc_trim``), so the
+    next baseline RSS holds only live data."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def mib(n_bytes: float) -> float:

@@ -66,8 +66,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import gc
 import math
 import os
 import statistics
@@ -81,7 +79,8 @@ _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _TOOLS)
 if os.path.dirname(_TOOLS) not in sys.path:  # megaloss from this checkout when not installed
     sys.path.insert(1, os.path.dirname(_TOOLS))
-from _bench_common import MALLOC_ENV, MemoryProbe, format_table, mib, write_csv  # noqa: E402
+from _bench_common import (MALLOC_ENV, MemoryProbe, format_table, mib,  # noqa: E402
+                           trim_memory, write_csv)
 
 IMPLS = ("plain", "cached")
 LOSS_RTOL = 1e-5
@@ -91,13 +90,6 @@ COLUMNS = ["B_per_rank", "N", "impl", "peak_MiB", "time_ms", "cpu_ms", "loss", "
 HEADERS = {"B_per_rank": "B/rank", "peak_MiB": "peak MiB/rank", "time_ms": "time ms",
            "cpu_ms": "cpu ms", "mem_ratio": "mem x", "time_ratio": "time x", "cpu_ratio": "cpu x"}
 
-
-def _trim() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _build_model(args):
@@ -176,7 +168,7 @@ def _worker(rank: int, world: int, args) -> Dict[str, Any]:
             times, cpu, loss, peak, method = [], [], math.nan, 0, ""
             for rep in range(args.reps):
                 _zero_grads(model)
-                _trim()
+                trim_memory()
                 dist.barrier()
                 if rep == 0:
                     probe = MemoryProbe("cpu")

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
-import gc
 import itertools
 import os
 import sys
@@ -36,17 +34,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import MemoryProbe  # noqa: E402  (one peak-memory method for every bench)
+from _bench_common import MemoryProbe, trim_memory  # noqa: E402  (one peak-memory method)
 
 _MMAP_THRESHOLD = "65536"
 
-
-def _trim() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def naive_mnr_loss(q, p, neg, *, local_loss, chunk_size, temperature=0.05):
@@ -110,13 +101,13 @@ def _worker(rank, world, args):
         for (impl, fn), local_loss in itertools.product(impls.items(), args.local):
             elapsed, peak_kib, honest = 0.0, 0, True
             for rep in range(args.reps):
-                _trim()
+                trim_memory()
                 dist.barrier()
                 if rep == 0:  # the first timed step also measures the peak
                     q.grad = p.grad = None  # the step allocates its input gradients anew
                     if neg is not None:
                         neg.grad = None
-                    _trim()
+                    trim_memory()
                     probe = MemoryProbe()
                     probe.start()
                 t0 = time.perf_counter()

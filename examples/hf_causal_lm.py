@@ -3,12 +3,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from megaloss import CausalLMWithLoss, Topology
+from megaloss.configs import config_path  # the shipped ds_configs (package data)
 from megaloss.integrations.deepspeed import (configure_launched_process, initialize,
                                              load_ds_config, train_step)
 
 configure_launched_process()  # quiet DeepSpeed; on CPU: threads per process, no JIT build
 deepspeed.init_distributed()
-ds_config, ml = load_ds_config("configs/zero2.json", output_dir="runs/mine")  # checks "megaloss"
+ds_config, ml = load_ds_config(config_path("zero2"), output_dir="runs/mine")  # checks "megaloss"
 topo = Topology.build(ml.tensor_parallel_size)  # DP x TP process groups
 torch.manual_seed(0)  # TP ranks must start from the same weights
 V, T = 512, 64

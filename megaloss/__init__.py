@@ -57,7 +57,7 @@ __all__ = [
     # integration (loaded on first use)
     *_LAZY,
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: integration names load on first use

@@ -1,7 +1,8 @@
-"""``tools/check_layout.py``: "does my layout train like one device?".
+"""``megaloss-check-layout`` (``megaloss.tools.check_layout``): "does my layout train like one
+device?".
 
-Slow tier (each runs the tool as a user does: the layout through the ``deepspeed`` launcher on
-CPU, the one-device reference in the tool's process, a few steps of the tiny model):
+Slow tier (each runs the tool as a user does, from a directory outside the checkout: the
+layout through the ``deepspeed`` launcher on CPU, the one-device reference in the tool's process, a few steps of the tiny model):
 
 - PASS on DP 2 x TP 2 (4 processes) under ZeRO-2 and ZeRO-3, the LM job;
 - PASS for the embedding job (gathered MNR) on DP 2;
@@ -18,16 +19,14 @@ import time
 
 import pytest
 
-from launch_helpers import REPO
-
-sys.path.insert(0, str(REPO / "tools"))  # spawned ranks import it by name too
-import check_layout  # noqa: E402
+from megaloss.configs import config_path
+from megaloss.tools import check_layout
 
 
 def _config(tmp_path, stage: int, tp: int = 2) -> str:
     """A shipped config, shrunk (micro-batch 2, GAS 2) and without the lr warm-up from 0, so the
     first step already moves the parameters."""
-    cfg = json.loads((REPO / "configs" / f"zero{stage}.json").read_text())
+    cfg = json.loads(config_path(f"zero{stage}").read_text())
     cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
     cfg.pop("scheduler")
     cfg["megaloss"]["tensor_parallel_size"] = tp
@@ -36,10 +35,11 @@ def _config(tmp_path, stage: int, tp: int = 2) -> str:
     return str(path)
 
 
-def _run_tool(*args, timeout=230):
+def _run_tool(tmp_path, *args, timeout=230):
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "check_layout.py"), *args,
-                           "--steps", "2"], cwd=REPO, capture_output=True, text=True,
+    # from the test's own directory, as a user runs it on their config (paths relative to it)
+    proc = subprocess.run([sys.executable, "-m", "megaloss.tools.check_layout", *args,
+                           "--steps", "2"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=timeout)
     print(proc.stdout)
     print(f"({time.perf_counter() - t0:.0f} s)")
@@ -52,7 +52,7 @@ def _run_tool(*args, timeout=230):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_dp2_tp2_trains_like_one_device(tmp_path, stage):
-    proc = _run_tool("--deepspeed_config", _config(tmp_path, stage), "--num_procs", "4")
+    proc = _run_tool(tmp_path, "--deepspeed_config", _config(tmp_path, stage), "--num_procs", "4")
     out = proc.stdout
     assert proc.returncode == 0 and f"PASS: DP 2 x TP 2 ZeRO-{stage}" in out, out
     # the groups and the measured engine scale are reported
@@ -67,7 +67,7 @@ def test_dp2_tp2_trains_like_one_device(tmp_path, stage):
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_wrong_calibration_fails_and_names_the_cause(tmp_path):
-    proc = _run_tool("--deepspeed_config", _config(tmp_path, 2), "--num_procs", "4",
+    proc = _run_tool(tmp_path, "--deepspeed_config", _config(tmp_path, 2), "--num_procs", "4",
                      "--_inject_wrong_scale")
     out = proc.stdout
     assert proc.returncode == 1 and "FAIL: grad_norm at step 1" in out, out
@@ -81,7 +81,7 @@ def test_wrong_calibration_fails_and_names_the_cause(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_embedding_job_trains_like_one_device(tmp_path):
-    proc = _run_tool("--deepspeed_config", _config(tmp_path, 2), "--num_procs", "2",
+    proc = _run_tool(tmp_path, "--deepspeed_config", _config(tmp_path, 2), "--num_procs", "2",
                      "--job", "embed")
     out = proc.stdout
     assert proc.returncode == 0 and "PASS: DP 2 x TP 1 ZeRO-2" in out, out
@@ -143,7 +143,7 @@ def test_diagnosis_loss_and_update_and_groups():
 
 
 def test_reference_config_is_one_plain_process():
-    layout = check_layout.layout_config(json.loads((REPO / "configs" / "zero3.json").read_text()),
+    layout = check_layout.layout_config(json.loads(config_path("zero3").read_text()),
                                         "lm")
     assert all(not layout[k]["enabled"] for k in ("csv_monitor", "wandb", "tensorboard"))
     ref = check_layout.reference_config(layout, dp=4)
@@ -155,3 +155,23 @@ def test_reference_config_is_one_plain_process():
     assert check_layout.layout_config(layout, "embed")["megaloss"]["tensor_parallel_size"] == 1
     assert check_layout.training_dtype({"bf16": {"enabled": True}}) == "bf16"
     assert check_layout.training_dtype(layout) == "fp32"
+
+
+def test_config_defaults_to_the_shipped_one_and_errors_name_the_file(tmp_path):
+    assert check_layout.read_user_config(None) == json.loads(config_path("zero2").read_text())
+    missing = tmp_path / "nope.json"
+    with pytest.raises(SystemExit, match=f"--deepspeed_config {missing}: No such file"):
+        check_layout.read_user_config(str(missing))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_micro_batch_size_per_gpu": 2,}')
+    with pytest.raises(SystemExit, match=f"--deepspeed_config {bad}: not valid JSON"):
+        check_layout.read_user_config(str(bad))
+
+
+def test_help_runs_from_any_directory(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megaloss.tools.check_layout", "--help"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Does my layout train like one device?" in proc.stdout
+    assert "--deepspeed_config" in proc.stdout and "exit status: 0 PASS, 1 FAIL" in proc.stdout
+    assert proc.stdout.startswith("usage: megaloss-check-layout")

@@ -1,4 +1,4 @@
-"""``tools/comm_model.py``: the communication model of megaloss's losses against counts measured on
+"""``megaloss.tools.comm_model`` (``megaloss-comm-model``): the communication model of megaloss's losses against counts measured on
 real gloo processes, and the scaling tables of the README.
 
 Slow tier (per world size 1-4, spawned gloo processes): every layout ``TP x DP x SP = world``
@@ -15,15 +15,14 @@ ring volumes, GradCache's gradient, the committed measurements, the README table
 import json
 import math
 import re
-import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from launch_helpers import REPO
+import megaloss.tools.comm_model as cm
 
-sys.path.insert(0, str(REPO / "tools"))  # spawned ranks import it by name too
-import comm_model as cm  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.distributed

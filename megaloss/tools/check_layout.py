@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """Does my layout train like one device? Run your ds_config both ways and compare.
 
-    python tools/check_layout.py --deepspeed_config configs/zero2.json --num_procs 2
-    python tools/check_layout.py --deepspeed_config my_ds.json --num_procs 4 --steps 5
-    python tools/check_layout.py --deepspeed_config my_ds.json --num_procs 4 --job embed
-    python tools/check_layout.py --deepspeed_config my_ds.json --model path/to/config.json \
+    megaloss-check-layout                                   # the shipped zero2.json, 2 processes
+    megaloss-check-layout --deepspeed_config my_ds.json --num_procs 4 --steps 5
+    megaloss-check-layout --deepspeed_config my_ds.json --num_procs 4 --job embed
+    megaloss-check-layout --deepspeed_config my_ds.json --model path/to/config.json \
         --config_override '{"num_hidden_layers": 2}'
 
 What it does:
 
-1. **Your layout**: ``deepspeed --num_gpus N tools/check_layout.py ...`` (the ``deepspeed``
+(``python -m megaloss.tools.check_layout`` is the same.) It runs from any directory: paths are
+read relative to the current one, and nothing of a megaloss checkout is needed.
+
+1. **Your layout**: ``deepspeed --num_gpus N --module megaloss.tools.check_layout ...`` (the ``deepspeed``
    launcher, as a training job runs) builds the model on every rank from one seed, makes the
    process groups from the config's ``megaloss.tensor_parallel_size`` (``DP = N / TP``), and
    trains K optimizer steps through the path megaloss users train with:
@@ -54,10 +57,6 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run from anywhere, as a script or by the launcher
-    sys.path.insert(0, str(REPO))
 
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*", category=FutureWarning)
 
@@ -136,9 +135,23 @@ def reference_config(layout: Dict[str, Any], dp: int) -> Dict[str, Any]:
     return cfg
 
 
+def read_user_config(path: Optional[str]) -> Dict[str, Any]:
+    """The ds_config to check: ``path`` (relative to the current directory), or the shipped
+    ``zero2.json`` when ``None``. Exits with a message naming the file when it cannot be read."""
+    if path is None:
+        from megaloss.configs import config_path
+        path = str(config_path("zero2"))
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as err:
+        raise SystemExit(f"--deepspeed_config {path}: {err.strerror or err}") from None
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"--deepspeed_config {path}: not valid JSON ({err})") from None
+
+
 def make_spec(args: argparse.Namespace, out_dir: Path) -> Dict[str, Any]:
-    with open(args.deepspeed_config, encoding="utf-8") as f:
-        user = json.load(f)
+    user = read_user_config(args.deepspeed_config)
     layout = layout_config(user, args.job, args.num_procs)
     tp = int(layout["megaloss"].get("tensor_parallel_size", 1))
     if args.num_procs < 1 or args.num_procs % tp:
@@ -551,11 +564,29 @@ def report(spec: Dict[str, Any], lay: Dict[str, Any], ref: Dict[str, Any],
 # ------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------
+HELP_DESCRIPTION = """\
+It trains a few steps of a small model twice: with your ds_config's layout on --num_procs
+processes through the deepspeed launcher (DP = num_procs / megaloss.tensor_parallel_size),
+and on one process with no parallelism on the same global batches. Then it compares the
+loss, the gradient norm and the parameter update step by step, and prints PASS, or FAIL with
+the likely cause (a gradient scaled by the DP size, the wrong reduce group, ...)."""
+
+HELP_EPILOG = """\
+examples:
+  megaloss-check-layout                                    # the shipped zero2.json, 2 processes
+  megaloss-check-layout --deepspeed_config my_ds.json --num_procs 4
+  megaloss-check-layout --deepspeed_config my_ds.json --job embed --num_procs 2
+
+exit status: 0 PASS, 1 FAIL, 2 the layout did not run (its log is printed)."""
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--deepspeed_config", default=str(REPO / "configs" / "zero2.json"),
-                   help="your ds_config JSON (default configs/zero2.json)")
+    p = argparse.ArgumentParser(
+        prog="megaloss-check-layout", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0] + "\n\n" + HELP_DESCRIPTION, epilog=HELP_EPILOG)
+    p.add_argument("--deepspeed_config", default=None,
+                   help="your ds_config JSON (default: megaloss's shipped zero2.json, "
+                        "DP x TP 2 under ZeRO-2)")
     p.add_argument("--num_procs", type=int, default=2,
                    help="processes of the layout (GPUs; CPU processes without GPUs); DP = "
                         "num_procs / megaloss.tensor_parallel_size (default 2)")
@@ -587,14 +618,13 @@ def _launch_layout(spec_path: Path, spec: Dict[str, Any], log_path: Path, verbos
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                         "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cpus = os.cpu_count() or 1
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // (spec["num_procs"] + 1))))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus",
-           str(spec["num_procs"]), "--master_port", str(free_port()), str(Path(__file__).resolve()),
+           str(spec["num_procs"]), "--master_port", str(free_port()), "--module", "megaloss.tools.check_layout",
            "--_worker", str(spec_path)]
     out = None if verbose else open(log_path, "w")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True), cmd
 
 

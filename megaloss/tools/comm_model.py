@@ -2,10 +2,12 @@
 """What megaloss's losses send as the world grows: a model of their collectives, checked against
 counts measured on real gloo processes, and the scaling table and plot of the README.
 
-    python tools/comm_model.py                      # the scaling tables (model)
-    python tools/comm_model.py --measure            # measure at world 1-4, compare to the model
-    python tools/comm_model.py --measure --json docs/comm_measured.json --plot docs/comm_scaling.png
-    python tools/comm_model.py --markdown           # the README section's tables
+    megaloss-comm-model                      # the scaling tables (model)
+    megaloss-comm-model --measure            # measure at world 1-4, compare to the model
+    megaloss-comm-model --measure --json docs/comm_measured.json --plot docs/comm_scaling.png
+    megaloss-comm-model --markdown           # the README section's tables
+
+(``python -m megaloss.tools.comm_model`` is the same.)
 
 **The model** (:func:`vocab_parallel_ce`, :func:`calibration_step`, :func:`mnr_call`,
 :func:`mnr_step`, :func:`lm_step`) gives, per rank, every collective a loss issues: its kind
@@ -763,7 +765,8 @@ def markdown(s: Scenario = Scenario()) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="megaloss-comm-model",
+                                description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--measure", action="store_true",
                    help="count the collectives on 1-4 gloo processes and compare to the model")
@@ -778,7 +781,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     records = None
     status = 0
     if args.measure:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         records = measure(args.worlds)
         problems = check(records)
         n = len(records)

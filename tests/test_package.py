@@ -1,0 +1,77 @@
+"""What a user installs: the package metadata states ranges (never exact pins of torch or
+DeepSpeed, which would replace the user's own build), one version source, the shipped configs
+and py.typed as package data, the console scripts. The wheel itself is built and installed into
+a fresh venv by ``tools/wheel_check.sh`` (CI)."""
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import megaloss
+from megaloss.configs import config_names, config_path
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+PROJECT = PYPROJECT["project"]
+
+
+def _requirements():
+    reqs = list(PROJECT["dependencies"])
+    for extra in PROJECT["optional-dependencies"].values():
+        reqs += extra
+    return reqs
+
+
+def test_metadata_states_ranges_not_pins():
+    for req in _requirements():
+        spec = req.split(";")[0]  # the environment marker may compare with ==
+        assert "==" not in spec, f"exact pin in the package metadata: {req}"
+    torch_req = next(r for r in PROJECT["dependencies"] if r.startswith("torch"))
+    assert torch_req.startswith("torch>="), torch_req
+
+
+def test_lower_bounds_are_what_the_lowest_check_installs():
+    """Every lower bound of a range whose package tools/constraints-lowest.txt pins is that pin:
+    the wheel check proves the bound it states."""
+    lowest = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$",
+                             (REPO / "tools" / "constraints-lowest.txt").read_text(), re.M))
+    assert {"torch", "deepspeed", "transformers", "pydantic", "numpy"} <= set(lowest)
+    bounds = {}
+    for req in _requirements():
+        m = re.match(r"^([A-Za-z0-9_.-]+)>=([0-9.]+)", req)
+        if m:
+            bounds[m.group(1)] = m.group(2)
+    for name, version in lowest.items():
+        assert bounds[name] == version or version.startswith(bounds[name] + "."), \
+            (name, bounds[name], version)
+
+
+def test_constraints_pin_torch_for_the_install_script():
+    pins = (REPO / "tools" / "constraints.txt").read_text()
+    assert re.search(r"^torch==2\.13\.0$", pins, re.M)
+    install = (REPO / "tools" / "install.sh").read_text()
+    assert "-c \"$C\"" in install and "C=tools/constraints.txt" in install
+
+
+def test_one_version_source():
+    assert PROJECT["dynamic"] == ["version"] and "version" not in PROJECT
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "megaloss.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", megaloss.__version__)
+    assert f"## {megaloss.__version__}" in (REPO / "CHANGELOG.md").read_text()
+
+
+def test_package_data_and_console_scripts():
+    assert (Path(megaloss.__file__).parent / "py.typed").is_file()
+    assert {"zero0", "zero1", "zero2", "zero3", "zero2_hf"} <= set(config_names())
+    assert config_path("zero2.json") == config_path("zero2")
+    assert config_path("zero2").parent == Path(megaloss.__file__).parent / "configs"
+    with pytest.raises(ValueError, match="no shipped ds_config named 'zero9'"):
+        config_path("zero9")
+    scripts = PROJECT["scripts"]
+    assert scripts == {"megaloss-check-layout": "megaloss.tools.check_layout:main",
+                       "megaloss-comm-model": "megaloss.tools.comm_model:main"}
+    data = PYPROJECT["tool"]["setuptools"]["package-data"]
+    assert "py.typed" in data["megaloss"] and "*.json" in data["megaloss.configs"]
+    assert (REPO / "LICENSE").read_text().lstrip().startswith("Apache License")
+    assert PROJECT["license"] == "Apache-2.0"

@@ -111,6 +111,16 @@ def _shift_labels(mb: Mapping[str, Any], ignore_index: int) -> torch.Tensor:
     return causal_shift(mb["labels"], ignore_index)
 
 
+def _sample_boundaries(mbs: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Where packed samples start, per micro-batch, for the calibration: ``cu_seqlens`` when
+    given, else ``position_ids`` (a sample starts where the position restarts at 0, Hugging
+    Face's flattening convention, which its attention honours too); rows otherwise."""
+    cu = [mb.get("cu_seqlens") for mb in mbs]
+    pos = [mb.get("position_ids") if c is None else None for mb, c in zip(mbs, cu)]
+    return {"cu_seqlens": cu if any(c is not None for c in cu) else None,
+            "position_ids": pos if any(p is not None for p in pos) else None}
+
+
 def _model_inputs(mb: Mapping[str, Any], topology: Topology) -> Dict[str, Any]:
     """``input_ids`` and the decoder's keyword inputs of this rank. With sequence parallelism
     (``sp > 1``) this SP rank's contiguous slice of the tokens, cut (and right-padded) exactly as
@@ -138,7 +148,10 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
         micro_batches: exactly ``gradient_accumulation_steps`` dicts with ``input_ids [B, T]``
             and either Hugging Face ``labels [B, T]`` (unshifted; shifted here) or
             ``shift_labels [B, T]`` (already shifted); optional ``attention_mask``,
-            ``position_ids``, ``cu_seqlens``. TP ranks of one DP rank must pass the same batches.
+            ``position_ids``, ``cu_seqlens``. Packed samples: ``cu_seqlens``, or else
+            ``position_ids`` restarting at 0 where a sample starts, mark them for the
+            ``sample`` / ``square`` calibration. TP ranks of one DP rank must pass the same
+            batches.
         log: write the metrics through ``engine.monitor`` (tags ``Train/megaloss/<name>``
             and ``Train/megaloss/optimizer_step``, at the global sample count DeepSpeed's own
             ``Train/Samples/*`` events use).
@@ -157,10 +170,9 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
     t0 = time.perf_counter()
     device = engine.device
     mbs = [_to_device(mb, device) for mb in micro_batches]
-    cu = [mb.get("cu_seqlens") for mb in mbs]
     ignore = me.calibrator.ignore_index
     step = me.calibrator.begin_step([_shift_labels(mb, ignore) for mb in mbs],
-                                    cu_seqlens=cu if any(c is not None for c in cu) else None)
+                                    **_sample_boundaries(mbs))
     z_local = torch.zeros((), dtype=torch.float64, device=device)
     own_norm = None
     for i, mb in enumerate(mbs):

@@ -94,3 +94,23 @@ def test_known_and_unrelated_keys_pass_silently(recwarn):
         load_megaloss_config(p)
     load_megaloss_config({"my_experiment_notes": "kept for the user", "train_batch_size": 8})
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def test_deepspeeds_own_sequence_parallel_key_is_honoured_or_refused():
+    """DeepSpeed-Ulysses' top-level ``sequence_parallel_size`` used to be ignored (the LM job ran
+    SP 1 with it): it sets megaloss's when the section has none, and two values must agree."""
+    assert load_megaloss_config({"sequence_parallel_size": 2}).sequence_parallel_size == 2
+    both = {"sequence_parallel_size": 2, "megaloss": {"sequence_parallel_size": 2}}
+    assert load_megaloss_config(both).sequence_parallel_size == 2
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=2 \(DeepSpeed's key\) differs "
+                                         r"from megaloss.sequence_parallel_size=4"):
+        load_megaloss_config({"sequence_parallel_size": 2,
+                              "megaloss": {"sequence_parallel_size": 4}})
+    with pytest.raises(ValueError, match="sequence_parallel_size must be an int >= 1"):
+        load_megaloss_config({"sequence_parallel_size": "2"})
+
+
+def test_deepspeeds_autotp_is_refused_naming_megaloss_key():
+    with pytest.raises(ValueError, match=r"autotp_size=2.*megaloss.tensor_parallel_size=2"):
+        load_megaloss_config({"tensor_parallel": {"autotp_size": 2}})
+    assert load_megaloss_config({"tensor_parallel": {"autotp_size": 1}}).tensor_parallel_size == 1

@@ -212,6 +212,41 @@ def load_megaloss_config(ds_config: Union[str, os.PathLike, Mapping[str, Any], N
         raise TypeError(f"ds_config[{SECTION!r}] must be a JSON object, got "
                         f"{type(section).__name__}")
     try:
-        return MegalossConfig.model_validate(dict(section))
+        ml = MegalossConfig.model_validate(dict(section))
     except ValidationError as err:
         raise ValueError(_format_errors(err)) from None
+    return _with_deepspeed_keys(ds_config, section, ml)
+
+
+def _with_deepspeed_keys(ds_config: Mapping[str, Any], section: Mapping[str, Any],
+                         ml: MegalossConfig) -> MegalossConfig:
+    """Honour or refuse the DeepSpeed keys that mean what a ``"megaloss"`` key means.
+
+    - ``"sequence_parallel_size"`` (top level) is DeepSpeed-Ulysses' own key: it sets
+      ``megaloss.sequence_parallel_size`` when the section does not; two different values are an
+      error (DeepSpeed's batch arithmetic would divide by one, megaloss's groups by the other).
+    - ``"tensor_parallel": {"autotp_size": N > 1}`` makes DeepSpeed shard the model's linear
+      layers itself (AutoTP), which megaloss's vocab-parallel lm_head does not compose with:
+      refused, naming ``megaloss.tensor_parallel_size``.
+    """
+    if "sequence_parallel_size" in ds_config:
+        sp = ds_config["sequence_parallel_size"]
+        if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+            raise ValueError(f"ds_config sequence_parallel_size must be an int >= 1, got {sp!r}")
+        if "sequence_parallel_size" not in section:
+            ml.sequence_parallel_size = sp
+        elif sp != ml.sequence_parallel_size:
+            raise ValueError(
+                f"ds_config sequence_parallel_size={sp} (DeepSpeed's key) differs from "
+                f"{SECTION}.sequence_parallel_size={ml.sequence_parallel_size}: give one of them, "
+                "or the same value in both")
+    tp_section = ds_config.get("tensor_parallel")
+    if isinstance(tp_section, Mapping):
+        autotp = tp_section.get("autotp_size", tp_section.get("tp_size", 1))
+        if isinstance(autotp, int) and not isinstance(autotp, bool) and autotp > 1:
+            raise ValueError(
+                f"ds_config tensor_parallel.autotp_size={autotp}: DeepSpeed's AutoTP shards the "
+                f"model itself, which megaloss's vocab-parallel lm_head does not compose with; "
+                f"set {SECTION}.tensor_parallel_size={autotp} instead (and remove "
+                "tensor_parallel)")
+    return ml

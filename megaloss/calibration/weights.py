@@ -40,12 +40,24 @@ import torch
 from ..parallel.comm import all_reduce_sum_
 from ..parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
 
-__all__ = ["LOSS_REDUCTIONS", "LossWeights", "compute_loss_weights", "sample_ids_from_boundaries",
+__all__ = ["LOSS_REDUCTIONS", "LossWeights", "compute_loss_weights", "loss_weight_dtype",
+           "sample_ids_from_boundaries",
            "split_for_sequence_parallel", "raw_token_weights"]
 
 LOSS_REDUCTIONS = ("token", "sample", "square")
 
 SpSplitFn = Callable[[torch.Tensor, int, int, float], torch.Tensor]
+
+
+def loss_weight_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype loss weights of ``module``'s loss are built in: float64 when any floating
+    parameter is float64 (the chunk kernel then accumulates in float64, and a float32 ``1 / D``
+    would round the global normaliser to 7 digits), float32 otherwise (bf16 / fp16 / fp32 models:
+    the kernel accumulates in float32)."""
+    for p in module.parameters():
+        if p.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
 
 
 def split_for_sequence_parallel(x: torch.Tensor, sp_rank: int, sp_size: int,

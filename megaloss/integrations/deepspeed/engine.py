@@ -28,7 +28,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ...calibration import EngineScale, LossCalibrator
+from ...calibration import EngineScale, LossCalibrator, loss_weight_dtype
 from ...parallel.topology import Topology
 from .compat import skip_cpu_shm_comm_build
 from .config import MegalossConfig, load_megaloss_config
@@ -208,5 +208,6 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
         model=module, model_parameters=params if optimizer is None else None,
         optimizer=optimizer, lr_scheduler=lr_scheduler, config=cfg, mpu=mpu)
     calibrator = LossCalibrator(topology, loss_reduction=ml.ce.loss_reduction,
-                                engine_scale=scale, ignore_index=ignore_index)
+                                engine_scale=scale, ignore_index=ignore_index,
+                                weight_dtype=loss_weight_dtype(module))
     return MegalossEngine(engine, opt, sched, calibrator, ml, cfg, topology, mpu)

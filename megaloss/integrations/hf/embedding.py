@@ -238,7 +238,8 @@ def cached_mnr_forward(model: nn.Module, batch: Dict[str, torch.Tensor], *,
 
 def step_loss_weights(local_sizes: Sequence[int], group: GroupLike, *,
                       loss_multiplier: Optional[float] = None,
-                      device: Optional[torch.device] = None) -> torch.Tensor:
+                      device: Optional[torch.device] = None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Per-micro-batch ``loss_weight`` that makes a GAS step the query-weighted global mean.
 
     The engine leaves ``c * sum_{r, m} grad(loss_rm)`` (``c = 1 / loss_multiplier``; DeepSpeed
@@ -255,9 +256,11 @@ def step_loss_weights(local_sizes: Sequence[int], group: GroupLike, *,
             (:func:`megaloss.calibration.engine_scale.probe_deepspeed`); ``None`` assumes
             DeepSpeed's ``engine.backward``, ``G * D``.
         device: where the result lives (CPU by default).
+        dtype: of the result (computed in float64): the loss's compute dtype
+            (:func:`megaloss.calibration.loss_weight_dtype` of the model).
 
     Returns:
-        ``[G]`` float32 tensor ``w_m`` (all ones for DeepSpeed when every micro-batch has the
+        ``[G]`` tensor ``w_m`` of ``dtype`` (all ones for DeepSpeed when every micro-batch has the
         same global size; zeros when ``N = 0``). One all-reduce over ``group``, entered by every
         rank.
 
@@ -271,6 +274,6 @@ def step_loss_weights(local_sizes: Sequence[int], group: GroupLike, *,
         loss_multiplier = float(len(local_sizes) * world)
     if not loss_multiplier > 0:
         raise ValueError(f"loss_multiplier must be > 0, got {loss_multiplier}")
-    sizes = torch.tensor([float(n) for n in local_sizes], dtype=torch.float32, device=device)
+    sizes = torch.tensor([float(n) for n in local_sizes], dtype=torch.float64, device=device)
     all_reduce_sum_(sizes, group)
-    return sizes * (loss_multiplier / world / sizes.sum().clamp_min(1.0))
+    return (sizes * (loss_multiplier / world / sizes.sum().clamp_min(1.0))).to(dtype)

@@ -49,7 +49,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ...calibration.weights import LOSS_REDUCTIONS, compute_loss_weights, raw_token_weights
+from ...calibration.weights import (LOSS_REDUCTIONS, compute_loss_weights, loss_weight_dtype,
+                                    raw_token_weights)
 from ...ops.labels import causal_shift
 from ...parallel.groups import SINGLE_RANK
 from ..deepspeed.config import MegalossConfig, load_megaloss_config
@@ -166,7 +167,7 @@ class MegalossTrainer(Trainer):
         labels_for_weights = shifted or [torch.full((1,), ignore, dtype=torch.long, device=device)]
         lw = compute_loss_weights(labels_for_weights, self.loss_reduction, group=self._dp_group(),
                                   ignore_index=ignore, position_ids=positions
-                                  if shifted else None)
+                                  if shifted else None, dtype=loss_weight_dtype(self.model))
         for i, b in enumerate(batches):
             b.pop("labels", None)
             b["shift_labels"] = shifted[i]
@@ -195,7 +196,7 @@ class MegalossTrainer(Trainer):
             positions = inputs.get("position_ids")
             raw = raw_token_weights(shift_labels, self.loss_reduction,
                                     ignore_index=self.megaloss_config.ce.options().ignore_index,
-                                    position_ids=positions, dtype=torch.float32)
+                                    position_ids=positions, dtype=loss_weight_dtype(model))
             out = model(shift_labels=shift_labels, loss_weights=raw, **kwargs)
             den = raw.detach().double().sum().cpu()
             self._eval_parts += torch.stack([out.loss.detach().double().cpu(),

@@ -32,7 +32,7 @@ from ...ops.labels import causal_shift
 from ...ops.options import CrossEntropyOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_size
 
-__all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "causal_shift"]
+__all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "HF_MODEL_API", "causal_shift"]
 
 
 class LinearCrossEntropyHead(nn.Module):
@@ -75,6 +75,17 @@ class _VocabParallelHead(VocabParallelLMHead):
         return self.forward_with_stats(hidden_states, labels, loss_weights=loss_weights)
 
 
+# What CausalLMWithLoss forwards to the wrapped model (transformers' PreTrainedModel API).
+HF_MODEL_API = frozenset({
+    "config", "generation_config", "main_input_name", "name_or_path", "device", "dtype",
+    "can_generate", "num_parameters", "get_input_embeddings", "set_input_embeddings",
+    "enable_input_require_grads", "disable_input_require_grads", "tie_weights",
+    "gradient_checkpointing_enable", "gradient_checkpointing_disable", "is_gradient_checkpointing",
+    "supports_gradient_checkpointing", "activation_checkpointing_enable",
+    "activation_checkpointing_disable", "is_activation_checkpointing",
+})
+
+
 class CausalLMWithLoss(nn.Module):
     """Wrap a ``transformers`` ``*ForCausalLM``: forward = decoder + fused CE, no logits.
 
@@ -94,6 +105,11 @@ class CausalLMWithLoss(nn.Module):
             (:class:`megaloss.VocabParallelLMHead`, rows of the original weight copied, parameters
             tagged ``tensor_model_parallel``); the decoder stays replicated and gets the full
             hidden-state gradient on every TP rank.
+
+    The Hugging Face model API the Trainer and PEFT call (:data:`HF_MODEL_API`: ``config``,
+    ``generation_config``, gradient / activation checkpointing, ``get_input_embeddings``,
+    ``enable_input_require_grads``, ...) and :meth:`save_pretrained` reach the wrapped model,
+    so ``TrainingArguments(gradient_checkpointing=True)`` checkpoints its decoder layers.
 
     Raises:
         TypeError: ``model`` has no base model or no ``nn.Linear`` output embedding.
@@ -134,6 +150,31 @@ class CausalLMWithLoss(nn.Module):
         model.set_output_embeddings(head)
         self.model = model
         self.vocab_size = vocab_size
+
+    def __getattr__(self, name: str):
+        # The Hugging Face model API the Trainer, PEFT and user code call on "the model"
+        # (checkpointing, config, embeddings, saving) reaches the wrapped *ForCausalLM.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in HF_MODEL_API:
+                return getattr(super().__getattr__("model"), name)
+            raise
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """The wrapped model's ``save_pretrained`` (the head keeps the ``lm_head`` parameter
+        names, so the folder loads back as the original ``*ForCausalLM``).
+
+        Raises:
+            ValueError: under tensor parallelism, where this rank holds only a vocab shard of
+                the lm_head (gather it with :meth:`VocabParallelLMHead.load_full_weight`'s
+                inverse first, or save through DeepSpeed's checkpoint).
+        """
+        if self.tp_size > 1:
+            raise ValueError(f"save_pretrained would save this rank's vocab shard of the lm_head "
+                             f"(tp={self.tp_size}); save a DeepSpeed checkpoint, or gather the "
+                             "head's rows on one rank first")
+        return self.model.save_pretrained(save_directory, *args, **kwargs)
 
     @property
     def decoder(self) -> nn.Module:

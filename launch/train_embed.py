@@ -395,9 +395,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
     encoder = build_encoder(args.model_size, tokenizer.get_vocab_size(),
                             max(args.max_query_len, args.max_doc_len), pad_id, args.dropout)
-    model = EmbeddingModelWithMNR(encoder, temperature=ml.mnr.temperature,
-                                  symmetric=ml.mnr.symmetric, gather=ml.mnr.gather_across_ranks,
-                                  group=group)
+    model = EmbeddingModelWithMNR(encoder, options=ml.mnr.options(), group=group)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = lr_scheduler = None
     if "optimizer" not in ds_config:

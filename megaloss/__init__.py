@@ -6,26 +6,37 @@ The package is a stack; each layer imports only the layers above it in this list
 - :mod:`megaloss.ops`: single-device math (chunk kernels, autograd Functions, options);
 - :mod:`megaloss.parallel`: process groups (:class:`Topology`; ``group=None`` is torch's default
   group everywhere) and collectives;
-- :mod:`megaloss.losses`: chunked linear CE, vocab-parallel CE, gathered MNR (functional + module);
+- :mod:`megaloss.losses`: the linear CE (one entry point, :func:`linear_cross_entropy`, on one
+  device or vocab-parallel), gathered MNR, GradCache (functional + module);
 - :mod:`megaloss.calibration`: global loss calibration and the engine-factor probes;
 - :mod:`megaloss.integrations`: DeepSpeed (:mod:`~megaloss.integrations.deepspeed`) and Hugging
   Face (:mod:`~megaloss.integrations.hf`) adapters.
 
+Beside the stack: :mod:`megaloss.testing` (``run_distributed``: spawned gloo processes for tests).
+
 ``import megaloss`` imports torch and nothing optional: the integration names below
 (``MegalossConfig``, ``CausalLMWithLoss``, ``DeepSpeedMPU``, ``probe_deepspeed``, ...) are loaded
 on first use.
+
+Renamed (the old names keep working for one release and emit a ``DeprecationWarning``):
+``vocab_parallel_linear_cross_entropy[_with_stats]`` -> ``linear_cross_entropy[_with_stats]
+(..., vocab_parallel_options=VocabParallelOptions(...))``; ``mnr_loss_with_metrics`` ->
+``mnr_loss_with_stats``; ``gather=`` -> ``gather_across_ranks=``; ``grad_cache`` ->
+``grad_cache_step``.
 """
 from importlib import import_module
 from typing import Any
 
 from .calibration import (EngineScale, EngineScaleError, LossCalibrator, StepCalibration,
                           compute_loss_weights, probe_ddp, probe_no_engine)
-from .losses import (CrossEntropyOutput, LinearCrossEntropyLoss, MNROutput,
-                     MultipleNegativesRankingLoss, VocabParallelLMHead, grad_cache,
-                     linear_cross_entropy, linear_cross_entropy_with_stats, mnr_loss,
-                     mnr_loss_with_metrics, split_rows,
-                     vocab_parallel_linear_cross_entropy,
+from .losses import (CrossEntropyOutput, GradCacheStep, LinearCrossEntropyLoss, MNROptions,
+                     MNROutput, MultipleNegativesRankingLoss, VocabParallelLMHead,
+                     VocabParallelOptions, grad_cache_step, linear_cross_entropy,
+                     linear_cross_entropy_with_stats, mnr_loss, mnr_loss_with_stats, split_rows)
+# deprecated aliases (one release; they warn when called), kept out of __all__
+from .losses import (mnr_loss_with_metrics, vocab_parallel_linear_cross_entropy,  # noqa: F401
                      vocab_parallel_linear_cross_entropy_with_stats)
+from .losses.grad_cache import grad_cache  # noqa: F401
 from .ops import CrossEntropyOptions
 from .ops.labels import causal_shift
 from .parallel import SINGLE_RANK, Topology, init_dp_tp_mesh, mark_tensor_parallel
@@ -45,12 +56,12 @@ __all__ = [
     # process groups
     "Topology", "SINGLE_RANK", "init_dp_tp_mesh", "mark_tensor_parallel",
     # cross-entropy
-    "CrossEntropyOptions", "linear_cross_entropy", "linear_cross_entropy_with_stats",
-    "LinearCrossEntropyLoss", "CrossEntropyOutput", "vocab_parallel_linear_cross_entropy",
-    "vocab_parallel_linear_cross_entropy_with_stats", "VocabParallelLMHead", "causal_shift",
+    "CrossEntropyOptions", "VocabParallelOptions", "linear_cross_entropy",
+    "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss", "CrossEntropyOutput",
+    "VocabParallelLMHead", "causal_shift",
     # contrastive
-    "mnr_loss", "mnr_loss_with_metrics", "MNROutput", "MultipleNegativesRankingLoss",
-    "grad_cache", "split_rows",
+    "MNROptions", "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MultipleNegativesRankingLoss",
+    "grad_cache_step", "GradCacheStep", "split_rows",
     # calibration
     "LossCalibrator", "StepCalibration", "compute_loss_weights", "EngineScale",
     "EngineScaleError", "probe_no_engine", "probe_ddp",

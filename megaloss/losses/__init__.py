@@ -1,23 +1,34 @@
 """The losses, each a functional form and a module, built from :mod:`megaloss.ops` (math) and
 :mod:`megaloss.parallel` (groups and collectives).
 
-- :mod:`.cross_entropy`: chunked fused linear cross-entropy on one device.
-- :mod:`.vocab_parallel`: the same with the lm_head split over the vocabulary across TP ranks.
-- :mod:`.mnr`: gathered Multiple Negatives Ranking / InfoNCE with exact cross-rank gradients.
-- :mod:`.grad_cache`: GradCache, a contrastive loss over a batch embedded a mini-batch at a time.
+- :mod:`.cross_entropy`: the linear cross-entropy entry points, :func:`linear_cross_entropy` and
+  :func:`linear_cross_entropy_with_stats` (one device, or vocab-parallel with
+  ``vocab_parallel_options``), and :class:`LinearCrossEntropyLoss`.
+- :mod:`.vocab_parallel`: the vocab-parallel path (lm_head split over the vocabulary across TP
+  ranks): :class:`VocabParallelOptions`, :class:`VocabParallelLMHead`, :func:`vocab_shard_range`.
+- :mod:`.ce_output`: :class:`CrossEntropyOutput`, what the ``*_with_stats`` forms return.
+- :mod:`.mnr`: gathered Multiple Negatives Ranking / InfoNCE with exact cross-rank gradients
+  (:func:`mnr_loss`, :func:`mnr_loss_with_stats`, :class:`MultipleNegativesRankingLoss`).
+- :mod:`.grad_cache`: GradCache, a contrastive loss over a batch embedded a mini-batch at a time
+  (:func:`grad_cache_step`, :func:`split_rows`).
+
+Deprecated names (one release, with a DeprecationWarning): ``vocab_parallel_linear_cross_entropy``
+and its ``_with_stats`` form, ``mnr_loss_with_metrics``.
 """
-from .cross_entropy import (CrossEntropyOutput, LinearCrossEntropyLoss, linear_cross_entropy,
-                            linear_cross_entropy_with_stats)
-from .grad_cache import GradCacheStep, grad_cache, split_rows
-from .mnr import (SIMILARITIES, MNROutput, MultipleNegativesRankingLoss, mnr_loss,
-                  mnr_loss_with_metrics)
-from .vocab_parallel import (VocabParallelLMHead, vocab_parallel_linear_cross_entropy,
+from . import grad_cache  # noqa: F401  (the module, no longer shadowed by a function)
+from .ce_output import CrossEntropyOutput
+from .cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy, \
+    linear_cross_entropy_with_stats
+from .grad_cache import GradCacheStep, grad_cache_step, split_rows
+from .mnr import (SIMILARITIES, MNROptions, MNROutput, MultipleNegativesRankingLoss, mnr_loss,
+                  mnr_loss_with_metrics, mnr_loss_with_stats)
+from .vocab_parallel import (VocabParallelLMHead, VocabParallelOptions,
+                             vocab_parallel_linear_cross_entropy,
                              vocab_parallel_linear_cross_entropy_with_stats, vocab_shard_range)
 
 __all__ = [
     "linear_cross_entropy", "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss",
-    "CrossEntropyOutput", "vocab_parallel_linear_cross_entropy",
-    "vocab_parallel_linear_cross_entropy_with_stats", "VocabParallelLMHead", "vocab_shard_range",
-    "mnr_loss", "mnr_loss_with_metrics", "MNROutput", "MultipleNegativesRankingLoss",
-    "SIMILARITIES", "grad_cache", "GradCacheStep", "split_rows",
+    "CrossEntropyOutput", "VocabParallelOptions", "VocabParallelLMHead", "vocab_shard_range",
+    "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MNROptions", "MultipleNegativesRankingLoss",
+    "SIMILARITIES", "grad_cache_step", "GradCacheStep", "split_rows",
 ]

@@ -17,7 +17,7 @@ Three passes, and activation memory is that of ONE mini-batch, whatever the batc
    mini-batch's share of ``dL/dtheta``.
 
 The replays are separate backward passes, which a data-parallel engine must be told about:
-:func:`grad_cache` hands every replay but the last to ``backward`` (the engine's "inside an
+:func:`grad_cache_step` hands every replay but the last to ``backward`` (the engine's "inside an
 accumulation window" backward, e.g. :func:`megaloss.integrations.deepspeed.grad_cache.
 inner_replay_backward``) and returns the last one as ``surrogate``, to be
 back-propagated exactly as the non-cached loss would be (``engine.backward(surrogate)``, or
@@ -38,10 +38,11 @@ from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._deprecation import deprecated_alias
 from ..parallel.comm import all_reduce_max_, backend_device
 from ..parallel.groups import GroupLike
 
-__all__ = ["grad_cache", "GradCacheStep", "RandomState", "split_rows"]
+__all__ = ["grad_cache_step", "GradCacheStep", "RandomState", "split_rows"]
 
 Encode = Callable[[Any], Sequence[Tensor]]
 
@@ -119,7 +120,7 @@ def _slice(tree: Any, start: int, stop: int) -> Any:
 
 
 class GradCacheStep(NamedTuple):
-    """What :func:`grad_cache` returns.
+    """What :func:`grad_cache_step` returns.
 
     Attributes:
         loss: 0-dim, detached: ``loss_fn``'s value on the whole batch.
@@ -133,11 +134,12 @@ class GradCacheStep(NamedTuple):
     num_replays: int
 
 
-def grad_cache(encode: Encode, mini_batches: Sequence[Any],
-               loss_fn: Callable[[List[Tensor]], Tensor], *,
-               backward: Optional[Callable[[Tensor], None]] = None,
-               empty_embeddings: Optional[Callable[[], Sequence[Tensor]]] = None,
-               loss_parameters: Sequence[Tensor] = (), group: GroupLike = None) -> GradCacheStep:
+def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
+                    loss_fn: Callable[[List[Tensor]], Tensor], *,
+                    backward: Optional[Callable[[Tensor], None]] = None,
+                    empty_embeddings: Optional[Callable[[], Sequence[Tensor]]] = None,
+                    loss_parameters: Sequence[Tensor] = (),
+                    group: GroupLike = None) -> GradCacheStep:
     """One GradCache step (module docstring): exact gradients of ``loss_fn`` over all the
     mini-batches with the activation memory of one.
 
@@ -232,3 +234,8 @@ def grad_cache(encode: Encode, mini_batches: Sequence[Any],
     value = loss.detach()
     return GradCacheStep(loss=value, surrogate=surrogate - surrogate.detach() + value,
                          num_replays=num_replays)
+
+
+# The function's old name, which shadowed this module in ``megaloss.losses`` (one release).
+grad_cache = deprecated_alias(grad_cache_step, "megaloss.losses.grad_cache.grad_cache",
+                              "megaloss.grad_cache_step")

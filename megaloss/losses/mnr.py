@@ -58,16 +58,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._deprecation import deprecated_alias, renamed_keywords, warn_renamed
 from ..ops.infonce_rows import infonce_rows
+from ..ops.options import SIMILARITIES, MNROptions, mnr_option_error, resolve_options
 from ..parallel.comm import all_gather_dim0, all_reduce_sum_
 from ..parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size, is_trivial, \
     resolve_group
 from ..parallel.mappings import all_reduce_sum_autograd, gather_from_region
 
-__all__ = ["mnr_loss", "mnr_loss_with_metrics", "MNROutput", "MultipleNegativesRankingLoss",
-           "SIMILARITIES"]
-
-SIMILARITIES = ("cosine", "dot")
+__all__ = ["mnr_loss", "mnr_loss_with_stats", "MNROutput", "MNROptions",
+           "MultipleNegativesRankingLoss", "SIMILARITIES"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # metadata exchanged by every rank before anything else (one all-gather, one host sync)
@@ -76,7 +76,7 @@ _NAMES = ("query", "positive", "negatives")
 
 
 class MNROutput(NamedTuple):
-    """Result of :func:`mnr_loss_with_metrics` (0-dim tensors, identical on every rank).
+    """Result of :func:`mnr_loss_with_stats` (0-dim tensors, identical on every rank).
 
     Attributes:
         loss: the global loss (what :func:`mnr_loss` returns; carries the gradient).
@@ -98,11 +98,13 @@ class MNROutput(NamedTuple):
 Temperature = Union[float, torch.Tensor]
 
 
+@renamed_keywords(gather="gather_across_ranks")
 def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
              negatives: Optional[torch.Tensor] = None, *, temperature: Temperature = 0.05,
-             similarity: str = "cosine", symmetric: bool = False, gather: bool = True,
-             group: GroupLike = None, local_loss: bool = True,
-             duplicate_ids: Optional[torch.Tensor] = None, chunk_size: int = 1024) -> torch.Tensor:
+             similarity: str = "cosine", symmetric: bool = False,
+             gather_across_ranks: bool = True, group: GroupLike = None, local_loss: bool = True,
+             duplicate_ids: Optional[torch.Tensor] = None, chunk_size: int = 1024,
+             options: Optional[MNROptions] = None) -> torch.Tensor:
     """Multiple Negatives Ranking / InfoNCE loss against every document of the global batch.
 
     Args:
@@ -114,10 +116,11 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
             Scores are ``sim / T``; sentence-transformers' ``scale=20`` is ``T=0.05``.
         similarity: ``"cosine"`` (embeddings L2-normalised first) or ``"dot"``.
         symmetric: also average in the document -> query direction (CLIP-style).
-        gather: use every rank's documents as candidates (``False``: this rank's batch only).
+        gather_across_ranks: use every rank's documents as candidates (``False``: this rank's
+            batch only).
         group: the data-parallel group to gather over (the group the engine averages over);
             ``None`` is torch's default group, as everywhere in megaloss. Ignored with
-            ``gather=False``.
+            ``gather_across_ranks=False``.
         local_loss: score only this rank's ``B`` rows and all-reduce the loss share; ``False``
             scores all ``N`` rows on every rank (W times the compute; same value and gradients).
         duplicate_ids: ``[B]`` integer id per pair; positives of other pairs sharing the query's id
@@ -126,6 +129,9 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
             (:mod:`megaloss.ops.infonce_rows`) the loss's working memory is
             ``chunk_size x C`` floats instead of several ``rows x C`` matrices. Any value gives
             the same result up to summation order.
+        options: ``temperature``, ``similarity``, ``symmetric``, ``gather_across_ranks``,
+            ``local_loss`` and ``chunk_size`` as one :class:`~megaloss.ops.options.MNROptions`
+            (e.g. from a ds_config, ``MegalossConfig.mnr.options()``), instead of the keywords.
 
     Returns:
         0-dim tensor, the global mean loss ``L`` (same value on every rank), in
@@ -138,30 +144,50 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
             differing across ranks, ``T <= 0``, NaN or inf in an embedding, unknown ``similarity``,
             ``chunk_size < 1``.
             Raised on *every* rank (after one metadata all-gather) so no rank waits forever.
-        TypeError: non-floating embeddings, non-integer ``duplicate_ids``.
+        TypeError: non-floating embeddings, non-integer ``duplicate_ids``; ``options``
+            together with option keywords not at their default (naming them).
     """
-    return _mnr(query, positive, negatives, temperature, similarity, symmetric, gather, group,
-                local_loss, duplicate_ids, chunk_size, metrics=False).loss
+    return _mnr(query, positive, negatives, _keywords(
+        options, temperature, similarity, symmetric, gather_across_ranks, local_loss,
+        chunk_size), group, duplicate_ids, metrics=False).loss
 
 
-def mnr_loss_with_metrics(query: torch.Tensor, positive: torch.Tensor,
-                          negatives: Optional[torch.Tensor] = None, *,
-                          temperature: Temperature = 0.05, similarity: str = "cosine",
-                          symmetric: bool = False, gather: bool = True,
-                          group: GroupLike = None, local_loss: bool = True,
-                          duplicate_ids: Optional[torch.Tensor] = None,
-                          chunk_size: int = 1024) -> MNROutput:
+@renamed_keywords(gather="gather_across_ranks")
+def mnr_loss_with_stats(query: torch.Tensor, positive: torch.Tensor,
+                        negatives: Optional[torch.Tensor] = None, *,
+                        temperature: Temperature = 0.05, similarity: str = "cosine",
+                        symmetric: bool = False, gather_across_ranks: bool = True,
+                        group: GroupLike = None, local_loss: bool = True,
+                        duplicate_ids: Optional[torch.Tensor] = None, chunk_size: int = 1024,
+                        options: Optional[MNROptions] = None) -> MNROutput:
     """:func:`mnr_loss` plus in-batch top-1 accuracy and mean rank of the positive (see
     :class:`MNROutput`). Same arguments and errors; costs one extra small all-reduce with
     ``local_loss=True``."""
-    return _mnr(query, positive, negatives, temperature, similarity, symmetric, gather, group,
-                local_loss, duplicate_ids, chunk_size, metrics=True)
+    return _mnr(query, positive, negatives, _keywords(
+        options, temperature, similarity, symmetric, gather_across_ranks, local_loss,
+        chunk_size), group, duplicate_ids, metrics=True)
+
+
+mnr_loss_with_metrics = deprecated_alias(mnr_loss_with_stats, "mnr_loss_with_metrics",
+                                         "mnr_loss_with_stats")
+
+
+def _keywords(options, temperature, similarity, symmetric, gather_across_ranks, local_loss,
+              chunk_size) -> dict:
+    """The option values of a call: its keywords, or ``options``'s fields. Not validated here
+    unless ``options`` is given: :func:`_local_problem` checks them so that every rank raises."""
+    given = dict(temperature=temperature, similarity=similarity, symmetric=symmetric,
+                 gather_across_ranks=gather_across_ranks, local_loss=local_loss,
+                 chunk_size=chunk_size)
+    if options is None:
+        return given
+    return resolve_options(MNROptions, options, given).as_dict()
 
 
 # validation and metadata exchange ------------------------------------------------------------
-def _resolve_group(gather: bool, group: GroupLike) -> GroupLike:
+def _resolve_group(gather_across_ranks: bool, group: GroupLike) -> GroupLike:
     """The group to gather over: SINGLE_RANK when not gathering or when the group is trivial."""
-    if not gather:
+    if not gather_across_ranks:
         return SINGLE_RANK
     group = resolve_group(group)
     return SINGLE_RANK if is_trivial(group) else group
@@ -170,17 +196,18 @@ def _resolve_group(gather: bool, group: GroupLike) -> GroupLike:
 def _local_problem(query, positive, negatives, temperature, similarity, duplicate_ids,
                    chunk_size) -> Optional[Exception]:
     """Everything checkable on this rank without a host sync; the error to raise, or None."""
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        return ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    if similarity not in SIMILARITIES:
-        return ValueError(f"similarity must be one of {SIMILARITIES}, got {similarity!r}")
+    problem = (mnr_option_error("chunk_size", chunk_size)
+               or mnr_option_error("similarity", similarity))
+    if problem is not None:
+        return problem
     if isinstance(temperature, torch.Tensor):
         if temperature.numel() != 1:
             return ValueError(f"temperature must be a float or a 1-element tensor, got shape "
                               f"{tuple(temperature.shape)}")
-    elif (not isinstance(temperature, (int, float)) or not temperature > 0
-          or math.isinf(temperature)):
-        return ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    else:
+        problem = mnr_option_error("temperature", temperature)
+        if problem is not None:
+            return problem
     for name, t in zip(_NAMES, (query, positive, negatives)):
         if t is None:
             continue
@@ -275,9 +302,12 @@ def _raise_if_inconsistent(table: List[List[int]], problem: Optional[Exception],
 
 
 # the loss --------------------------------------------------------------------------------------
-def _mnr(query, positive, negatives, temperature, similarity, symmetric, gather, group,
-         local_loss, duplicate_ids, chunk_size, *, metrics: bool) -> MNROutput:
-    group = _resolve_group(gather, group)
+def _mnr(query, positive, negatives, options: dict, group, duplicate_ids, *,
+         metrics: bool) -> MNROutput:
+    temperature, similarity, symmetric = (options["temperature"], options["similarity"],
+                                          options["symmetric"])
+    local_loss, chunk_size = options["local_loss"], options["chunk_size"]
+    group = _resolve_group(options["gather_across_ranks"], group)
     problem = _local_problem(query, positive, negatives, temperature, similarity, duplicate_ids,
                              chunk_size)
     if problem is not None and is_trivial(group):
@@ -374,43 +404,54 @@ class MultipleNegativesRankingLoss(nn.Module):
             2021; open_clip). Its value is clamped to ``max_logit_scale`` in forward (no gradient
             past the clamp), i.e. ``T >= exp(-max_logit_scale)``.
         max_logit_scale: upper clamp of ``logit_scale``; CLIP's ``ln(100)``.
-        similarity, symmetric, gather, group, local_loss, chunk_size: as in :func:`mnr_loss`
-            (keyword-only).
+        similarity, symmetric, gather_across_ranks, group, local_loss, chunk_size: as in
+            :func:`mnr_loss` (keyword-only).
+        options: ``temperature`` (the initial one) and the other :func:`mnr_loss` options as
+            one :class:`~megaloss.ops.options.MNROptions`, instead of the keywords (kept as
+            ``self.options``).
 
     ``forward(query [B, D], positive [B, D], negatives [B, K, D] | None, duplicate_ids [B] | None)``
-    returns the 0-dim global loss; :meth:`forward_with_metrics` returns an :class:`MNROutput`.
+    returns the 0-dim global loss; :meth:`forward_with_stats` returns an :class:`MNROutput`.
     Under ZeRO-3 call ``forward`` (the module's hooks gather ``logit_scale`` only there).
 
     Raises:
-        ValueError: ``temperature <= 0``, unknown ``similarity``, or a learnable temperature whose
-            initial ``logit_scale`` already exceeds ``max_logit_scale``.
+        ValueError: ``temperature <= 0``, unknown ``similarity``, ``chunk_size < 1``, or a
+            learnable temperature whose initial ``logit_scale`` already exceeds
+            ``max_logit_scale``.
+        TypeError: a non-bool flag; ``options`` together with option keywords not at their
+            default.
     """
 
+    @renamed_keywords(gather="gather_across_ranks")
     def __init__(self, temperature: float = 0.05, *, learnable_temperature: bool = False,
                  max_logit_scale: float = math.log(100.0), similarity: str = "cosine",
-                 symmetric: bool = False, gather: bool = True,
+                 symmetric: bool = False, gather_across_ranks: bool = True,
                  group: GroupLike = None, local_loss: bool = True,
-                 chunk_size: int = 1024) -> None:
+                 chunk_size: int = 1024, options: Optional[MNROptions] = None) -> None:
         super().__init__()
-        if not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-        if similarity not in SIMILARITIES:
-            raise ValueError(f"similarity must be one of {SIMILARITIES}, got {similarity!r}")
+        self.options = resolve_options(MNROptions, options, dict(
+            temperature=temperature, similarity=similarity, symmetric=symmetric,
+            gather_across_ranks=gather_across_ranks, local_loss=local_loss,
+            chunk_size=chunk_size))
+        temperature = self.options.temperature
         init_scale = math.log(1.0 / temperature)
         if learnable_temperature and init_scale > max_logit_scale + 1e-12:
             raise ValueError(f"temperature={temperature} gives logit_scale {init_scale:.4f} above "
                              f"max_logit_scale={max_logit_scale:.4f}")
         self.learnable_temperature = learnable_temperature
         self.max_logit_scale = float(max_logit_scale)
-        self.similarity, self.symmetric, self.gather = similarity, symmetric, gather
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-        self.group, self.local_loss, self.chunk_size = group, local_loss, chunk_size
+        self.group = group
         if learnable_temperature:
             self.logit_scale = nn.Parameter(torch.tensor(init_scale, dtype=torch.float32))
         else:
             self.register_parameter("logit_scale", None)
             self._temperature = float(temperature)
+
+    similarity = property(lambda self: self.options.similarity)
+    symmetric = property(lambda self: self.options.symmetric)
+    gather_across_ranks = property(lambda self: self.options.gather_across_ranks)
+    local_loss = property(lambda self: self.options.local_loss)
+    chunk_size = property(lambda self: self.options.chunk_size)
 
     @property
     def temperature(self):
@@ -420,24 +461,27 @@ class MultipleNegativesRankingLoss(nn.Module):
         return torch.exp(-self.logit_scale.clamp(max=self.max_logit_scale))
 
     def _options(self):
-        return dict(temperature=self.temperature, similarity=self.similarity,
-                    symmetric=self.symmetric, gather=self.gather, group=self.group,
-                    local_loss=self.local_loss, chunk_size=self.chunk_size)
+        return dict(self.options.as_dict(), temperature=self.temperature, group=self.group)
 
     def forward(self, query: torch.Tensor, positive: torch.Tensor,
                 negatives: Optional[torch.Tensor] = None,
                 duplicate_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         return mnr_loss(query, positive, negatives, duplicate_ids=duplicate_ids, **self._options())
 
-    def forward_with_metrics(self, query: torch.Tensor, positive: torch.Tensor,
-                             negatives: Optional[torch.Tensor] = None,
-                             duplicate_ids: Optional[torch.Tensor] = None) -> MNROutput:
+    def forward_with_stats(self, query: torch.Tensor, positive: torch.Tensor,
+                           negatives: Optional[torch.Tensor] = None,
+                           duplicate_ids: Optional[torch.Tensor] = None) -> MNROutput:
         """Loss plus top-1 accuracy and mean rank of the positive (:class:`MNROutput`)."""
-        return mnr_loss_with_metrics(query, positive, negatives, duplicate_ids=duplicate_ids,
-                                     **self._options())
+        return mnr_loss_with_stats(query, positive, negatives, duplicate_ids=duplicate_ids,
+                                   **self._options())
+
+    def forward_with_metrics(self, *args, **kwargs) -> MNROutput:
+        """Deprecated alias of :meth:`forward_with_stats`."""
+        warn_renamed("MultipleNegativesRankingLoss.forward_with_metrics", "forward_with_stats")
+        return self.forward_with_stats(*args, **kwargs)
 
     def extra_repr(self) -> str:
         t = (f"logit_scale=learnable(max={self.max_logit_scale:.4f})" if self.learnable_temperature
              else f"temperature={self._temperature}")
         return (f"{t}, similarity={self.similarity!r}, symmetric={self.symmetric}, "
-                f"gather={self.gather}, local_loss={self.local_loss}")
+                f"gather_across_ranks={self.gather_across_ranks}, local_loss={self.local_loss}")

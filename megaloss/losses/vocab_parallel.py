@@ -23,22 +23,59 @@ where each rank computes the loss of its own token shard and the calibration cou
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
+from .._deprecation import warn_renamed
 from ..ops.chunked_linear_ce import chunked_linear_cross_entropy
-from ..ops.options import CrossEntropyOptions
+from ..ops.options import CrossEntropyOptions, resolve_options
 from ..ops.validation import check_ce_tensors, first_bad_label, label_range_error
 from ..parallel.comm import all_gather_dim0, all_reduce_max_, all_reduce_sum_
 from ..parallel.groups import GroupLike, group_rank, group_size, resolve_group
 from ..parallel.mappings import copy_to_region, gather_from_region
 from ..parallel.param_tags import mark_tensor_parallel
-from .cross_entropy import CrossEntropyOutput
+from .ce_output import CrossEntropyOutput
 
-__all__ = ["vocab_parallel_linear_cross_entropy", "vocab_parallel_linear_cross_entropy_with_stats",
-           "VocabParallelLMHead", "vocab_shard_range"]
+__all__ = ["VocabParallelOptions", "VocabParallelLMHead", "vocab_shard_range",
+           "sharded_linear_cross_entropy", "vocab_parallel_linear_cross_entropy",
+           "vocab_parallel_linear_cross_entropy_with_stats"]
+
+
+@dataclass(frozen=True)
+class VocabParallelOptions:
+    """How the lm_head is split over tensor-parallel ranks, for
+    :func:`megaloss.linear_cross_entropy` ``(..., vocab_parallel_options=...)``, after Cut
+    Cross-Entropy's argument of that name (apple/ml-cross-entropy,
+    ``cut_cross_entropy/linear_cross_entropy.py``; its ``VocabParallelOptions`` in
+    ``cut_cross_entropy/vocab_parallel/utils.py``). With it, ``weight`` is this rank's shard.
+
+    Attributes:
+        tp_group: the tensor-parallel process group; ``None`` is torch's default group (every
+            rank is a TP rank; one process without torch.distributed), as everywhere in megaloss.
+        vocab_size: the real ``V``; ``None``: ``tp * Vp`` (no padding), ``Vp`` the shard's rows.
+        sequence_parallel: Megatron-core's sequence parallelism inside the TP group: the
+            tokens are sharded over the TP ranks (all-gather forward, reduce-scatter of their
+            gradient backward); not the Topology's ``sp``. With ``reduction="none"`` the result
+            then covers the gathered tokens ``[tp * N_local]`` (rank 0's tokens first).
+
+    Raises:
+        ValueError: ``vocab_size`` not ``None`` or a positive int.
+        TypeError: ``sequence_parallel`` not a bool.
+    """
+
+    tp_group: GroupLike = None
+    vocab_size: Optional[int] = None
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        v = self.vocab_size
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"vocab_size must be None or a positive int, got {v!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
 
 
 def vocab_shard_range(vocab_size: int, tp_size: int, tp_rank: int) -> tuple:
@@ -50,14 +87,15 @@ def vocab_shard_range(vocab_size: int, tp_size: int, tp_rank: int) -> tuple:
 
 
 def _check_across_ranks(group, n_tokens: int, hidden: int, rows: int, vocab_size: int,
-                        ignore_index: int, bad_label: Optional[int], device) -> None:
+                        ignore_index: int, bad_label: Optional[int], device,
+                        weight_name: str) -> None:
     """One small all-gather so that mismatched shapes or a bad label on any rank raise on every
     rank (instead of one rank raising while the others wait in a collective forever)."""
     flag = _NO_BAD_LABEL if bad_label is None else bad_label
     mine = torch.tensor([n_tokens, hidden, rows, vocab_size, flag], dtype=torch.long,
                         device=device)
     everyone = all_gather_dim0(mine, group).view(-1, mine.numel())
-    names = ("token count", "hidden size", "weight_shard rows", "vocab_size")
+    names = ("token count", "hidden size", f"{weight_name} rows", "vocab_size")
     for i, name in enumerate(names):
         values = everyone[:, i].tolist()
         if len(set(values)) > 1:
@@ -71,6 +109,67 @@ def _check_across_ranks(group, n_tokens: int, hidden: int, rows: int, vocab_size
 _NO_BAD_LABEL = -(2 ** 62)  # "this rank's labels are fine" in the all-gathered check
 
 
+def sharded_linear_cross_entropy(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    loss_weights: Optional[torch.Tensor],
+    options: CrossEntropyOptions,
+    parallel: VocabParallelOptions,
+    *,
+    weight_name: str = "weight",
+) -> CrossEntropyOutput:
+    """The vocab-parallel path of :func:`megaloss.linear_cross_entropy_with_stats` (which
+    validates the options and dispatches here when given ``vocab_parallel_options``); the
+    arguments are that function's, ``weight`` and ``bias`` being this rank's shards
+    (``[Vp, H]`` and ``[Vp]``, ``Vp = ceil(vocab_size / tp)``; padded rows get a zero gradient).
+
+    Raises:
+        ValueError: as :func:`megaloss.linear_cross_entropy`; also when the token count, hidden
+            size, shard rows or ``vocab_size`` differ across TP ranks, or when ``weight`` does
+            not have ``ceil(vocab_size / tp)`` rows. Raised on every TP rank alike.
+    """
+    opts = options
+    ignore_index, reduction = opts.ignore_index, opts.reduction
+    check_ce_tensors(hidden_states, weight, labels, bias, loss_weights, weight_name=weight_name)
+    group = resolve_group(parallel.tp_group)
+    tp, rank = group_size(group), group_rank(group)
+    rows = weight.shape[0]
+    vocab_size = rows * tp if parallel.vocab_size is None else parallel.vocab_size
+    if rows != math.ceil(vocab_size / tp):
+        raise ValueError(f"{weight_name} must have ceil(vocab_size / tp) = "
+                         f"{math.ceil(vocab_size / tp)} rows for vocab_size={vocab_size}, tp={tp}; "
+                         f"got {rows}")
+    flat_labels = labels.reshape(-1).long()
+    hidden_size = hidden_states.shape[-1]
+    _check_across_ranks(group, flat_labels.numel(), hidden_size, rows, vocab_size, ignore_index,
+                        first_bad_label(flat_labels, vocab_size, ignore_index),
+                        hidden_states.device, weight_name)
+
+    hidden = hidden_states.reshape(-1, hidden_size)
+    weights = None if loss_weights is None else loss_weights.reshape(-1)
+    gathered = parallel.sequence_parallel and tp > 1
+    if gathered:
+        hidden = gather_from_region(hidden, group)
+        flat_labels = all_gather_dim0(flat_labels, group)
+        weights = None if weights is None else all_gather_dim0(weights.detach(), group)
+    else:
+        hidden = copy_to_region(hidden, group)
+
+    start, stop, _ = vocab_shard_range(vocab_size, tp, rank)
+    n_real = stop - start
+    loss, z = chunked_linear_cross_entropy(
+        hidden, weight[:n_real], None if bias is None else bias[:n_real], flat_labels,
+        weights, opts, vocab_size=vocab_size, vocab_start=start,
+        reduce_max=lambda t: all_reduce_max_(t, group),
+        reduce_sum=lambda t: all_reduce_sum_(t, group))
+    if reduction == "none" and not gathered:
+        loss, z = loss.view(labels.shape), z.view(labels.shape)
+    return CrossEntropyOutput(loss, z, (flat_labels != ignore_index).sum())
+
+
+# deprecated entry points (one release) ---------------------------------------------------------
 def vocab_parallel_linear_cross_entropy_with_stats(
     hidden_states: torch.Tensor,
     weight_shard: torch.Tensor,
@@ -83,55 +182,15 @@ def vocab_parallel_linear_cross_entropy_with_stats(
     loss_weights: Optional[torch.Tensor] = None,
     options: Optional[CrossEntropyOptions] = None,
 ) -> CrossEntropyOutput:
-    """:func:`vocab_parallel_linear_cross_entropy` with its CE options as one
-    :class:`~megaloss.ops.options.CrossEntropyOptions` (defaults when ``None``), also returning
-    the z-loss part and the valid-token count (:class:`megaloss.CrossEntropyOutput`).
-
-    Raises:
-        ValueError / TypeError: as :func:`vocab_parallel_linear_cross_entropy`.
-    """
-    opts = CrossEntropyOptions() if options is None else options
-    if not isinstance(opts, CrossEntropyOptions):
-        raise TypeError(f"options must be a CrossEntropyOptions, got {type(opts).__name__}")
-    ignore_index, reduction = opts.ignore_index, opts.reduction
-    check_ce_tensors(hidden_states, weight_shard, labels, bias, loss_weights,
-                     weight_name="weight_shard")
-    group = resolve_group(tp_group)
-    tp, rank = group_size(group), group_rank(group)
-    rows = weight_shard.shape[0]
-    if vocab_size is None:
-        vocab_size = rows * tp
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-    if rows != math.ceil(vocab_size / tp):
-        raise ValueError(f"weight_shard must have ceil(vocab_size / tp) = "
-                         f"{math.ceil(vocab_size / tp)} rows for vocab_size={vocab_size}, tp={tp}; "
-                         f"got {rows}")
-    flat_labels = labels.reshape(-1).long()
-    hidden_size = hidden_states.shape[-1]
-    _check_across_ranks(group, flat_labels.numel(), hidden_size, rows, vocab_size, ignore_index,
-                        first_bad_label(flat_labels, vocab_size, ignore_index),
-                        hidden_states.device)
-
-    hidden = hidden_states.reshape(-1, hidden_size)
-    weights = None if loss_weights is None else loss_weights.reshape(-1)
-    if sequence_parallel and tp > 1:
-        hidden = gather_from_region(hidden, group)
-        flat_labels = all_gather_dim0(flat_labels, group)
-        weights = None if weights is None else all_gather_dim0(weights.detach(), group)
-    else:
-        hidden = copy_to_region(hidden, group)
-
-    start, stop, _ = vocab_shard_range(vocab_size, tp, rank)
-    n_real = stop - start
-    loss, z = chunked_linear_cross_entropy(
-        hidden, weight_shard[:n_real], None if bias is None else bias[:n_real], flat_labels,
-        weights, opts, vocab_size=vocab_size, vocab_start=start,
-        reduce_max=lambda t: all_reduce_max_(t, group),
-        reduce_sum=lambda t: all_reduce_sum_(t, group))
-    if reduction == "none" and not (sequence_parallel and tp > 1):
-        loss, z = loss.view(labels.shape), z.view(labels.shape)
-    return CrossEntropyOutput(loss, z, (flat_labels != ignore_index).sum())
+    """Deprecated: :func:`megaloss.linear_cross_entropy_with_stats` with
+    ``vocab_parallel_options=VocabParallelOptions(tp_group, vocab_size, sequence_parallel)``."""
+    warn_renamed("vocab_parallel_linear_cross_entropy_with_stats",
+                 "linear_cross_entropy_with_stats(..., vocab_parallel_options="
+                 "VocabParallelOptions(...))")
+    opts = resolve_options(CrossEntropyOptions, options, {})
+    return sharded_linear_cross_entropy(
+        hidden_states, weight_shard, labels, bias, loss_weights, opts,
+        VocabParallelOptions(tp_group, vocab_size, sequence_parallel), weight_name="weight_shard")
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -153,46 +212,18 @@ def vocab_parallel_linear_cross_entropy(
     accum_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """Exact cross-entropy over the full vocabulary from this rank's lm_head shard, chunked.
-
-    Same value and options as :func:`megaloss.linear_cross_entropy` on the unsharded lm_head;
-    the value is identical on every TP rank.
-
-    Args:
-        hidden_states: ``[..., H]``, replicated over the TP group; with
-            ``sequence_parallel=True``, this rank's shard of the tokens (every rank the same
-            count).
-        weight_shard: ``[Vp, H]``, rows ``[r*Vp, (r+1)*Vp)`` of the lm_head padded to ``tp*Vp``,
-            ``Vp = ceil(vocab_size / tp)``; padded rows are ignored (their gradient is 0).
-        labels: ``[...]`` *global* vocab ids or ``ignore_index`` (same layout as the tokens).
-        tp_group: tensor-parallel process group; ``None`` is torch's default group (every rank
-            is a TP rank; one process without torch.distributed), as everywhere in megaloss.
-        vocab_size: real ``V``; defaults to ``tp * Vp`` (no padding).
-        sequence_parallel: Megatron-core's sequence parallelism inside the TP group (gather
-            tokens forward, reduce-scatter their gradient backward); not the Topology's ``sp``. With ``reduction="none"`` the result then covers the
-            gathered tokens ``[tp * N_local]`` (rank 0's tokens first).
-        bias: optional ``[Vp]`` bias shard.
-        loss_weights: optional per-token weights, shape of ``labels``.
-        ignore_index, reduction, label_smoothing, z_loss, logit_softcapping, chunk_size,
-            accum_dtype, impl: see :class:`~megaloss.ops.options.CrossEntropyOptions` (``impl``
-            picks the chunk epilogue: the Triton kernels on CUDA, the torch one elsewhere).
-
-    Returns:
-        fp32 scalar (fp64 for fp64 inputs), or per-token losses for ``reduction="none"``.
-
-    Raises:
-        ValueError: as :func:`megaloss.linear_cross_entropy`; also when the token count, hidden
-            size, shard rows or ``vocab_size`` differ across TP ranks, or when ``weight_shard``
-            does not have ``ceil(vocab_size / tp)`` rows. Raised on every TP rank alike.
-    """
+    """Deprecated: :func:`megaloss.linear_cross_entropy` with
+    ``vocab_parallel_options=VocabParallelOptions(tp_group, vocab_size, sequence_parallel)``."""
+    warn_renamed("vocab_parallel_linear_cross_entropy",
+                 "linear_cross_entropy(..., vocab_parallel_options=VocabParallelOptions(...))")
     opts = CrossEntropyOptions(ignore_index=ignore_index, reduction=reduction,
                                label_smoothing=label_smoothing, z_loss=z_loss,
                                logit_softcapping=logit_softcapping, chunk_size=chunk_size,
                                accum_dtype=accum_dtype, impl=impl)
-    return vocab_parallel_linear_cross_entropy_with_stats(
-        hidden_states, weight_shard, labels, tp_group=tp_group, vocab_size=vocab_size,
-        sequence_parallel=sequence_parallel, bias=bias, loss_weights=loss_weights,
-        options=opts).loss
+    return sharded_linear_cross_entropy(
+        hidden_states, weight_shard, labels, bias, loss_weights, opts,
+        VocabParallelOptions(tp_group, vocab_size, sequence_parallel),
+        weight_name="weight_shard").loss
 
 
 class VocabParallelLMHead(nn.Module):
@@ -215,7 +246,7 @@ class VocabParallelLMHead(nn.Module):
         tp_group: tensor-parallel group; ``None`` is torch's default group.
         bias: whether the head has a bias.
         sequence_parallel: Megatron-core's sequence parallelism inside the TP group (tokens
-            sharded over TP ranks; see :func:`vocab_parallel_linear_cross_entropy`).
+            sharded over TP ranks; see :class:`VocabParallelOptions`).
         init_std: standard deviation of the initial weight.
         seed: seed of the initial weight (the same on every TP rank).
         dtype / device: of the parameters.
@@ -243,6 +274,7 @@ class VocabParallelLMHead(nn.Module):
         self.tp_size, self.tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.sequence_parallel = sequence_parallel
+        self.parallel = VocabParallelOptions(self.tp_group, vocab_size, sequence_parallel)
         start, stop, rows = vocab_shard_range(vocab_size, self.tp_size, self.tp_rank)
         self.vocab_start, self.vocab_stop = start, stop
         self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype, device=device))
@@ -276,10 +308,10 @@ class VocabParallelLMHead(nn.Module):
     def forward_with_stats(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
                            loss_weights: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
         """Loss, z-loss part and valid-token count (:class:`megaloss.CrossEntropyOutput`)."""
-        return vocab_parallel_linear_cross_entropy_with_stats(
-            hidden_states, self.weight, labels, tp_group=self.tp_group,
-            vocab_size=self.vocab_size, sequence_parallel=self.sequence_parallel, bias=self.bias,
-            loss_weights=loss_weights, options=self.options)
+        # The vocab-parallel path of megaloss.linear_cross_entropy_with_stats (called directly:
+        # this module sits below the dispatching entry point in the import graph).
+        return sharded_linear_cross_entropy(hidden_states, self.weight, labels, self.bias,
+                                            loss_weights, self.options, self.parallel)
 
     def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
                 loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:

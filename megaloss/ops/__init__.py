@@ -1,16 +1,23 @@
 """Single-device math: chunk kernels and the autograd Functions built on them. No process
 groups: cross-rank combination comes in as ``reduce_max`` / ``reduce_sum`` callables.
 
-- :mod:`.options`: :class:`CrossEntropyOptions`, the validated CE options.
-- :mod:`.cross_entropy_chunk`: loss, log-sum-exp and logit gradient of one chunk of tokens, with
-  the torch epilogue and the dispatch to :mod:`.triton_epilogue` (fused kernels for CUDA).
+- :mod:`.options`: :class:`CrossEntropyOptions` and :class:`MNROptions`, the validated options of
+  the losses, and :func:`~.options.resolve_options` (``options=`` or keywords).
+- :mod:`.chunk_stats`: the per-token statistics of a CE chunk and the loss from them (the leaf
+  both epilogues import): :class:`ChunkResult`, :func:`~.chunk_stats.loss_from_stats`.
+- :mod:`.cross_entropy_chunk`: loss, log-sum-exp and logit gradient of one chunk of tokens: the
+  torch epilogue and the choice of epilogue (:func:`~.cross_entropy_chunk.epilogue_impl`).
+- :mod:`.triton_epilogue`: the same epilogue as two fused Triton kernels (CUDA, or CPU under
+  ``TRITON_INTERPRET=1``); imports ``triton``, so it is imported only when selected.
 - :mod:`.chunked_linear_ce`: the chunk loop and its autograd Function (gradients in forward).
 - :mod:`.infonce_rows`: InfoNCE rows against a set of columns, chunked, gradients in forward.
+- :mod:`.labels`: :func:`~.labels.causal_shift`, Hugging Face's unshifted labels to targets.
 - :mod:`.validation`: tensor checks that raise ValueError/TypeError naming the argument.
 """
+from .chunk_stats import ChunkResult
 from .chunked_linear_ce import chunked_linear_cross_entropy
-from .cross_entropy_chunk import ChunkResult, chunk_cross_entropy
-from .options import CE_IMPLS, CE_REDUCTIONS, CrossEntropyOptions
+from .cross_entropy_chunk import chunk_cross_entropy
+from .options import CE_IMPLS, CE_REDUCTIONS, SIMILARITIES, CrossEntropyOptions, MNROptions
 
-__all__ = ["CrossEntropyOptions", "CE_REDUCTIONS", "CE_IMPLS", "ChunkResult", "chunk_cross_entropy",
-           "chunked_linear_cross_entropy"]
+__all__ = ["CrossEntropyOptions", "MNROptions", "CE_REDUCTIONS", "CE_IMPLS", "SIMILARITIES",
+           "ChunkResult", "chunk_cross_entropy", "chunked_linear_cross_entropy"]

@@ -28,44 +28,27 @@ tensors, never logits. Label smoothing divides by the *global* ``V`` (Megatron's
 makes losses differ between TP ranks). Statistics are kept in fp32 (fp64 for fp64 inputs).
 
 Two epilogues (everything after the chunk's GEMM) compute this, chosen by ``opts.impl`` (see
-:func:`epilogue_impl`): eager torch ops on an fp32 copy of the logits (here; any device, the
-reference), or two fused Triton kernels working in place on the logits buffer
-(:mod:`megaloss.ops.triton_epilogue`; CUDA, or CPU under Triton's interpreter).
+:func:`epilogue_impl`): eager torch ops on an fp32 copy of the logits (:func:`torch_epilogue`,
+here; any device, the reference), or two fused Triton kernels working in place on the logits
+buffer (:mod:`megaloss.ops.triton_epilogue`; CUDA, or CPU under Triton's interpreter). Both take
+the same steps: (1) soft-cap the logits, (2) this slice's row statistics, combined across slices,
+(3) the loss from the statistics (:func:`megaloss.ops.chunk_stats.loss_from_stats`, shared),
+(4) the logit gradient. The shared pieces live in the leaf :mod:`megaloss.ops.chunk_stats`;
+this module imports :mod:`~megaloss.ops.triton_epilogue` only when it is selected, and that
+module does not import this one.
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Optional
+from typing import Optional, Tuple
 
 import torch
 
+from .chunk_stats import ChunkResult, Reduce, loss_from_stats, no_reduce, stats_dtype
 from .options import CrossEntropyOptions
 
-__all__ = ["ChunkResult", "chunk_cross_entropy", "epilogue_impl", "stats_dtype", "Reduce",
-           "no_reduce"]
-
-Reduce = Callable[[torch.Tensor], torch.Tensor]
-
-
-def no_reduce(t: torch.Tensor) -> torch.Tensor:
-    """The combiner of a vocabulary held whole on one device: nothing to combine."""
-    return t
-
-
-def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half/bf16/fp32 inputs, fp64 for fp64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-class ChunkResult(NamedTuple):
-    """``loss [C]`` (0 at ignored tokens) and ``lse [C]`` in the stats dtype, ``grad_logits
-    [C, V_local]`` (already multiplied by the per-token ``coef``; ``None`` when not asked for):
-    in the stats dtype from the torch epilogue, in the logits' (compute) dtype from the Triton
-    one, which writes it over the logits."""
-
-    loss: torch.Tensor
-    lse: torch.Tensor
-    grad_logits: Optional[torch.Tensor]
+__all__ = ["ChunkResult", "chunk_cross_entropy", "torch_epilogue", "epilogue_impl",
+           "stats_dtype", "Reduce", "no_reduce"]
 
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -160,51 +143,42 @@ def chunk_cross_entropy(
         ValueError: ``opts.impl="triton"`` where it cannot run (see :func:`epilogue_impl`).
     """
     logits = torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
+    epilogue = torch_epilogue
     if epilogue_impl(opts.impl, logits) == "triton":
-        from .triton_epilogue import triton_chunk_epilogue  # imports triton: only when chosen
-        return triton_chunk_epilogue(logits, labels, coef, opts, vocab_size=vocab_size,
-                                     vocab_start=vocab_start, lse=lse, reduce_max=reduce_max,
-                                     reduce_sum=reduce_sum)
-    sdt = stats_dtype(hidden.dtype)
-    n_local = weight.shape[0]
-    logits = logits.to(sdt)  # no copy for fp32/fp64 inputs
-    cap = opts.logit_softcapping
-    tanh = None
-    if cap is not None:
-        tanh = torch.tanh(logits / cap)
-        logits = tanh * cap
+        from .triton_epilogue import triton_chunk_epilogue as epilogue  # imports triton
+    return epilogue(logits, labels, coef, opts, vocab_size=vocab_size, vocab_start=vocab_start,
+                    lse=lse, reduce_max=reduce_max, reduce_sum=reduce_sum)
 
+
+def torch_epilogue(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    coef: Optional[torch.Tensor],
+    opts: CrossEntropyOptions,
+    *,
+    vocab_size: int,
+    vocab_start: int = 0,
+    lse: Optional[torch.Tensor] = None,
+    reduce_max: Reduce = no_reduce,
+    reduce_sum: Reduce = no_reduce,
+) -> ChunkResult:
+    """The eager epilogue: :func:`chunk_cross_entropy` after its GEMM, on ``logits
+    [C, V_local]`` (the caller's own buffer: worked on in place when already in the stats dtype).
+    Returns a :class:`ChunkResult` in the stats dtype."""
+    sdt = stats_dtype(logits.dtype)
+    n_local = logits.shape[1]
+    logits, tanh = _softcap(logits.to(sdt), opts.logit_softcapping)  # no copy for fp32/fp64
     valid = labels != opts.ignore_index
     local_target = labels - vocab_start
     in_slice = valid & (local_target >= 0) & (local_target < n_local)
     gather_idx = local_target.clamp(0, max(n_local - 1, 0)).unsqueeze(1)
 
     if lse is None:
-        if n_local > 0:
-            row_max = logits.amax(dim=1)
-        else:
-            row_max = logits.new_full((logits.shape[0],), float("-inf"))
-        row_max = reduce_max(row_max)
-        if n_local > 0:
-            target_logit = logits.gather(1, gather_idx).squeeze(1) * in_slice
-        else:
-            target_logit = logits.new_zeros(logits.shape[0])
-        sum_logits = logits.sum(dim=1) if opts.label_smoothing > 0 else None
-        # In place from here: ``logits`` is our own buffer (matmul output or its fp32 copy).
-        exp = logits.sub_(row_max.unsqueeze(1)).exp_()
-        stats = torch.stack([exp.sum(dim=1), target_logit]
-                            + ([sum_logits] if sum_logits is not None else []))
-        stats = reduce_sum(stats)
-        sum_exp, target_logit = stats[0], stats[1]
-        lse = row_max + torch.log(sum_exp)
-        loss = lse - (1.0 - opts.label_smoothing) * target_logit + opts.z_loss * lse * lse
-        if sum_logits is not None:
-            loss = loss - (opts.label_smoothing / vocab_size) * stats[2]
-        loss = torch.where(valid, loss, torch.zeros_like(loss))
-        # exp(y - max) / sum_exp = softmax
-        probs_scale = 1.0 / sum_exp
-        probs = exp
-    else:
+        row_max, stats, probs = _row_statistics(logits, in_slice, gather_idx, opts,
+                                                reduce_max, reduce_sum)
+        loss, lse = loss_from_stats(row_max, stats, labels, opts, vocab_size)
+        probs_scale: Optional[torch.Tensor] = 1.0 / stats[0]  # exp(y - max) / sum_exp = softmax
+    else:  # second pass (deferred gradient): the softmax straight from the saved lse
         lse = lse.to(sdt)
         loss = torch.zeros_like(lse)
         probs = logits.sub_(lse.unsqueeze(1)).exp_()
@@ -212,17 +186,57 @@ def chunk_cross_entropy(
 
     if coef is None:
         return ChunkResult(loss, lse, None)
+    grad = _logit_gradient(probs, probs_scale, lse, coef.to(sdt), in_slice, gather_idx, tanh,
+                           opts, vocab_size)
+    return ChunkResult(loss, lse, grad)
 
-    coef = coef.to(sdt)
+
+def _softcap(logits: torch.Tensor, cap: Optional[float]
+             ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Step 1: ``y = c * tanh(z / c)`` (Gemma 2), and ``tanh`` for the gradient's chain rule."""
+    if cap is None:
+        return logits, None
+    tanh = torch.tanh(logits / cap)
+    return tanh * cap, tanh
+
+
+def _row_statistics(logits: torch.Tensor, in_slice: torch.Tensor, gather_idx: torch.Tensor,
+                    opts: CrossEntropyOptions, reduce_max: Reduce, reduce_sum: Reduce
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 2: ``(row_max [C], stats [2|3, C], exp [C, V_local])``, combined across slices: the
+    global max, then the stacked sums of :mod:`megaloss.ops.chunk_stats` (sum-exp relative to
+    the global max, target logit, sum of logits). ``logits`` is overwritten by ``exp``."""
+    n_rows, n_local = logits.shape
+    if n_local > 0:  # a vocab-parallel rank may hold no real vocab rows
+        row_max = logits.amax(dim=1)
+        target_logit = logits.gather(1, gather_idx).squeeze(1) * in_slice
+    else:
+        row_max = logits.new_full((n_rows,), float("-inf"))
+        target_logit = logits.new_zeros(n_rows)
+    row_max = reduce_max(row_max)
+    sum_logits = logits.sum(dim=1) if opts.label_smoothing > 0 else None
+    exp = logits.sub_(row_max.unsqueeze(1)).exp_()
+    stats = torch.stack([exp.sum(dim=1), target_logit]
+                        + ([sum_logits] if sum_logits is not None else []))
+    return row_max, reduce_sum(stats), exp
+
+
+def _logit_gradient(probs: torch.Tensor, probs_scale: Optional[torch.Tensor], lse: torch.Tensor,
+                    coef: torch.Tensor, in_slice: torch.Tensor, gather_idx: torch.Tensor,
+                    tanh: Optional[torch.Tensor], opts: CrossEntropyOptions,
+                    vocab_size: int) -> torch.Tensor:
+    """Step 4: ``coef * (p (1 + 2 z lse) - (1 - eps)[j = target] - eps / V)``, times
+    ``1 - tanh^2`` under soft-capping; in place over ``probs`` (``p = probs * probs_scale``)."""
+    eps = opts.label_smoothing
     row_scale = coef * (1.0 + 2.0 * opts.z_loss * lse)
     if probs_scale is not None:
         row_scale = row_scale * probs_scale
     grad = probs.mul_(row_scale.unsqueeze(1))
-    if n_local > 0:
+    if grad.shape[1] > 0:
         grad.scatter_add_(1, gather_idx,
-                          (-(1.0 - opts.label_smoothing) * coef * in_slice).unsqueeze(1).to(sdt))
-    if opts.label_smoothing > 0:
-        grad.sub_((coef * (opts.label_smoothing / vocab_size)).unsqueeze(1))
+                          (-(1.0 - eps) * coef * in_slice).unsqueeze(1).to(grad.dtype))
+    if eps > 0:
+        grad.sub_((coef * (eps / vocab_size)).unsqueeze(1))
     if tanh is not None:
         grad.mul_(1.0 - tanh * tanh)
-    return ChunkResult(loss, lse, grad)
+    return grad

@@ -1,17 +1,25 @@
-"""The options of the linear cross-entropy, validated once, carried as one frozen object from the
-ds_config section (:class:`megaloss.integrations.deepspeed.CEConfig`) or the functional API's
-keyword arguments down to the chunk kernel."""
+"""The options of the losses, each validated once and carried as one frozen object from the
+ds_config section (:class:`megaloss.integrations.deepspeed.CEConfig` / ``MNRConfig``, whose fields
+are built from these dataclasses) or the functional API's keyword arguments down to the kernels.
+
+- :class:`CrossEntropyOptions`: the linear cross-entropy (single-device and vocab-parallel).
+- :class:`MNROptions`: the gathered Multiple Negatives Ranking (InfoNCE) loss.
+- :func:`resolve_options`: ``options=`` or the option keywords of an entry point, not both.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any, Dict, Optional
+import math
+from typing import Any, Dict, Optional, Type, TypeVar
 
 import torch
 
-__all__ = ["CrossEntropyOptions", "CE_REDUCTIONS", "CE_IMPLS"]
+__all__ = ["CrossEntropyOptions", "CE_REDUCTIONS", "CE_IMPLS", "MNROptions", "SIMILARITIES",
+           "mnr_option_error", "resolve_options"]
 
 CE_REDUCTIONS = ("mean", "sum", "none")
 CE_IMPLS = ("auto", "torch", "triton")
+SIMILARITIES = ("cosine", "dot")
 
 
 @dataclass(frozen=True)
@@ -66,8 +74,7 @@ class CrossEntropyOptions:
         if self.logit_softcapping is not None:
             _check_float("logit_softcapping", self.logit_softcapping, 0.0, float("inf"),
                          open_low=True, none_ok=True)
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) \
-                or self.chunk_size < 1:
+        if _bad_chunk_size(self.chunk_size):
             raise ValueError(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
         if not isinstance(self.accum_dtype, torch.dtype) or not self.accum_dtype.is_floating_point:
             raise TypeError(f"accum_dtype must be a floating torch.dtype, got {self.accum_dtype!r}")
@@ -95,3 +102,109 @@ def _check_float(name: str, value: Any, low: float, high: float, *, open_low: bo
         rng = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
         extra = "None or " if none_ok else ""
         raise ValueError(f"{name} must be {extra}a float in {rng}, got {value!r}")
+
+
+def _bad_chunk_size(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int) or value < 1
+
+
+@dataclass(frozen=True)
+class MNROptions:
+    """Options of :func:`megaloss.mnr_loss` and :class:`megaloss.MultipleNegativesRankingLoss`.
+
+    Attributes:
+        temperature: ``T > 0`` (finite): scores are ``sim / T``; sentence-transformers'
+            ``scale=20`` is ``T=0.05``. (:func:`~megaloss.mnr_loss` also takes a 0-dim tensor,
+            e.g. a learnable temperature, outside these options.)
+        similarity: ``"cosine"`` (embeddings L2-normalised first) or ``"dot"``.
+        symmetric: also average in the document -> query direction (CLIP-style).
+        gather_across_ranks: use every rank's documents as candidates (``False``: this rank's
+            batch only).
+        local_loss: score only this rank's rows and all-reduce the loss share (open_clip's
+            ``local_loss``); ``False`` scores every row on every rank (same value and gradients).
+        chunk_size: score rows per block (``>= 1``); memory ``chunk_size x C``, the same result
+            for any value up to summation order.
+
+    Raises:
+        ValueError / TypeError: an option out of range or of the wrong type, naming it.
+    """
+
+    temperature: float = 0.05
+    similarity: str = "cosine"
+    symmetric: bool = False
+    gather_across_ranks: bool = True
+    local_loss: bool = True
+    chunk_size: int = 1024
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            error = mnr_option_error(f.name, getattr(self, f.name))
+            if error is not None:
+                raise error
+        object.__setattr__(self, "temperature", float(self.temperature))
+
+    def replace(self, **changes: Any) -> "MNROptions":
+        """A copy with ``changes`` applied (validated)."""
+        return replace(self, **changes)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def mnr_option_error(name: str, value: Any) -> Optional[Exception]:
+    """The error for MNR option ``name`` set to ``value``, or ``None`` when it is valid (one
+    message per bound, shared by :class:`MNROptions` and :func:`megaloss.mnr_loss`'s checks,
+    which raise it on every rank)."""
+    if name == "temperature":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+                or math.isinf(value):
+            return ValueError(f"temperature must be a finite number > 0, got {value!r}")
+    elif name == "similarity":
+        if not isinstance(value, str) or value not in SIMILARITIES:
+            return ValueError(f"similarity must be one of {SIMILARITIES}, got {value!r}")
+    elif name == "chunk_size":
+        if _bad_chunk_size(value):
+            return ValueError(f"chunk_size must be an int >= 1, got {value!r}")
+    elif not isinstance(value, bool):  # symmetric, gather_across_ranks, local_loss
+        return TypeError(f"{name} must be a bool, got {value!r}")
+    return None
+
+
+Options = TypeVar("Options", CrossEntropyOptions, MNROptions)
+
+
+def resolve_options(cls: Type[Options], options: Optional[Options],
+                    keywords: Dict[str, Any]) -> Options:
+    """The options of a call that takes ``options=`` *or* the option fields as keywords.
+
+    Args:
+        cls: :class:`CrossEntropyOptions` or :class:`MNROptions`.
+        options: the ``options=`` argument (``None``: build the options from ``keywords``).
+        keywords: every option keyword of the call, ``{field name: value}``.
+
+    Raises:
+        TypeError: ``options`` is not a ``cls``; or ``options`` given together with keywords
+            that are not at their default, naming them.
+        ValueError: an option out of range (from ``cls``).
+    """
+    if options is None:
+        return cls(**keywords)
+    if not isinstance(options, cls):
+        raise TypeError(f"options must be a {cls.__name__}, got {type(options).__name__}")
+    defaults = {f.name: f.default for f in fields(cls)}
+    clash = [k for k, v in keywords.items() if not _is_default(v, defaults[k])]
+    if clash:
+        raise TypeError(f"pass either options= or the option keywords, not both: got options= "
+                        f"and {', '.join(clash)}")
+    return options
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is default:
+        return True
+    if isinstance(value, torch.Tensor) or isinstance(value, bool) != isinstance(default, bool):
+        return False
+    try:
+        return bool(value == default)
+    except Exception:  # a value without a plain comparison is not the default
+        return False

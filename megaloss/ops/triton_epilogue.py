@@ -1,5 +1,9 @@
 r"""The chunk epilogue of :mod:`megaloss.ops.cross_entropy_chunk` as two fused Triton kernels.
 
+Imports only the leaf :mod:`megaloss.ops.chunk_stats` (statistics, loss from statistics) and
+the options, never :mod:`~megaloss.ops.cross_entropy_chunk`, which imports this module lazily
+when the Triton epilogue is selected.
+
 After a chunk's lm_head GEMM, the eager epilogue makes about ten passes over the ``[C, V_local]``
 logits (cast to fp32, tanh, max, subtract, exp, sum, gather, scale, scatter, smoothing). Here the
 same math (formulas in :mod:`megaloss.ops.cross_entropy_chunk`) takes two passes over the logits
@@ -13,7 +17,8 @@ buffer, in the compute dtype (bf16 / fp16 / fp32; arithmetic in fp32):
 2. Between the passes, on ``[C]`` vectors in torch: the global max ``M = reduce_max(m)``,
    ``s * exp(m - M)``, one ``reduce_sum`` of the stacked ``[sum-exp, target, (sum of logits)]``
    (the vocab-parallel combine; Megatron-core's ``tensor_parallel/cross_entropy.py`` exchanges the
-   same statistics), then ``lse = M + log(sum-exp)`` and the loss.
+   same statistics), then ``lse = M + log(sum-exp)`` and the loss
+   (:func:`megaloss.ops.chunk_stats.loss_from_stats`, shared with the torch epilogue).
 3. ``_grad_kernel`` (read, write in place), one program per (row, block of columns):
    ``coef * ((1 + 2 z lse) exp(y - lse) - (1 - eps)[j = target] - eps / V)``, times
    ``1 - tanh^2`` under soft-capping, stored over the logits it read. The raw logits stay in the
@@ -28,7 +33,7 @@ passes.
 digits), because libdevice's ``tanh`` is not available under Triton's interpreter.
 
 This module imports ``triton``: :mod:`megaloss.ops.cross_entropy_chunk` imports it only when
-the Triton epilogue is selected. Triton's interpreter (``TRITON_INTERPRET=1``, which runs the
+the Triton epilogue is selected (or to ask :func:`interpreted`). Triton's interpreter (``TRITON_INTERPRET=1``, which runs the
 kernels on CPU tensors, slowly) is chosen when triton is imported: triton's own library
 (``tl.sum``, ``tl.zeros``, ...) is jitted then, so the variable must be set before the first
 ``import triton`` of the process (tests run the interpreted cases in a subprocess).
@@ -42,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cross_entropy_chunk import ChunkResult, Reduce
+from .chunk_stats import ChunkResult, Reduce, loss_from_stats
 from .options import CrossEntropyOptions
 
 __all__ = ["triton_chunk_epilogue", "interpreted", "MAX_BLOCK"]
@@ -163,7 +168,7 @@ def triton_chunk_epilogue(
         opts, vocab_size, vocab_start, lse, reduce_max, reduce_sum: as ``chunk_cross_entropy``.
 
     Returns:
-        :class:`~megaloss.ops.cross_entropy_chunk.ChunkResult`: ``loss`` and ``lse`` in fp32,
+        :class:`~megaloss.ops.chunk_stats.ChunkResult`: ``loss`` and ``lse`` in fp32,
         ``grad_logits`` is ``logits`` itself (or ``None``).
     """
     n_rows, n_cols = logits.shape
@@ -175,6 +180,7 @@ def triton_chunk_epilogue(
     dev = logits.device
     with _device_guard(logits):
         if lse is None:
+            # Pass 1 (steps 1-2 on this slice): local max, and the sums relative to it.
             local_max = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
             # Rows of the one SUM all-reduce: sum-exp, target logit, (sum of logits).
             packed = torch.zeros(3 if eps > 0 else 2, n_rows, dtype=torch.float32, device=dev)
@@ -186,23 +192,19 @@ def triton_chunk_epilogue(
                     opts.ignore_index, 1.0 if cap is None else cap,
                     HAS_CAP=cap is not None, HAS_SMOOTH=eps > 0, BLOCK=block,
                     num_warps=8 if block >= 2048 else 4)
+            # Combine across slices: the global max; each slice's sum-exp moved from its own
+            # max to the global one (exp(-inf) = 0 for a slice with no rows); one SUM.
             row_max = reduce_max(local_max.clone())
-            # Each slice's sum-exp from its own max to the global one (exp(-inf) = 0 for a slice
-            # with no rows); then one SUM over the slices.
             packed[0].mul_(torch.exp(local_max - row_max))
             packed = reduce_sum(packed)
-            lse = row_max + torch.log(packed[0])
-            loss = lse - (1.0 - eps) * packed[1] + opts.z_loss * lse * lse
-            if eps > 0:
-                loss = loss - (eps / vocab_size) * packed[2]
-            valid = labels != opts.ignore_index
-            loss = torch.where(valid, loss, torch.zeros_like(loss))
+            # Step 3: the loss from the statistics.
+            loss, lse = loss_from_stats(row_max, packed, labels, opts, vocab_size)
         else:
             lse = lse.to(torch.float32)
             loss = torch.zeros_like(lse)
         if coef is None:
             return ChunkResult(loss, lse, None)
-        if n_rows > 0 and n_cols > 0:
+        if n_rows > 0 and n_cols > 0:  # pass 2 (step 4): the gradient, over the logits
             block = min(_block(n_cols), 2048)
             _grad_kernel[(n_rows, triton.cdiv(n_cols, block))](
                 logits, logits.stride(0), labels, lse.contiguous(),

@@ -207,9 +207,7 @@ def build_model(spec: Dict[str, Any], tp_group, dp_group, ml):
         return CausalLMWithLoss(model, options=ml.ce.options(), tp_group=tp_group)
     encoder = transformers.AutoModel.from_config(cfg, add_pooling_layer=False) if \
         cfg.model_type == "bert" else transformers.AutoModel.from_config(cfg)
-    return EmbeddingModelWithMNR(encoder, temperature=ml.mnr.temperature,
-                                 symmetric=ml.mnr.symmetric, gather=ml.mnr.gather_across_ranks,
-                                 group=dp_group)
+    return EmbeddingModelWithMNR(encoder, options=ml.mnr.options(), group=dp_group)
 
 
 def global_batches(spec: Dict[str, Any], vocab_size: int) -> List[List[Dict[str, Any]]]:

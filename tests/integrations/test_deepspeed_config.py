@@ -34,7 +34,7 @@ def test_missing_section_gives_defaults():
     ({"ce": {"chunk_size": True}}, "megaloss.ce.chunk_size"),
     ({"ce": {"loss_reduction": "mean"}}, "megaloss.ce.loss_reduction"),
     ({"ce": {"reduction": "token"}}, "'reduction' is now 'loss_reduction'"),
-    ({"ce": {"label_smoothing": 1.0}}, "megaloss.ce.label_smoothing"),
+    ({"ce": {"label_smoothing": 1.5}}, "megaloss.ce.label_smoothing"),  # bound [0, 1]
     ({"ce": {"z_loss": -1e-4}}, "megaloss.ce.z_loss"),
     ({"ce": {"logit_softcapping": 0.0}}, "megaloss.ce.logit_softcapping"),
     ({"tensor_parallel_size": 0}, "megaloss.tensor_parallel_size"),

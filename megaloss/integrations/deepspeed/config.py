@@ -6,8 +6,13 @@ file drives both the engine and megaloss::
     {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
      "megaloss": {"tensor_parallel_size": 2,
                   "ce": {"chunk_size": 1024, "z_loss": 1e-4, "label_smoothing": 0.0,
-                         "logit_softcapping": null, "loss_reduction": "token"},
+                         "logit_softcapping": null, "accum_dtype": "float32", "impl": "auto",
+                         "loss_reduction": "token"},
                   "mnr": {"temperature": 0.05, "symmetric": true}}}
+
+The ``ce`` and ``mnr`` sections are built from the options dataclasses
+(:class:`~megaloss.ops.options.CrossEntropyOptions`, :class:`~megaloss.ops.options.MNROptions`):
+every option is settable here, with the dataclass's defaults, bounds and messages.
 
 Every model forbids unknown keys, so a typo (``"chunksize"``) is an error instead of a silently
 ignored option. Errors are re-raised as :class:`ValueError` whose message names the full key path
@@ -22,15 +27,20 @@ ds_config may carry keys of its own).
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
+import typing
 import warnings
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, ClassVar, Dict, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+import torch
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      create_model, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
-from ...ops.options import CrossEntropyOptions
+from ...ops.options import CrossEntropyOptions, MNROptions
 
 __all__ = ["CEConfig", "MNRConfig", "MegalossConfig", "load_megaloss_config", "SECTION",
            "DEEPSPEED_TOP_LEVEL_KEYS", "check_top_level_keys"]
@@ -95,25 +105,62 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
-class CEConfig(_Strict):
-    """Options of the causal-LM cross-entropy (chunked or vocab-parallel linear CE).
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
-    Attributes:
-        chunk_size: tokens per chunk of the fused linear CE (> 0); peak extra memory is
-            ``chunk_size x V`` logits (``x V/tp`` under tensor parallelism).
-        z_loss: coefficient of the PaLM z-loss ``z * logsumexp(logits)^2`` (>= 0; 0 disables it).
-        label_smoothing: in ``[0, 1)``; smoothing over the *full* vocabulary.
-        logit_softcapping: Gemma-2 style ``cap * tanh(logits / cap)`` (> 0) or ``None``.
-        loss_reduction: global loss calibration across DP x SP x gradient accumulation
-            (XTuner v1's ``loss_reduction``, :mod:`megaloss.calibration.weights`): ``"token"``
-            (global token mean), ``"sample"`` (mean of per-sample means) or ``"square"``
-            (weights ``1/sqrt(n_s)``).
-    """
 
-    chunk_size: int = Field(1024, gt=0, strict=True)
-    z_loss: float = Field(0.0, ge=0.0)
-    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
-    logit_softcapping: Optional[float] = Field(None, gt=0.0)
+def _option_value(name: str, value: Any) -> Any:
+    """A ds_config (JSON) value as the dataclass field takes it: dtype names become dtypes."""
+    if name != "accum_dtype":
+        return value
+    dtype = getattr(torch, value, None) if isinstance(value, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"accum_dtype must be the name of a floating torch dtype ('float32', "
+                         f"'bfloat16', 'float64', ...), got {value!r}")
+    return dtype
+
+
+def _config_fields(options_cls: type, skip: tuple = ()) -> Dict[str, Any]:
+    """``{name: (type, default)}`` of a pydantic model mirroring the options dataclass's fields
+    (dtypes by name, as JSON spells them)."""
+    hints = typing.get_type_hints(options_cls)
+    out: Dict[str, Any] = {}
+    for f in dataclasses.fields(options_cls):
+        if f.name in skip:
+            continue
+        if hints[f.name] is torch.dtype:
+            out[f.name] = (str, _dtype_name(f.default))
+        else:
+            out[f.name] = (hints[f.name], f.default)
+    return out
+
+
+class _OptionsSection(_Strict):
+    """A section whose fields are those of an options dataclass (``_options_cls``), validated by
+    the dataclass itself (one bound and one message per option; the error names the key)."""
+
+    _options_cls: ClassVar[type]
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _validated_by_the_dataclass(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        if name not in {f.name for f in dataclasses.fields(cls._options_cls)}:
+            return value
+        try:
+            checked = getattr(cls._options_cls(**{name: _option_value(name, value)}), name)
+        except (ValueError, TypeError) as err:
+            raise PydanticCustomError("megaloss_option", str(err)) from None
+        return _dtype_name(checked) if isinstance(checked, torch.dtype) else checked
+
+    def _option_fields(self) -> Dict[str, Any]:
+        names = {f.name for f in dataclasses.fields(self._options_cls)}
+        return {k: _option_value(k, v) for k, v in self.model_dump().items() if k in names}
+
+
+class _CESection(_OptionsSection):
+    _options_cls: ClassVar[type] = CrossEntropyOptions
+
     loss_reduction: Literal["token", "sample", "square"] = "token"
 
     @model_validator(mode="before")
@@ -124,30 +171,62 @@ class CEConfig(_Strict):
                              "means mean/sum/none in torch's losses)")
         return data
 
-    def options(self, ignore_index: int = -100) -> CrossEntropyOptions:
-        """The per-call CE options (``reduction="sum"``: the calibration weights the tokens)."""
-        return CrossEntropyOptions(ignore_index=ignore_index, reduction="sum",
-                                   label_smoothing=self.label_smoothing, z_loss=self.z_loss,
-                                   logit_softcapping=self.logit_softcapping,
-                                   chunk_size=self.chunk_size)
+    def options(self, ignore_index: Optional[int] = None) -> CrossEntropyOptions:
+        """The per-call CE options (``reduction="sum"``: the calibration weights the tokens);
+        ``ignore_index`` overrides the section's."""
+        fields = self._option_fields()
+        if ignore_index is not None:
+            fields["ignore_index"] = ignore_index
+        return CrossEntropyOptions(reduction="sum", **fields)
 
 
-class MNRConfig(_Strict):
-    """Options of the gathered multiple-negatives-ranking (InfoNCE) loss of the embedding job.
+CEConfig = create_model(
+    "CEConfig", __base__=_CESection, __module__=__name__,
+    __doc__="""Options of the causal-LM cross-entropy (chunked or vocab-parallel linear CE).
+
+    Fields: every field of :class:`~megaloss.ops.options.CrossEntropyOptions` (``ignore_index``,
+    ``label_smoothing``, ``z_loss``, ``logit_softcapping``, ``chunk_size``, ``accum_dtype`` by
+    name as ``"float32"`` / ``"bfloat16"`` / ``"float64"``, ``impl``; same defaults, validated
+    by the dataclass, so the bounds and messages are its own) except ``reduction``, which the
+    calibration fixes to ``"sum"``; plus
 
     Attributes:
-        temperature: softmax temperature (> 0); 0.05 is sentence-transformers' ``scale=20``.
-        symmetric: also score documents -> queries and average both directions.
-        gather_across_ranks: use every DP rank's documents as negatives (autograd gather).
+        loss_reduction: global loss calibration across DP x SP x gradient accumulation
+            (XTuner v1's ``loss_reduction``, :mod:`megaloss.calibration.weights`): ``"token"``
+            (global token mean), ``"sample"`` (mean of per-sample means) or ``"square"``
+            (weights ``1/sqrt(n_s)``).
+
+    :meth:`options` gives the :class:`~megaloss.ops.options.CrossEntropyOptions` of a call.
+    """,
+    **_config_fields(CrossEntropyOptions, skip=("reduction",)))
+
+
+class _MNRSection(_OptionsSection):
+    _options_cls: ClassVar[type] = MNROptions
+
+    mini_batch_size: Optional[int] = Field(None, ge=1, strict=True)
+
+    def options(self) -> MNROptions:
+        """The :class:`~megaloss.ops.options.MNROptions` of the loss."""
+        return MNROptions(**self._option_fields())
+
+
+MNRConfig = create_model(
+    "MNRConfig", __base__=_MNRSection, __module__=__name__,
+    __doc__="""Options of the gathered multiple-negatives-ranking (InfoNCE) loss of the embedding job.
+
+    Fields: every field of :class:`~megaloss.ops.options.MNROptions` (``temperature``,
+    ``similarity``, ``symmetric``, ``gather_across_ranks``, ``local_loss``, ``chunk_size``; same
+    defaults, validated by the dataclass); plus
+
+    Attributes:
         mini_batch_size: GradCache (Gao et al. 2021, arXiv:2101.06983): encode this many rows at
             a time, same loss and gradients, encoder activation memory of one mini-batch
             (``None``: the whole micro-batch in one graph).
-    """
 
-    temperature: float = Field(0.05, gt=0.0)
-    symmetric: bool = Field(False, strict=True)
-    gather_across_ranks: bool = Field(True, strict=True)
-    mini_batch_size: Optional[int] = Field(None, ge=1, strict=True)
+    :meth:`options` gives the :class:`~megaloss.ops.options.MNROptions` of the loss.
+    """,
+    **_config_fields(MNROptions))
 
 
 class MegalossConfig(_Strict):

@@ -1,6 +1,6 @@
 """GradCache replays as DeepSpeed accumulation passes, so ZeRO 0-3 accept them.
 
-:func:`megaloss.losses.grad_cache.grad_cache` back-propagates one mini-batch at a time. Inside one
+:func:`megaloss.losses.grad_cache.grad_cache_step` back-propagates one mini-batch at a time. Inside one
 ``engine.backward`` (sentence-transformers' ``CachedMultipleNegativesRankingLoss`` runs its
 replays from a backward hook) ZeRO-2 stops with "Gradient computed twice for this partition" and
 ZeRO-3 with an assertion in its reduce: every parameter's gradient hook fires once per replay.
@@ -31,7 +31,7 @@ __all__ = ["inner_replay_backward"]
 
 
 def inner_replay_backward(engine) -> Callable[[torch.Tensor], None]:
-    """The ``backward`` for :func:`megaloss.losses.grad_cache.grad_cache` under a DeepSpeed engine.
+    """The ``backward`` for :func:`megaloss.losses.grad_cache.grad_cache_step` under a DeepSpeed engine.
 
     Args:
         engine: the ``deepspeed.DeepSpeedEngine`` whose module ``encode`` runs through (call the
@@ -47,7 +47,7 @@ def inner_replay_backward(engine) -> Callable[[torch.Tensor], None]:
     managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
     if not managed:
         raise ValueError("inner_replay_backward needs managed_gradient_accumulation=True; with "
-                         "it off, pass backward=engine.backward to grad_cache instead")
+                         "it off, pass backward=engine.backward to grad_cache_step instead")
 
     def backward(surrogate: torch.Tensor) -> None:
         # The engine's override (None: follow its micro-step counter), restored afterwards; the

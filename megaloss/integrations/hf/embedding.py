@@ -4,7 +4,7 @@ Why the loss lives inside the module (measured on DeepSpeed 0.19.8, ``runtime/en
 ``loss.backward()`` is divided by the gradient-accumulation steps ``G`` only through hooks that
 ``engine.forward`` puts on its outputs, and under ZeRO-3 a parameter is only materialised inside
 its module's forward. Encoding queries and documents and computing
-:func:`megaloss.mnr_loss_with_metrics` in one ``forward`` keeps both right for
+:func:`megaloss.mnr_loss_with_stats` in one ``forward`` keeps both right for
 any ZeRO stage, with ``engine.backward(out.loss)`` as well as ``out.loss.backward()``.
 
 Gradient scaling. ``mnr_loss`` returns the loss ``L_m`` of micro-batch m's *global* batch (every
@@ -31,8 +31,10 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Un
 import torch
 from torch import nn
 
-from ...losses.grad_cache import grad_cache, split_rows
-from ...losses.mnr import mnr_loss_with_metrics
+from ..._deprecation import renamed_keywords
+from ...losses.grad_cache import grad_cache_step, split_rows
+from ...losses.mnr import mnr_loss_with_stats
+from ...ops.options import MNROptions, resolve_options
 from ...parallel.comm import all_reduce_sum_
 from ...parallel.groups import GroupLike, group_size
 
@@ -91,38 +93,46 @@ class EmbeddingModelWithMNR(nn.Module):
         temperature: MNR softmax temperature (> 0); 0.05 = sentence-transformers' ``scale=20``.
         similarity: ``"cosine"`` or ``"dot"``.
         symmetric: also score positives against all queries and average both directions.
-        gather: use every rank of ``group``'s documents as negatives.
+        gather_across_ranks: use every rank of ``group``'s documents as negatives.
         group: the data-parallel group the batch is spread over, the one the engine averages
             gradients over; ``None`` is torch's default group. Pass it explicitly under tensor
             parallelism (``topology.dp_group``).
         local_loss: each rank computes only its own queries' rows (memory ``B_local x B_global``).
+        chunk_size: score rows per block of the loss (memory ``chunk_size x C``).
+        options: the fields above (but ``group``) as one :class:`~megaloss.ops.options.MNROptions`
+            (e.g. ``MegalossConfig.mnr.options()`` from a ds_config), instead of the keywords;
+            kept as ``self.options``.
 
     Raises:
-        TypeError: ``encoder`` is not an ``nn.Module``.
-        ValueError: ``temperature`` <= 0 or ``similarity`` unknown.
+        TypeError: ``encoder`` is not an ``nn.Module``; ``options`` together with option
+            keywords not at their default; a non-bool flag.
+        ValueError: ``temperature`` <= 0, ``similarity`` unknown, ``chunk_size`` < 1.
     """
 
+    @renamed_keywords(gather="gather_across_ranks")
     def __init__(self, encoder: nn.Module, *, temperature: float = 0.05,
-                 similarity: str = "cosine", symmetric: bool = False, gather: bool = True,
-                 group: GroupLike = None, local_loss: bool = True) -> None:
+                 similarity: str = "cosine", symmetric: bool = False,
+                 gather_across_ranks: bool = True, group: GroupLike = None,
+                 local_loss: bool = True, chunk_size: int = 1024,
+                 options: Optional[MNROptions] = None) -> None:
         super().__init__()
         if not isinstance(encoder, nn.Module):
             raise TypeError(f"encoder must be an nn.Module, got {type(encoder).__name__}")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if similarity not in ("cosine", "dot"):
-            raise ValueError(f"similarity must be 'cosine' or 'dot', got {similarity!r}")
+        self.options = resolve_options(MNROptions, options, dict(
+            temperature=temperature, similarity=similarity, symmetric=symmetric,
+            gather_across_ranks=gather_across_ranks, local_loss=local_loss,
+            chunk_size=chunk_size))
         self.encoder = encoder
-        self.temperature = float(temperature)
-        self.similarity = similarity
-        self.symmetric = bool(symmetric)
-        self.gather = bool(gather)
         self.group = group
-        self.local_loss = bool(local_loss)
+
+    temperature = property(lambda self: self.options.temperature)
+    similarity = property(lambda self: self.options.similarity)
+    symmetric = property(lambda self: self.options.symmetric)
+    gather_across_ranks = property(lambda self: self.options.gather_across_ranks)
+    local_loss = property(lambda self: self.options.local_loss)
 
     def extra_repr(self) -> str:
-        return (f"temperature={self.temperature}, similarity={self.similarity!r}, "
-                f"symmetric={self.symmetric}, gather={self.gather}, local_loss={self.local_loss}")
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.as_dict().items())
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Embeddings ``[B, H]`` (mean-pooled, not normalised) of token ids ``[B, T]``."""
@@ -173,11 +183,8 @@ class EmbeddingModelWithMNR(nn.Module):
         """The gathered MNR loss of embedding columns ``[query, positive (, negatives)]`` (what
         ``forward(..., embeddings_only=True)`` returns); collective over ``group``."""
         negatives = columns[2] if len(columns) > 2 else None
-        out = mnr_loss_with_metrics(columns[0], columns[1], negatives,
-                                    temperature=self.temperature, similarity=self.similarity,
-                                    symmetric=self.symmetric, gather=self.gather,
-                                    group=self.group, local_loss=self.local_loss,
-                                    duplicate_ids=duplicate_ids)
+        out = mnr_loss_with_stats(columns[0], columns[1], negatives, options=self.options,
+                                  group=self.group, duplicate_ids=duplicate_ids)
         loss = out.loss if loss_weight is None else out.loss * loss_weight
         return EmbeddingOutput(loss=loss, value=out.loss.detach(), accuracy=out.accuracy,
                                mean_rank=out.mean_rank)
@@ -227,10 +234,10 @@ def cached_mnr_forward(model: nn.Module, batch: Dict[str, torch.Tensor], *,
                                                    loss_weight=loss_weight))
         return outputs[-1].loss
 
-    step = grad_cache(lambda mini: model(**mini, embeddings_only=True),
-                      split_rows(inputs, mini_batch_size), loss_fn, backward=backward,
-                      empty_embeddings=lambda: model(**inputs, embeddings_only=True),
-                      group=module.group)  # the engine's DP group: equal replay counts
+    step = grad_cache_step(lambda mini: model(**mini, embeddings_only=True),
+                           split_rows(inputs, mini_batch_size), loss_fn, backward=backward,
+                           empty_embeddings=lambda: model(**inputs, embeddings_only=True),
+                           group=module.group)  # the engine's DP group: equal replay counts
     out = outputs[-1]
     return EmbeddingOutput(loss=step.surrogate, value=out.value, accuracy=out.accuracy,
                            mean_rank=out.mean_rank)

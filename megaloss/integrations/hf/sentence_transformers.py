@@ -42,7 +42,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...losses.grad_cache import grad_cache, split_rows
+from ...losses.grad_cache import grad_cache_step, split_rows
 from ...losses.mnr import SIMILARITIES, mnr_loss
 from ...parallel.groups import GroupLike
 
@@ -223,7 +223,7 @@ class GatheredMultipleNegativesRankingLoss(nn.Module):
             duplicate_ids = labels.reshape(-1).to(query.device)
         return mnr_loss(query, positive, negatives, temperature=self.temperature,
                         similarity=self.similarity, symmetric=self.symmetric,
-                        gather=self.gather_across_devices, group=self.group,
+                        gather_across_ranks=self.gather_across_devices, group=self.group,
                         duplicate_ids=duplicate_ids, chunk_size=self.chunk_size)
 
     def get_config_dict(self) -> Dict[str, Any]:
@@ -295,7 +295,7 @@ class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankin
             return super().forward(features, labels, duplicate_ids=duplicate_ids)
         if len(features) < 2:
             raise ValueError(f"expected at least 2 columns (anchor, positive), got {len(features)}")
-        step = grad_cache(
+        step = grad_cache_step(
             self.embed, split_rows(features, self.mini_batch_size),
             lambda columns: self.compute_loss_from_embeddings(columns, labels,
                                                               duplicate_ids=duplicate_ids),

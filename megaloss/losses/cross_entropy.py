@@ -111,9 +111,12 @@ def linear_cross_entropy(
         bias: optional ``[V]`` (``[Vp]``, this rank's shard, with ``vocab_parallel_options``).
         loss_weights: optional ``[...]`` float per-token weights (shape of ``labels``), e.g.
             from :class:`megaloss.LossCalibrator`.
-        ignore_index, reduction, label_smoothing, z_loss, logit_softcapping, chunk_size,
-            accum_dtype, impl: see :class:`~megaloss.ops.options.CrossEntropyOptions` (``impl``
-            picks the chunk epilogue: the Triton kernels on CUDA, the torch one elsewhere).
+        ignore_index: label without loss or gradient; this and the keywords below are the
+            fields of :class:`~megaloss.ops.options.CrossEntropyOptions`, documented there.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (torch's meanings).
+        label_smoothing, z_loss, logit_softcapping, chunk_size, accum_dtype: see
+            :class:`~megaloss.ops.options.CrossEntropyOptions`.
+        impl: the chunk epilogue: the Triton kernels on CUDA, the torch one elsewhere.
         options: these fields as one :class:`~megaloss.ops.options.CrossEntropyOptions`
             (e.g. from a ds_config, ``MegalossConfig.ce.options()``), instead of the keywords.
         vocab_parallel_options: a :class:`VocabParallelOptions` (TP group, real vocab size,

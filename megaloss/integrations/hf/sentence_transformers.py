@@ -260,8 +260,10 @@ class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankin
     the non-cached loss.
 
     Args:
-        model, scale, similarity_fct, symmetric, gather_across_devices, group,
-        labels_as_duplicate_ids, chunk_size: as :class:`GatheredMultipleNegativesRankingLoss`.
+        model, scale, similarity_fct, symmetric: as
+            :class:`GatheredMultipleNegativesRankingLoss`.
+        gather_across_devices, group, labels_as_duplicate_ids, chunk_size: as
+            :class:`GatheredMultipleNegativesRankingLoss`.
         mini_batch_size: rows per encoder pass (sentence-transformers' name and default, 32).
 
     Raises:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark: ``megaloss.losses.vocab_parallel_linear_cross_entropy`` per tensor-parallel rank.
+"""Benchmark: ``megaloss.linear_cross_entropy(..., vocab_parallel_options=...)`` per tensor-parallel rank.
 
 For each TP size, TP real processes (spawned, gloo, CPU) hold the same replicated
 ``hidden [N, H]`` and labels and one ``[ceil(V/TP), H]`` lm_head shard each, and run one
@@ -125,15 +125,15 @@ def _rank_bench(rank: int, tp: int, spec: Dict[str, Any]) -> Dict[str, Any]:
 
     counter = CommCounter()
     counter.install()
-    from megaloss.losses.vocab_parallel import vocab_parallel_linear_cross_entropy
+    from megaloss import VocabParallelOptions, linear_cross_entropy
 
     group = dist.group.WORLD  # the spawned world is the TP group
     n, hidden, vocab, chunk = spec["tokens"], spec["hidden"], spec["vocab"], spec["chunk_size"]
     rows = math.ceil(vocab / tp)
 
     def loss_fn(h, w, y, v):
-        return vocab_parallel_linear_cross_entropy(h, w, y, tp_group=group, vocab_size=v,
-                                                   chunk_size=chunk)
+        return linear_cross_entropy(h, w, y, chunk_size=chunk, vocab_parallel_options=(
+            VocabParallelOptions(tp_group=group, vocab_size=v)))
 
     # Tiny warm-up (kernels, gloo buffers) so that lazily created state is in the baseline.
     hw = torch.randn(8, hidden, requires_grad=True)

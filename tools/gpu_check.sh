@@ -281,11 +281,12 @@ ref = None
 for impl, fn in [
         ("linear_cross_entropy (auto)", lambda o: megaloss.linear_cross_entropy_with_stats(
             hid, w, y, options=o)),
-        ("vocab_parallel tp=1 (auto)", lambda o: megaloss.vocab_parallel_linear_cross_entropy_with_stats(
-            hid, w, y, options=o)),
+        ("vocab_parallel tp=1 (auto)", lambda o: megaloss.linear_cross_entropy_with_stats(
+            hid, w, y, options=o, vocab_parallel_options=megaloss.VocabParallelOptions())),
         ("vocab_parallel tp=1 (torch epilogue)",
-         lambda o: megaloss.vocab_parallel_linear_cross_entropy_with_stats(
-             hid, w, y, options=o.replace(impl="torch")))]:
+         lambda o: megaloss.linear_cross_entropy_with_stats(
+             hid, w, y, options=o.replace(impl="torch"),
+             vocab_parallel_options=megaloss.VocabParallelOptions()))]:
     def step(fn=fn):
         loss = fn(CrossEntropyOptions(chunk_size=1024)).loss
         loss.backward()

@@ -12,6 +12,8 @@ gradient factor, the engine set-up, the calibrated training step and metrics thr
   x-axis DeepSpeed's own events use), :func:`continue_monitors`, :func:`close_monitors`.
 - :mod:`.checkpoint`: :func:`save_checkpoint` / :func:`load_checkpoint` (DeepSpeed's own, plus
   per-rank RNG states and an atomic ``latest``).
+- :mod:`.grad_cache`: :func:`~.grad_cache.inner_replay_backward`, GradCache's replays as
+  DeepSpeed accumulation passes (so ZeRO-2/3 accept them).
 
 Importing this package does not import ``deepspeed``; the functions import it when called.
 """

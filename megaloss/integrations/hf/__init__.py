@@ -6,6 +6,12 @@
 - :mod:`.embedding`: :class:`EmbeddingModelWithMNR`, a mean-pooled bi-encoder with the gathered
   MNR loss, its gradient-cached forward, and the per-step gradient-accumulation weights of that
   loss.
+- :mod:`.trainer`: :class:`~.trainer.MegalossTrainer`, ``transformers.Trainer`` with the chunked
+  CE and global loss calibration (imports ``transformers``; not re-exported here).
+- :mod:`.sentence_transformers`: ``GatheredMultipleNegativesRankingLoss`` and its GradCache form
+  for ``SentenceTransformerTrainer`` (imports ``sentence_transformers``; not re-exported).
+- :mod:`.ulysses`: :func:`~.ulysses.enable_ulysses_attention`, attention through DeepSpeed's
+  ``UlyssesSPAttentionHF`` over a Topology's SP group.
 
 Importing this package does not import ``transformers``.
 """

@@ -151,7 +151,11 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
         mini_batches: this rank's batch split by rows (:func:`split_rows`); may be empty.
         loss_fn: ``loss_fn(columns)`` -> 0-dim loss, where ``columns[i]`` is column ``i`` of every
             mini-batch concatenated along dim 0 (leaf tensors). Its collectives run once.
-        backward: back-propagates every replay but the last (``None``: ``Tensor.backward``).
+        backward: back-propagates every replay but the last (``None``: ``Tensor.backward``),
+            at the scale the caller's backward will apply to ``surrogate`` (e.g. ``lambda t:
+            (t / window).backward()`` for a caller that divides its loss by its accumulation
+            window; under DeepSpeed :func:`megaloss.integrations.deepspeed.grad_cache.
+            inner_replay_backward`).
         empty_embeddings: for a rank with no mini-batches: columns with 0 rows whose graph
             reaches every trainable parameter (a zero gradient; required then).
         loss_parameters: tensors that ``loss_fn`` itself trains (a learnable temperature): their
@@ -166,6 +170,9 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
     Raises:
         ValueError: ``encode`` returned different column counts, or other shapes on a replay;
             some rank has no mini-batches and no ``empty_embeddings`` (raised on every rank).
+            Later, from the caller's backward of ``surrogate``: the upstream gradient it applies
+            differs (rel 1e-6) from the one each replay got through ``backward``, which would
+            weight the mini-batches differently (same on every rank that scales alike).
     """
     backward = backward or (lambda t: t.backward())
     # Every rank runs the same number of encoder passes: engines that reduce in every backward

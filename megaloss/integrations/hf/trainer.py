@@ -91,21 +91,23 @@ def megaloss_config_from_args(args: Any) -> MegalossConfig:
 
 
 _USE_OWN_LOOP = ("use megaloss's own DeepSpeed loop (megaloss.integrations.deepspeed.initialize "
-                 "with Topology.build(...); the launch/train.py job), which builds these groups")
+                 "with Topology.build(...); the launch/train_lm.py job), which builds these groups")
 
 
 def _refuse_model_parallelism(cfg: MegalossConfig, args: Any) -> None:
     """Tensor and sequence parallelism are refused, each with the reason (module docstring)."""
     if cfg.tensor_parallel_size != 1:
         raise ValueError(
-            f"MegalossTrainer does not support tensor parallelism (megaloss.tensor_parallel_size="
+            "MegalossTrainer supports data parallelism only, not tensor parallelism "
+            f"(megaloss.tensor_parallel_size="
             f"{cfg.tensor_parallel_size}): accelerate builds the engine without megaloss's "
             "Topology, so the lm_head would not be vocab-parallel over a TP group "
             "(CausalLMWithLoss(tp_group=...)) and the engine would average over the TP ranks as "
             f"if they held data; {_USE_OWN_LOOP}")
     if cfg.sequence_parallel_size != 1:
         raise ValueError(
-            "MegalossTrainer does not support sequence parallelism (sequence_parallel_size="
+            "MegalossTrainer supports data parallelism only, not sequence parallelism "
+            "(sequence_parallel_size="
             f"{cfg.sequence_parallel_size}): the Trainer's sampler and collator give every rank "
             "whole sequences, not slices of one sequence per SP group, and accelerate passes "
             "DeepSpeed no mpu with a sequence-parallel group, so the calibration would count "
@@ -115,7 +117,8 @@ def _refuse_model_parallelism(cfg: MegalossConfig, args: Any) -> None:
         size = getattr(parallelism, name, 1) if parallelism is not None else 1
         if isinstance(size, int) and size > 1:
             raise ValueError(
-                f"MegalossTrainer does not support TrainingArguments.parallelism_config.{name}="
+                "MegalossTrainer supports data parallelism only, not "
+                f"TrainingArguments.parallelism_config.{name}="
                 f"{size} (accelerate's tensor / context / sequence parallelism): the loss "
                 "calibration counts the tokens of whole sequences per data-parallel rank, and "
                 "the chunked head is not vocab-parallel over accelerate's TP mesh; "

@@ -151,7 +151,11 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
         mini_batches: this rank's batch split by rows (:func:`split_rows`); may be empty.
         loss_fn: ``loss_fn(columns)`` -> 0-dim loss, where ``columns[i]`` is column ``i`` of every
             mini-batch concatenated along dim 0 (leaf tensors). Its collectives run once.
-        backward: back-propagates every replay but the last (``None``: ``Tensor.backward``).
+        backward: back-propagates every replay but the last (``None``: ``Tensor.backward``),
+            at the scale the caller's backward will apply to ``surrogate`` (e.g. ``lambda t:
+            (t / window).backward()`` for a caller that divides its loss by its accumulation
+            window; under DeepSpeed :func:`megaloss.integrations.deepspeed.grad_cache.
+            inner_replay_backward`).
         empty_embeddings: for a rank with no mini-batches: columns with 0 rows whose graph
             reaches every trainable parameter (a zero gradient; required then).
         loss_parameters: tensors that ``loss_fn`` itself trains (a learnable temperature): their
@@ -166,6 +170,9 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
     Raises:
         ValueError: ``encode`` returned different column counts, or other shapes on a replay;
             some rank has no mini-batches and no ``empty_embeddings`` (raised on every rank).
+            Later, from the caller's backward of ``surrogate``: the upstream gradient it applies
+            differs (rel 1e-6) from the one each replay got through ``backward``, which would
+            weight the mini-batches differently (same on every rank that scales alike).
     """
     backward = backward or (lambda t: t.backward())
     # Every rank runs the same number of encoder passes: engines that reduce in every backward
@@ -207,6 +214,9 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
     for c in cached:
         offsets.append(offsets[-1] + c[0].shape[0])
 
+    # The upstream gradient each replay's surrogate received: the scale its backward applied.
+    # The caller's backward of the returned surrogate must apply the same (checked there).
+    replay_scales: List[Tensor] = []
     surrogate = None
     for k in range(num_replays):
         if k < len(mini_batches):
@@ -227,13 +237,32 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
         surrogate = sum(((o.to(u.dtype) * u).sum() for o, u in zip(out, upstream)),
                         loss.new_zeros(()))
         if k < num_replays - 1:
+            if surrogate.requires_grad:
+                surrogate.register_hook(lambda g: replay_scales.append(g.detach().reshape(())))
             backward(surrogate)
     for p, g in zip(loss_parameters, grads[len(columns):]):
         if g is not None:
             surrogate = surrogate + (p * g).sum()
     value = loss.detach()
-    return GradCacheStep(loss=value, surrogate=surrogate - surrogate.detach() + value,
-                         num_replays=num_replays)
+    surrogate = surrogate - surrogate.detach() + value
+    if replay_scales and surrogate.requires_grad:
+        surrogate.register_hook(lambda g: _check_replay_scales(replay_scales, g))
+    return GradCacheStep(loss=value, surrogate=surrogate, num_replays=num_replays)
+
+
+def _check_replay_scales(replay_scales: List[Tensor], upstream: Tensor) -> None:
+    """Every replay must be back-propagated at the scale the caller's backward applies to the
+    returned surrogate (the gradient would otherwise weight the mini-batches differently)."""
+    scales = torch.stack([s.to(torch.float64) for s in replay_scales]
+                         + [upstream.detach().reshape(()).to(torch.float64)])
+    last = scales[-1]
+    if not bool(torch.all((scales - last).abs() <= 1e-6 * last.abs())):
+        raise ValueError(
+            "grad_cache_step: the replays were back-propagated at scales "
+            f"{[float(s) for s in scales[:-1]]} but the caller's backward of the returned "
+            f"surrogate at {float(last)}: pass a backward that scales each replay as the "
+            "caller scales the returned loss (e.g. divide by the window's gradient accumulation "
+            "steps; under DeepSpeed inner_replay_backward(engine, scale=...))")
 
 
 # The function's old name, which shadowed this module in ``megaloss.losses`` (one release).

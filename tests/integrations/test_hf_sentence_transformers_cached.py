@@ -10,7 +10,9 @@ Under ``deepspeed --num_gpus 2`` (CPU, gloo), SentenceTransformerTrainer, ZeRO-2
 gradient accumulation 2, 4 triplets per rank per micro-batch, mini-batch 3 (replays of 3 and 1
 rows): the SGD update (lr 1) of the cached loss equals that of the non-cached loss from the same
 seed (same data order): ``||u_cached - u|| <= 1e-5 ||u|| + 1e-8`` per parameter (fp32, summation
-order). sentence-transformers' own cached loss stops on the first step there ("Gradient computed
+order); the same over an epoch of 3 micro-batches per rank under ZeRO-2, whose last window
+holds 1 micro-batch (the Trainer divides it by 1, not by GAS). sentence-transformers' own
+cached loss stops on the first step there ("Gradient computed
 twice for this partition"). This file is also the worker.
 """
 import argparse
@@ -80,6 +82,7 @@ def test_conventions_and_errors(model_dir):
 
 # under DeepSpeed ----------------------------------------------------------------------------
 PER_RANK, GAS, MINI = 4, 2, 3
+CASES = ((2, "full"), (3, "full"), (2, "short"))  # (ZeRO stage, accumulation windows)
 
 
 def _worker_main(argv):  # ZeRO-3's zero.Init follows the latest TrainingArguments
@@ -96,18 +99,21 @@ def _worker_main(argv):  # ZeRO-3's zero.Init follows the latest TrainingArgumen
     from sentence_transformers import (SentenceTransformerTrainer,
                                        SentenceTransformerTrainingArguments)
 
-    anchor, positive, negative = batch(2 * PER_RANK * GAS, 1, seed=12)
-    data = Dataset.from_dict({"anchor": anchor, "positive": positive, "negative": negative})
     updates = {}
-    for zero, name in itertools.product((2, 3), ("plain", "cached")):
+    for (zero, window), name in itertools.product(CASES, ("plain", "cached")):
+        # "short": one epoch of 3 micro-batches per rank, windows of 2 and 1
+        micro_batches = GAS if window == "full" else GAS + 1
+        anchor, positive, negative = batch(2 * PER_RANK * micro_batches, 1, seed=12)
+        data = Dataset.from_dict({"anchor": anchor, "positive": positive, "negative": negative})
         cfg = {"train_micro_batch_size_per_gpu": PER_RANK, "gradient_accumulation_steps": GAS,
                "train_batch_size": "auto", "gradient_clipping": 0.0,
                "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
                "steps_per_print": 1000}
         args = SentenceTransformerTrainingArguments(
-            output_dir=os.path.join(a.worker, f"{name}{zero}"),
-            per_device_train_batch_size=PER_RANK,
-            gradient_accumulation_steps=GAS, max_steps=1, learning_rate=1.0, optim="sgd",
+            output_dir=os.path.join(a.worker, f"{name}{zero}{window}"),
+            per_device_train_batch_size=PER_RANK, gradient_accumulation_steps=GAS,
+            **({"max_steps": 1} if window == "full" else {"num_train_epochs": 1}),
+            learning_rate=1.0, optim="sgd",
             lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
             save_strategy="no", report_to=[], use_cpu=True, deepspeed=cfg, disable_tqdm=True,
             seed=0)
@@ -118,31 +124,34 @@ def _worker_main(argv):  # ZeRO-3's zero.Init follows the latest TrainingArgumen
                                              loss=loss)
         trainer.train()
         # the trained fp32 weights (ZeRO-3: gathered from the partitions)
-        updates[zero, name] = {k: deepspeed.utils.safe_get_full_fp32_param(p).clone()
-                               for k, p in trainer.model.named_parameters()}
-        updates[zero, name + "_loss"] = [e["loss"] for e in trainer.state.log_history
-                                         if "loss" in e]
+        key = zero if window == "full" else "short"
+        updates[key, name] = {k: deepspeed.utils.safe_get_full_fp32_param(p).clone()
+                              for k, p in trainer.model.named_parameters()}
+        updates[key, name + "_loss"] = [e["loss"] for e in trainer.state.log_history
+                                        if "loss" in e]
+        updates[key, name + "_steps"] = trainer.state.global_step
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(updates, os.path.join(a.worker, "result.pt"))
 
 
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
-    """One launch: ZeRO-2 then ZeRO-3, each plain then cached (4 one-step trainings)."""
+    """One launch: ZeRO-2 then ZeRO-3, each plain then cached (4 one-step trainings), then
+    ZeRO-2 over an epoch whose last window is short (plain, cached)."""
     pytest.importorskip("datasets")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
     from launch_helpers import run_deepspeed_launcher
     tmp_path = tmp_path_factory.mktemp("st_cached_trainer")
     model_dir = make_model_dir(str(tmp_path / "model"))
     run_deepspeed_launcher(os.path.abspath(__file__),
-                           ["--worker", str(tmp_path), "--model_dir", model_dir], timeout=380)
+                           ["--worker", str(tmp_path), "--model_dir", model_dir], timeout=560)
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     before = dict(load_model(model_dir).float().named_parameters())
     return result, before
 
 
 @pytest.mark.deepspeed
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("zero", [2, 3])
 def test_trainer_cached_equals_non_cached(trainer_runs, zero):
     result, before = trainer_runs
@@ -154,6 +163,22 @@ def test_trainer_cached_equals_non_cached(trainer_runs, zero):
         assert (c - u).norm() <= 1e-5 * u.norm() + 1e-8, f"ZeRO-{zero} {name}"
         moved += int(u.norm() > 0)
     assert moved > len(result[zero, "plain"]) // 2  # the step did train the model
+
+
+@pytest.mark.deepspeed
+@pytest.mark.timeout(600)
+def test_trainer_cached_equals_non_cached_short_last_window(trainer_runs):
+    """ZeRO-2, one epoch of windows of 2 and 1 micro-batches: the Trainer divides the last
+    window's loss by 1; every replay of that window must be divided by 1 too."""
+    result, before = trainer_runs
+    assert result["short", "cached_steps"] == result["short", "plain_steps"] == 2
+    assert result["short", "cached_loss"] == pytest.approx(result["short", "plain_loss"],
+                                                           rel=1e-5)
+    for name, after in result["short", "plain"].items():
+        u = after - before[name].detach()
+        c = result["short", "cached"][name] - before[name].detach()
+        assert (c - u).norm() <= 1e-5 * u.norm() + 1e-8, \
+            f"{name}: |u_cached - u| / |u| = {float((c - u).norm() / max(u.norm(), 1e-30)):.3g}"
 
 
 if __name__ == "__main__":

@@ -9,11 +9,15 @@ gradient-accumulation boundary (``engine.set_gradient_accumulation_boundary(Fals
 documented way to run several backward passes before one ``engine.step()``); the last replay is
 the caller's ordinary ``engine.backward`` at the micro-step's own boundary state. So:
 
-- scaling: every replay is divided by the gradient accumulation steps exactly as the
-  non-cached ``engine.backward(loss)`` would be (and a Trainer's ``scale_wrt_gas=False`` backward
-  of its GAS-divided loss is the same division); the sum of the replays is the non-cached
-  gradient, so the engine factor measured by :mod:`megaloss.calibration.engine_scale` applies
-  unchanged;
+- scaling: every replay must take the scale the caller's own backward applies to the returned
+  loss. ``inner_replay_backward(engine)`` matches a caller that runs ``engine.backward(loss)``
+  (the engine divides by its configured gradient accumulation steps ``G``, also in a window
+  shorter than ``G``); ``inner_replay_backward(engine, scale=s)`` matches one that runs
+  ``engine.backward(s * loss, scale_wrt_gas=False)``, as the Hugging Face Trainer does with
+  ``s = 1 / (the micro-batches of its current window)``. Then the sum of the replays is the
+  non-cached gradient, so the engine factor measured by
+  :mod:`megaloss.calibration.engine_scale` applies unchanged (a mismatch is raised by
+  :func:`megaloss.losses.grad_cache.grad_cache_step` in the caller's backward);
 - communication: ZeRO-0/1 accumulate the replays locally and reduce once at the boundary; ZeRO-2/3
   reduce(-scatter) in every backward, i.e. once per replay (``num_replays`` times the gradient
   traffic of the non-cached step, the price of keeping only a gradient partition);
@@ -23,31 +27,42 @@ the caller's ordinary ``engine.backward`` at the micro-step's own boundary state
 """
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Callable, Optional
 
 import torch
 
 __all__ = ["inner_replay_backward"]
 
 
-def inner_replay_backward(engine) -> Callable[[torch.Tensor], None]:
+def inner_replay_backward(engine, *, scale: Optional[float] = None
+                          ) -> Callable[[torch.Tensor], None]:
     """The ``backward`` for :func:`megaloss.losses.grad_cache.grad_cache_step` under a DeepSpeed engine.
 
     Args:
         engine: the ``deepspeed.DeepSpeedEngine`` whose module ``encode`` runs through (call the
             engine, not its ``.module``, so its forward hooks fire).
+        scale: ``None`` when the caller back-propagates the returned loss with
+            ``engine.backward(loss)`` (divided by the engine's gradient accumulation steps);
+            a float ``s > 0`` when it runs ``engine.backward(s * loss, scale_wrt_gas=False)``
+            (the Hugging Face Trainer: ``s = 1 / len(window)``).
 
     Returns:
-        ``backward(surrogate)``: ``engine.backward(surrogate)`` outside the accumulation boundary.
+        ``backward(surrogate)``: ``engine.backward`` of the surrogate, scaled as the caller's,
+        outside the accumulation boundary.
 
     Raises:
         ValueError: the engine runs with ``managed_gradient_accumulation=False`` (there the
-            caller owns the boundary: plain ``engine.backward`` per replay is already right).
+            caller owns the boundary: plain ``engine.backward`` per replay is already right);
+            ``scale`` not a finite number > 0.
     """
     managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
     if not managed:
         raise ValueError("inner_replay_backward needs managed_gradient_accumulation=True; with "
                          "it off, pass backward=engine.backward to grad_cache_step instead")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not 0 < scale < math.inf):
+        raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
 
     def backward(surrogate: torch.Tensor) -> None:
         # The engine's override (None: follow its micro-step counter), restored afterwards; the
@@ -55,7 +70,10 @@ def inner_replay_backward(engine) -> Callable[[torch.Tensor], None]:
         saved = engine._is_gradient_accumulation_boundary
         engine.set_gradient_accumulation_boundary(False)
         try:
-            engine.backward(surrogate)
+            if scale is None:
+                engine.backward(surrogate)
+            else:
+                engine.backward(surrogate * scale, scale_wrt_gas=False)
         finally:
             engine._is_gradient_accumulation_boundary = saved
 

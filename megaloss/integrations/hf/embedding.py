@@ -204,10 +204,14 @@ def cached_mnr_forward(model: nn.Module, batch: Dict[str, torch.Tensor], *,
         batch: the keyword arguments of ``forward`` (``[B, ...]`` tensors; ``duplicate_ids``
             ``[B]`` optional); ``B`` may differ per rank, or be 0.
         mini_batch_size: rows encoded per pass (>= 1).
-        backward: back-propagates every replay but the last: under DeepSpeed
-            :func:`megaloss.integrations.deepspeed.grad_cache.inner_replay_backward`; ``None``:
-            ``Tensor.backward`` (one process; under DDP every replay is then reduced: correct,
-            as reduction is linear, at ``num_replays`` times the traffic).
+        backward: back-propagates every replay but the last, at the scale the caller's
+            backward applies to ``out.loss``: under DeepSpeed
+            :func:`megaloss.integrations.deepspeed.grad_cache.inner_replay_backward` (``engine.
+            backward(out.loss)``; with ``scale=s`` for ``engine.backward(s * out.loss,
+            scale_wrt_gas=False)``); ``None``: ``Tensor.backward`` for a plain
+            ``out.loss.backward()`` (one process; under DDP every replay is then reduced:
+            correct, as reduction is linear, at ``num_replays`` times the traffic). A mismatch
+            raises a ValueError from the caller's backward.
         loss_weight: as in ``forward``.
 
     Returns:
@@ -216,6 +220,15 @@ def cached_mnr_forward(model: nn.Module, batch: Dict[str, torch.Tensor], *,
         the non-cached ``engine.backward(engine(**batch).loss)`` would, with the same
         ``loss_weight`` (the engine scale is unchanged, :mod:`megaloss.integrations.deepspeed.
         grad_cache`). Replays run ``backward`` ``num_replays - 1`` times on every rank.
+
+    A window shorter than the ds_config's ``gradient_accumulation_steps`` ``G`` (an epoch's
+    last): ``engine.backward`` still divides every replay and the last backward by ``G``, so the
+    scales agree; the caller must (1) weight the window's micro-batches with
+    :func:`step_loss_weights` over the window's own sizes and the measured ``loss_multiplier``
+    (the engine's ``1 / c``, which includes that ``G``), and (2) own the boundary, since the
+    engine's micro-step counter assumes windows of ``G``: ``engine.set_gradient_accumulation_
+    boundary(m == last)`` before each micro-batch ``m``'s ``cached_mnr_forward`` (the replays
+    keep and restore it), then ``engine.step()``.
 
     Raises:
         ValueError: ``mini_batch_size < 1``; ``model`` does not hold an

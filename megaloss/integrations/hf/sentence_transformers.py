@@ -37,7 +37,8 @@ column through the same forwards and keeps none of it (a zero gradient, matched 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+import sys
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -46,7 +47,8 @@ from ...losses.grad_cache import grad_cache_step, split_rows
 from ...losses.mnr import SIMILARITIES, mnr_loss
 from ...parallel.groups import GroupLike
 
-__all__ = ["GatheredMultipleNegativesRankingLoss", "CachedGatheredMultipleNegativesRankingLoss"]
+__all__ = ["GatheredMultipleNegativesRankingLoss", "CachedGatheredMultipleNegativesRankingLoss",
+           "caller_loss_scale"]
 
 CITATION = """
 @misc{oord2019representationlearningcontrastivepredictive,
@@ -95,6 +97,54 @@ def _rows(features: Dict[str, Any]) -> int:
         if isinstance(value, Tensor) and value.dim() >= 1:
             return int(value.shape[0])
     raise ValueError("cannot tell the batch size of a sentence_features dict (no tensor in it)")
+
+
+def _calling_trainer() -> Tuple[Any, Any]:
+    """The ``transformers.Trainer`` whose ``training_step`` is on the call stack, and that
+    frame's ``num_items_in_batch`` (``(None, None)`` outside one)."""
+    try:
+        from transformers import Trainer
+    except ImportError:  # pragma: no cover - sentence-transformers depends on transformers
+        return None, None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "training_step":
+            trainer = frame.f_locals.get("self")
+            if isinstance(trainer, Trainer):
+                return trainer, frame.f_locals.get("num_items_in_batch")
+        frame = frame.f_back
+    return None, None
+
+
+def caller_loss_scale(*, deepspeed: bool) -> Optional[float]:
+    """The factor the caller will multiply the returned loss by before its backward.
+
+    Inside ``transformers.Trainer.training_step`` (transformers 5.x ``trainer.py``): ``1 /
+    trainer.current_gradient_accumulation_steps`` (the micro-batches ``get_batch_samples``
+    returned for this window: fewer than ``gradient_accumulation_steps`` in an epoch's last
+    window), or 1 when the Trainer's ``loss_is_scaled_for_ga`` rule says the loss is already
+    scaled; without DeepSpeed also divided by accelerate's ``gradient_accumulation_steps`` (its
+    ``Accelerator.backward`` divides by it), under DeepSpeed passed with ``scale_wrt_gas=False``.
+    Outside a Trainer: ``None``, i.e. the caller's ``loss.backward()`` (scale 1) or
+    ``engine.backward(loss)`` (the engine divides by its accumulation steps).
+
+    A caller that scales otherwise makes :func:`megaloss.losses.grad_cache.grad_cache_step` raise
+    a ValueError in its backward (the replays' scales are checked against the caller's).
+    """
+    trainer, num_items_in_batch = _calling_trainer()
+    if trainer is None:
+        return None
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        scaled = (bool(getattr(trainer, "model_accepts_loss_kwargs", False))
+                  and num_items_in_batch is not None) \
+            or getattr(trainer, "compute_loss_func", None) is not None
+    window = getattr(trainer, "current_gradient_accumulation_steps", None) \
+        or trainer.args.gradient_accumulation_steps
+    scale = 1.0 if scaled else 1.0 / int(window)
+    if not deepspeed:
+        scale /= int(getattr(trainer.accelerator, "gradient_accumulation_steps", 1) or 1)
+    return scale
 
 
 def _zero3_partitioned(model: nn.Module) -> bool:
@@ -254,10 +304,13 @@ class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankin
     replay but the last as its own ``engine.backward`` outside the accumulation boundary
     (:mod:`megaloss.integrations.deepspeed.grad_cache`; without DeepSpeed a plain backward), and
     returns the last replay as the loss: the Trainer's own backward completes the micro-step.
-    The value returned is the loss. Every replay is scaled by the gradient accumulation steps as
-    the Trainer scales the returned loss (``engine.backward`` divides by GAS; the Trainer divides
-    its loss and passes ``scale_wrt_gas=False``). Under ``torch.no_grad`` (evaluation) it is
-    the non-cached loss.
+    The value returned is the loss. Every replay takes the scale the caller applies to the
+    returned loss (:func:`caller_loss_scale`): in ``SentenceTransformerTrainer``, ``1 / `` the
+    micro-batches of the current accumulation window, also in an epoch's shorter last window,
+    with and without DeepSpeed (sentence-transformers' own cached losses get the same from the
+    upstream gradient in a backward hook, which ZeRO cannot run); a caller that scales otherwise
+    gets a ValueError from its backward, not a wrong gradient. Under ``torch.no_grad``
+    (evaluation) it is the non-cached loss.
 
     Args:
         model, scale, similarity_fct, symmetric: as
@@ -278,14 +331,19 @@ class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankin
             raise ValueError(f"mini_batch_size must be an int >= 1, got {mini_batch_size!r}")
         self.mini_batch_size = mini_batch_size
 
-    def _replay_backward(self):
-        """How a replay that is not the micro-step's last is back-propagated: under DeepSpeed as
-        an accumulation pass; otherwise plainly (DDP then reduces every replay: correct, as
+    def _replay_backward(self) -> Callable[[Tensor], None]:
+        """How a replay that is not the micro-step's last is back-propagated: at the scale the
+        caller applies to the returned loss (:func:`caller_loss_scale`); under DeepSpeed as an
+        accumulation pass, otherwise plainly (DDP then reduces every replay: correct, as
         reduction is linear, at ``num_replays`` times the traffic)."""
-        if hasattr(self.model, "set_gradient_accumulation_boundary"):  # a DeepSpeed engine
+        deepspeed = hasattr(self.model, "set_gradient_accumulation_boundary")
+        scale = caller_loss_scale(deepspeed=deepspeed)
+        if deepspeed:  # a DeepSpeed engine
             from ..deepspeed.grad_cache import inner_replay_backward
-            return inner_replay_backward(self.model)
-        return None
+            return inner_replay_backward(self.model, scale=scale)
+        if scale is None:
+            return lambda surrogate: surrogate.backward()
+        return lambda surrogate: (surrogate * scale).backward()
 
     def forward(self, sentence_features: Iterable[Dict[str, Any]],
                 labels: Optional[Tensor] = None, *,

@@ -20,12 +20,22 @@ What :class:`MegalossTrainer` does instead:
   collator's ``shift_labels`` as they are) and ``loss_weights`` ``w_t = u_t / D`` (``u_t`` 1,
   ``1/n_s`` or ``1/sqrt(n_s)``, ``D`` the global sum of ``u_t`` over the step's micro-batches and
   ranks: XTuner v1's ``token`` / ``sample`` / ``square``);
-- ``compute_loss`` returns ``W * sum_t w_t l_t`` (``W`` the data-parallel world size) and
-  :attr:`loss_is_scaled_for_ga` is True, so the Trainer neither divides by the accumulation steps
-  nor lets DeepSpeed do it (``scale_wrt_gas=False``); the engine's average over the ``W`` ranks
-  then leaves ``sum over ranks and micro-batches of sum_t w_t grad l_t``: the single-device
-  gradient of the global loss. The Trainer's logged ``loss`` (mean over ranks of the per-step
-  sums) is that global loss;
+- the data-parallel group is the one the engine accelerate built reduces over (DeepSpeed's
+  sequence-data-parallel group, DDP's ``process_group``; one rank when the Trainer is not
+  distributed, even with ``torch.distributed`` initialized), never assumed to be the world:
+  the calibration's all-reduce and the logs' run over it;
+- ``compute_loss`` returns ``M * sum_t w_t l_t`` and :attr:`loss_is_scaled_for_ga` is True, so
+  the Trainer neither divides by the accumulation steps nor lets DeepSpeed do it
+  (``scale_wrt_gas=False``). ``M = 1 / c`` is *measured* on the first training micro-batch
+  (:mod:`megaloss.calibration.engine_scale`, as megaloss's own loop does): the engine exists only
+  once ``trainer.train()`` has let accelerate build it, so the probe runs then, DeepSpeed's on a
+  tiny engine from the real engine's final ds_config and groups
+  (:func:`megaloss.integrations.deepspeed.probe_deepspeed`, times the probe's ``G``, which
+  ``scale_wrt_gas=False`` skips), DDP's over its ``process_group``
+  (:func:`megaloss.calibration.probe_ddp`); ``M`` is the data-parallel size for the engines of
+  today. The engine then leaves ``sum over ranks and micro-batches of sum_t w_t grad l_t``: the
+  single-device gradient of the global loss. The Trainer's logged ``loss`` (mean over ranks of
+  the per-step sums) is that global loss;
 - ``log``: adds ``ce_loss``, ``z_loss`` (the two parts of ``loss``) and ``num_valid_tokens``
   (global valid tokens per optimizer step), averaged over the steps since the last log (one
   all-reduce per log), so ``report_to`` (W&B, TensorBoard) shows them.
@@ -39,7 +49,10 @@ all-reduce of 4 numbers at the end), not the stock Trainer's mean of per-batch m
 ``gather_for_metrics`` drops, ``accelerate/accelerator.py``) are left out. The wrapped model
 returns no logits, so evaluation gives no predictions (``compute_metrics`` is not called).
 
-Scope: data parallelism (DDP, DeepSpeed ZeRO 0-3); no tensor / sequence parallelism here.
+Scope: data parallelism (DDP, DeepSpeed ZeRO 0-3). Tensor and sequence parallelism are refused
+with the reason: accelerate builds the engine without megaloss's ``Topology``, so the head would
+not be vocab-parallel over a TP group and the Trainer's sampler gives every rank whole sequences,
+not sequence-parallel slices; megaloss's own DeepSpeed loop supports both.
 """
 from __future__ import annotations
 
@@ -54,6 +67,7 @@ from ...calibration.weights import (LOSS_REDUCTIONS, compute_loss_weights, loss_
 from ...ops.labels import causal_shift
 from ...parallel.groups import SINGLE_RANK
 from ..deepspeed.config import MegalossConfig, load_megaloss_config
+from ..deepspeed.probe import engine_reduce_group
 from .causal_lm import CausalLMWithLoss
 
 try:
@@ -76,6 +90,41 @@ def megaloss_config_from_args(args: Any) -> MegalossConfig:
     return MegalossConfig()
 
 
+_USE_OWN_LOOP = ("use megaloss's own DeepSpeed loop (megaloss.integrations.deepspeed.initialize "
+                 "with Topology.build(...); the launch/train_lm.py job), which builds these groups")
+
+
+def _refuse_model_parallelism(cfg: MegalossConfig, args: Any) -> None:
+    """Tensor and sequence parallelism are refused, each with the reason (module docstring)."""
+    if cfg.tensor_parallel_size != 1:
+        raise ValueError(
+            "MegalossTrainer supports data parallelism only, not tensor parallelism "
+            f"(megaloss.tensor_parallel_size="
+            f"{cfg.tensor_parallel_size}): accelerate builds the engine without megaloss's "
+            "Topology, so the lm_head would not be vocab-parallel over a TP group "
+            "(CausalLMWithLoss(tp_group=...)) and the engine would average over the TP ranks as "
+            f"if they held data; {_USE_OWN_LOOP}")
+    if cfg.sequence_parallel_size != 1:
+        raise ValueError(
+            "MegalossTrainer supports data parallelism only, not sequence parallelism "
+            "(sequence_parallel_size="
+            f"{cfg.sequence_parallel_size}): the Trainer's sampler and collator give every rank "
+            "whole sequences, not slices of one sequence per SP group, and accelerate passes "
+            "DeepSpeed no mpu with a sequence-parallel group, so the calibration would count "
+            f"each sequence on every SP rank; {_USE_OWN_LOOP}")
+    parallelism = getattr(args, "parallelism_config", None)
+    for name in ("tp_size", "cp_size", "sp_size"):
+        size = getattr(parallelism, name, 1) if parallelism is not None else 1
+        if isinstance(size, int) and size > 1:
+            raise ValueError(
+                "MegalossTrainer supports data parallelism only, not "
+                f"TrainingArguments.parallelism_config.{name}="
+                f"{size} (accelerate's tensor / context / sequence parallelism): the loss "
+                "calibration counts the tokens of whole sequences per data-parallel rank, and "
+                "the chunked head is not vocab-parallel over accelerate's TP mesh; "
+                f"{_USE_OWN_LOOP}")
+
+
 class MegalossTrainer(Trainer):
     """A ``transformers.Trainer`` whose causal-LM loss is megaloss's (module docstring).
 
@@ -91,8 +140,12 @@ class MegalossTrainer(Trainer):
     (its ``lm_head`` is megaloss's head, holding the same weight Parameter).
 
     Raises:
-        ValueError: ``tensor_parallel_size > 1`` in the section (use megaloss's own DeepSpeed
-            loop for TP), or an invalid section.
+        ValueError: ``tensor_parallel_size > 1`` or ``sequence_parallel_size > 1`` in the section
+            (or DeepSpeed's own ``sequence_parallel_size``), or ``args.parallelism_config`` with
+            tensor / context / sequence parallelism: each refused with the reason (use
+            megaloss's own DeepSpeed loop); an invalid section.
+        megaloss.calibration.EngineScaleError: on the first training micro-batch, an engine
+            whose gradient scale megaloss cannot compensate.
     """
 
     loss_is_scaled_for_ga = True  # compute_loss's value is already calibrated for accumulation
@@ -106,9 +159,7 @@ class MegalossTrainer(Trainer):
             cfg = megaloss_config
         else:
             cfg = load_megaloss_config({"megaloss": dict(megaloss_config)})
-        if cfg.tensor_parallel_size != 1:
-            raise ValueError("MegalossTrainer supports data parallelism only "
-                             f"(megaloss.tensor_parallel_size={cfg.tensor_parallel_size})")
+        _refuse_model_parallelism(cfg, args)
         self.megaloss_config = cfg
         self.loss_reduction = cfg.ce.loss_reduction
         assert self.loss_reduction in LOSS_REDUCTIONS
@@ -117,24 +168,71 @@ class MegalossTrainer(Trainer):
         self._parts = torch.zeros(3, dtype=torch.float64)  # ce, z, tokens since the last log
         self._parts_steps = 0
         self._eval_parts = torch.zeros(4, dtype=torch.float64)  # sum u*l, sum u*z, sum u, tokens
+        self._engine_scale: Optional[tuple] = None  # (id of the engine, measured 1 / c)
         super().__init__(model=model, args=args, **kwargs)
 
-    # process groups -----------------------------------------------------------------------------
-    @staticmethod
-    def _dp_group():
-        return None if dist.is_available() and dist.is_initialized() else SINGLE_RANK
+    # process groups and the engine's scale ---------------------------------------------------
+    def _engine(self) -> Any:
+        """The engine accelerate wrapped the model in (a DeepSpeed engine, DDP), or None."""
+        wrapped = getattr(self, "model_wrapped", None)
+        return None if wrapped is None or wrapped is self.model else wrapped
 
-    @staticmethod
-    def _dp_size() -> int:
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    def _dp_group(self):
+        """The group the engine reduces gradients over (its data-parallel group): the DeepSpeed
+        engine's sequence-data-parallel group, DDP's ``process_group``; one rank when the
+        Trainer is not distributed (even if ``torch.distributed`` is initialized)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return SINGLE_RANK
+        engine = self._engine()
+        if engine is not None and hasattr(engine, "set_gradient_accumulation_boundary"):
+            group = engine_reduce_group(engine)
+            return None if group is None else group
+        if engine is not None and hasattr(engine, "process_group"):  # DDP
+            return engine.process_group
+        acc = getattr(self, "accelerator", None)
+        if acc is not None and acc.num_processes == 1:
+            return SINGLE_RANK
+        return None
+
+    def _loss_multiplier(self) -> float:
+        """``1 / c`` of the engine path the Trainer's backward takes (its loss is not divided by
+        the accumulation steps: ``loss_is_scaled_for_ga``), measured once on the engine accelerate
+        built (:mod:`megaloss.calibration.engine_scale`): DeepSpeed by a probe engine from the
+        real engine's final ds_config (``engine.backward`` with ``scale_wrt_gas`` divides by its
+        ``G``, the Trainer's ``scale_wrt_gas=False`` does not: ``G / c``), DDP by a probe over
+        its ``process_group``, 1 without an engine. Collective on the first training
+        micro-batch (every rank runs it)."""
+        engine = self._engine()
+        key = id(engine)
+        if self._engine_scale is not None and self._engine_scale[0] == key:
+            return self._engine_scale[1]
+        if engine is None or self._dp_group() is SINGLE_RANK:
+            multiplier = 1.0
+        elif hasattr(engine, "set_gradient_accumulation_boundary"):
+            from ..deepspeed.probe import probe_deepspeed
+            config = getattr(getattr(engine, "_config", None), "_param_dict", None) \
+                or engine.config
+            scale = probe_deepspeed(config, mpu=getattr(engine, "mpu", None),
+                                    group=self._dp_group())
+            multiplier = scale.loss_multiplier / scale.gradient_accumulation_steps
+        else:
+            from ...calibration.engine_scale import probe_ddp
+            device = next(self.model.parameters()).device
+            scale = probe_ddp(gas=self.args.gradient_accumulation_steps,
+                              process_group=self._dp_group(),
+                              device=device if device.type == "cuda" else None)
+            multiplier = scale.loss_multiplier
+        self._engine_scale = (key, float(multiplier))
+        return float(multiplier)
 
     def _all_reduce_cpu(self, t: torch.Tensor) -> torch.Tensor:
         """SUM over the data-parallel ranks of a small CPU tensor (itself on one rank)."""
-        if self._dp_group() is not None:
+        group = self._dp_group()
+        if group is SINGLE_RANK:
             return t
-        device = self.args.device if dist.get_backend() != "gloo" else torch.device("cpu")
+        device = self.args.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
         t = t.to(device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
         return t.cpu()
 
     # calibration ---------------------------------------------------------------------------------
@@ -205,7 +303,7 @@ class MegalossTrainer(Trainer):
             loss = out.loss / den.to(out.loss).clamp_min(torch.finfo(torch.float32).tiny)
             return (loss, {}) if return_outputs else loss
         out = model(shift_labels=shift_labels, loss_weights=weights, **kwargs)
-        loss = out.loss * self._dp_size()
+        loss = out.loss * self._loss_multiplier()
         if model.training:
             z = out.z_loss.detach().double().cpu()
             self._parts[0] += float(out.loss.detach().double().cpu() - z)

@@ -1,0 +1,75 @@
+"""CachedGatheredMultipleNegativesRankingLoss in SentenceTransformerTrainer without DeepSpeed:
+every GradCache replay takes the scale the Trainer applies to the returned loss.
+
+One process, float64, the tiny SentenceTransformer of test_hf_sentence_transformers.py, SGD
+(lr 1, no clipping, same seed: same data order), 12 triplets, 4 per micro-batch, gradient accumulation 2: the
+epoch is a full window of 2 micro-batches and a last window of 1 (the Trainer divides that one's
+loss by 1, not 2). Mini-batch 3: replays of 3 and 1 rows per micro-batch. The parameters after
+the epoch (both updates) equal those of the non-cached loss: ``||u_cached - u|| <= 1e-6 ||u||``
+per parameter (float64; summation order only). Also: a caller whose backward scales the
+returned loss otherwise than the replays gets a ValueError, not a wrong gradient.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("sentence_transformers")
+pytest.importorskip("datasets")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_hf_sentence_transformers import batch, features, load_model, make_model_dir  # noqa: E402
+
+from megaloss.integrations.hf.sentence_transformers import (  # noqa: E402
+    CachedGatheredMultipleNegativesRankingLoss, GatheredMultipleNegativesRankingLoss)
+
+PER_DEVICE, GAS, MINI, ROWS = 4, 2, 3, 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(str(tmp_path_factory.mktemp("tiny_st_windows")))
+
+
+def _train(model_dir, out_dir, cached):
+    from datasets import Dataset
+    from sentence_transformers import (SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments)
+
+    anchor, positive, negative = batch(ROWS, 1, seed=21)
+    data = Dataset.from_dict({"anchor": anchor, "positive": positive, "negative": negative})
+    model = load_model(model_dir)
+    loss = (CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=MINI) if cached
+            else GatheredMultipleNegativesRankingLoss(model))
+    args = SentenceTransformerTrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=PER_DEVICE,
+        gradient_accumulation_steps=GAS, num_train_epochs=1, learning_rate=1.0, optim="sgd",
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+        dataloader_drop_last=False)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss)
+    trainer.train()
+    assert trainer.state.global_step == 2  # windows of 2 and 1 micro-batches
+    return {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+
+
+def test_trainer_cached_update_equals_non_cached_short_last_window(model_dir, tmp_path):
+    before = {k: p.detach().clone() for k, p in load_model(model_dir).named_parameters()}
+    plain = _train(model_dir, str(tmp_path / "plain"), cached=False)
+    cached = _train(model_dir, str(tmp_path / "cached"), cached=True)
+    ratios = []
+    for name, after in plain.items():
+        u, c = after - before[name], cached[name] - before[name]
+        if u.norm() > 0:
+            ratios.append(float(c.norm() / u.norm()))
+        assert (c - u).norm() <= 1e-6 * u.norm() + 1e-12, \
+            f"{name}: |u_cached| / |u| = {float(c.norm() / max(u.norm(), 1e-30)):.4f}"
+    assert len(ratios) > len(plain) // 2  # the steps did train the model
+
+
+def test_caller_scaling_otherwise_raises(model_dir):
+    model = load_model(model_dir)
+    loss_fn = CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=MINI)
+    loss = loss_fn(features(model, batch(7, 1, seed=5)), None)  # 3 replays, 2 before returning
+    with pytest.raises(ValueError, match="scale"):
+        (loss / GAS).backward()  # the replays ran at scale 1 (no Trainer): a mismatch

@@ -24,6 +24,7 @@ import contextlib
 import datetime
 import io
 import os
+import pickle
 import queue as queue_mod
 import socket
 import sys
@@ -105,10 +106,12 @@ def _pool_worker(rank, world_size, port, tasks, results, threads, collective_tim
         task = tasks.get()
         if task is None:
             break
-        case, fn, args, sys_path = task
-        # test folders pytest put on sys.path after this process started
-        sys.path.extend(p for p in sys_path if p not in sys.path)
+        case, sys_path, payload = task
         try:
+            # Test folders pytest put on sys.path after this process started: before unpickling,
+            # which imports ``fn``'s module by name.
+            sys.path.extend(p for p in sys_path if p not in sys.path)
+            fn, args = pickle.loads(payload)
             _reseed()
             torch.set_default_dtype(default_dtype)
             torch.set_num_threads(threads)
@@ -119,9 +122,22 @@ def _pool_worker(rank, world_size, port, tasks, results, threads, collective_tim
     dist.destroy_process_group()
 
 
-def _timeout_error(fn, world_size, timeout):
-    return TimeoutError(f"{getattr(fn, '__name__', fn)} on {world_size} ranks did not finish in "
-                        f"{timeout:.0f} s (collective mismatch or deadlock?)")
+def _next_reply(replies, procs, deadline, fn, timeout):
+    """The next rank's reply; fails at the deadline, or as soon as a rank died without one (a
+    crash in C code, a kill): then waiting longer cannot help."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {len(procs)} ranks did not "
+                               f"finish in {timeout:.0f} s (collective mismatch or deadlock?)")
+        try:
+            return replies.get(timeout=min(remaining, 1.0))
+        except queue_mod.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                rank, code = dead[0]
+                raise RuntimeError(f"rank {rank} of {len(procs)} exited with code {code} "
+                                   f"before replying") from None
 
 
 class ProcessGroupPool:
@@ -169,18 +185,16 @@ class ProcessGroupPool:
             self._start()
         self._case += 1
         case = self._case
-        for q in self._tasks:
-            q.put((case, fn, args, list(sys.path)))
         out: List[Any] = [None] * self.world_size
         deadline = time.monotonic() + timeout
         done = 0
         try:
+            task = (case, list(sys.path), pickle.dumps((fn, args)))
+            for q in self._tasks:
+                q.put(task)
             while done < self.world_size:
-                try:
-                    got_case, rank, status, payload = self._results.get(
-                        timeout=max(deadline - time.monotonic(), 0.1))
-                except queue_mod.Empty:
-                    raise _timeout_error(fn, self.world_size, timeout) from None
+                got_case, rank, status, payload = _next_reply(self._results, self._procs,
+                                                              deadline, fn, timeout)
                 if got_case not in (case, -1):
                     continue  # cannot happen after a clean case; ignore stale replies
                 if status == "error":
@@ -264,11 +278,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     deadline = time.monotonic() + timeout
     try:
         for _ in range(world_size):
-            remaining = deadline - time.monotonic()
-            try:
-                rank, status, payload = queue.get(timeout=max(remaining, 0.1))
-            except queue_mod.Empty:
-                raise _timeout_error(fn, world_size, timeout) from None
+            rank, status, payload = _next_reply(queue, procs, deadline, fn, timeout)
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)

@@ -50,7 +50,7 @@ def _process_group_pools():
     pools = {}
     yield pools
     for pool in pools.values():
-        pool.close()
+        pool.close(kill=True)  # idle between cases: nothing to finish
 
 
 @pytest.fixture(autouse=True)

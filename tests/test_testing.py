@@ -35,6 +35,12 @@ def _rank0_waits_forever(rank, world):
     return rank
 
 
+def _rank1_dies(rank, world):
+    if rank == 1:
+        os._exit(3)  # no reply, no traceback: as a crash in C code
+    return rank
+
+
 def _subgroups(rank, world, size):
     import torch.distributed as dist
     groups = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
@@ -96,6 +102,12 @@ def test_a_hung_case_times_out_and_the_next_case_gets_fresh_ranks(pool):
     assert not pool.alive
     assert [r[3] for r in pool.run(_identity, timeout=120)] == [3.0, 3.0]
     assert pool.starts == starts + 1
+
+
+def test_a_dead_rank_fails_the_case_without_waiting_for_the_timeout(pool):
+    with pytest.raises(RuntimeError, match="rank 1 of 2 exited with code 3"):
+        pool.run(_rank1_dies, timeout=3600)  # the test's own 300 s timeout would fire first
+    assert [r[3] for r in pool.run(_identity, timeout=120)] == [3.0, 3.0]
 
 
 def test_run_distributed_uses_the_active_pool(pool):

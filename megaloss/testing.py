@@ -5,22 +5,44 @@ A collective mismatch makes ranks wait forever; the timeout turns that into a fa
 function runs as ``fn(rank, world_size, *args)`` after ``init_process_group``; what rank r returns
 (picklable) comes back as ``results[r]``; an exception on any rank fails the caller with that
 rank's traceback. "spawn", not "fork": forking after torch has run ops can hang in OpenMP.
+
+Two ways to get the ranks:
+
+- :func:`run_distributed` on its own spawns ``world_size`` fresh processes per call (what the
+  tools and launch checks use).
+- Inside :func:`shared_process_groups` (the test suite's conftest opens it around the cases that
+  may share), :func:`run_distributed` sends the call to a :class:`ProcessGroupPool` of that world
+  size instead: ranks spawned and joined to one gloo world once, then reused case after case,
+  which saves the spawn + ``import torch`` + rendezvous of every call. This is the pattern of
+  torch's ``MultiProcContinuousTest`` (torch/testing/_internal/common_distributed.py): each case
+  is reseeded to the same fixed value first (its outcome does not depend on what ran before), and
+  a case that fails or times out takes its pool down, so the next case gets fresh processes.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import io
 import os
+import pickle
+import queue as queue_mod
 import socket
+import sys
+import time
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 180.0
+# Before every pooled case, torch's, Python's and NumPy's generators are reseeded to this value,
+# so a case's outcome does not depend on the cases that ran before it on the same ranks.
+CASE_SEED = 0
 
 
-__all__ = ["run_distributed", "free_port", "DEFAULT_TIMEOUT_S"]
+__all__ = ["run_distributed", "free_port", "DEFAULT_TIMEOUT_S", "ProcessGroupPool",
+           "shared_process_groups"]
 
 
 def free_port() -> int:
@@ -30,24 +52,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, threads, collective_timeout):
+def _init_rank(rank, world_size, port, threads, collective_timeout):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads))
-    import datetime
-
-    import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=collective_timeout))
+
+
+def _serialise(result) -> bytes:
+    # Tensors put on a torch Queue live in shared memory that vanishes when this process exits:
+    # send serialised bytes instead.
+    buf = io.BytesIO()
+    torch.save(result, buf)
+    return buf.getvalue()
+
+
+def _worker(rank, world_size, port, fn, args, queue, threads, collective_timeout):
+    import torch.distributed as dist
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=collective_timeout))
-        result = fn(rank, world_size, *args)
-        # Tensors put on a torch Queue live in shared memory that vanishes when this process
-        # exits: send serialised bytes instead.
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        queue.put((rank, "ok", buf.getvalue()))
+        _init_rank(rank, world_size, port, threads, collective_timeout)
+        queue.put((rank, "ok", _serialise(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -55,9 +82,168 @@ def _worker(rank, world_size, port, fn, args, queue, threads, collective_timeout
             dist.destroy_process_group()
 
 
+def _reseed():
+    import random
+    random.seed(CASE_SEED)
+    torch.manual_seed(CASE_SEED)
+    try:
+        import numpy
+        numpy.random.seed(CASE_SEED)
+    except ImportError:
+        pass
+
+
+def _pool_worker(rank, world_size, port, tasks, results, threads, collective_timeout):
+    """One pooled rank: join the world once, then run cases until told to stop (``None``)."""
+    import torch.distributed as dist
+    try:
+        _init_rank(rank, world_size, port, threads, collective_timeout)
+    except BaseException:  # noqa: BLE001
+        results.put((-1, rank, "error", traceback.format_exc()))
+        return
+    default_dtype = torch.get_default_dtype()
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        case, sys_path, payload = task
+        try:
+            # Test folders pytest put on sys.path after this process started: before unpickling,
+            # which imports ``fn``'s module by name.
+            sys.path.extend(p for p in sys_path if p not in sys.path)
+            fn, args = pickle.loads(payload)
+            _reseed()
+            torch.set_default_dtype(default_dtype)
+            torch.set_num_threads(threads)
+            torch.set_grad_enabled(True)
+            results.put((case, rank, "ok", _serialise(fn(rank, world_size, *args))))
+        except BaseException:  # noqa: BLE001 - report every failure to the parent
+            results.put((case, rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def _next_reply(replies, procs, deadline, fn, timeout):
+    """The next rank's reply; fails at the deadline, or as soon as a rank died without one (a
+    crash in C code, a kill): then waiting longer cannot help."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {len(procs)} ranks did not "
+                               f"finish in {timeout:.0f} s (collective mismatch or deadlock?)")
+        try:
+            return replies.get(timeout=min(remaining, 1.0))
+        except queue_mod.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                rank, code = dead[0]
+                raise RuntimeError(f"rank {rank} of {len(procs)} exited with code {code} "
+                                   f"before replying") from None
+
+
+class ProcessGroupPool:
+    """``world_size`` spawned gloo ranks that run case after case (see the module docstring).
+
+    The ranks start on the first :meth:`run` (and again on the next one after a failure or a
+    timeout, which kills them). Cases must leave the default process group as they found it
+    (no ``destroy_process_group``); subgroups and DeviceMeshes of any shape may be created.
+    """
+
+    def __init__(self, world_size: int, threads_per_rank: int = 1,
+                 collective_timeout: float = DEFAULT_TIMEOUT_S):
+        self.world_size, self.threads_per_rank = world_size, threads_per_rank
+        self.collective_timeout = collective_timeout
+        self._procs: List[Any] = []
+        self._tasks: List[Any] = []
+        self._results: Optional[Any] = None
+        self._case = 0
+        self.starts = 0  # how many times ranks were spawned (a restart after a failure counts)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [ctx.Process(target=_pool_worker,
+                                   args=(r, self.world_size, port, self._tasks[r], self._results,
+                                         self.threads_per_rank, self.collective_timeout),
+                                   daemon=True)
+                       for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+        self.starts += 1
+
+    def run(self, fn: Callable[..., Any], *args: Any,
+            timeout: float = DEFAULT_TIMEOUT_S) -> List[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; same contract as
+        :func:`run_distributed` (``timeout`` counts from here, and includes the first start)."""
+        if not self.alive:
+            self.close()
+            self._start()
+        self._case += 1
+        case = self._case
+        out: List[Any] = [None] * self.world_size
+        deadline = time.monotonic() + timeout
+        done = 0
+        try:
+            task = (case, list(sys.path), pickle.dumps((fn, args)))
+            for q in self._tasks:
+                q.put(task)
+            while done < self.world_size:
+                got_case, rank, status, payload = _next_reply(self._results, self._procs,
+                                                              deadline, fn, timeout)
+                if got_case not in (case, -1):
+                    continue  # cannot happen after a clean case; ignore stale replies
+                if status == "error":
+                    raise RuntimeError(f"rank {rank} of {self.world_size} failed:\n{payload}")
+                out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                done += 1
+        except BaseException:
+            self.close(kill=True)  # one bad case must not poison the next one
+            raise
+        return out
+
+    def close(self, kill: bool = False):
+        """Stop the ranks (``kill``: at once, without letting them finish their case)."""
+        if not kill:
+            for q in self._tasks:
+                with contextlib.suppress(Exception):
+                    q.put(None)
+        for p in self._procs:
+            if not kill:
+                p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs, self._tasks, self._results = [], [], None
+
+
+_ACTIVE: Optional[Dict[Tuple[int, int], ProcessGroupPool]] = None
+
+
+@contextlib.contextmanager
+def shared_process_groups(pools: Optional[Dict[Tuple[int, int], ProcessGroupPool]] = None
+                          ) -> Iterator[Dict[Tuple[int, int], ProcessGroupPool]]:
+    """Within this block, :func:`run_distributed` runs on a :class:`ProcessGroupPool` per
+    ``(world_size, threads_per_rank)``, kept in ``pools`` (pass the same dict to a later block
+    to reuse its ranks; the caller closes them). Yields ``pools``."""
+    global _ACTIVE
+    pools = {} if pools is None else pools
+    previous, _ACTIVE = _ACTIVE, pools
+    try:
+        yield pools
+    finally:
+        _ACTIVE = previous
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
                     timeout: float = DEFAULT_TIMEOUT_S, threads_per_rank: int = 1) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes.
+
+    Fresh processes per call, or a shared pool's ranks inside :func:`shared_process_groups`.
 
     Args:
         fn: importable (module level) function; its return value must be picklable.
@@ -73,6 +259,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
         RuntimeError: a rank failed (with its traceback).
         TimeoutError: the ranks did not all finish within ``timeout`` seconds.
     """
+    if _ACTIVE is not None:
+        key = (world_size, threads_per_rank)
+        if key not in _ACTIVE:
+            _ACTIVE[key] = ProcessGroupPool(world_size, threads_per_rank)
+        return _ACTIVE[key].run(fn, *args, timeout=timeout)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -84,17 +275,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     for p in procs:
         p.start()
     results: List[Any] = [None] * world_size
-    import queue as queue_mod
-    import time
     deadline = time.monotonic() + timeout
     try:
         for _ in range(world_size):
-            remaining = deadline - time.monotonic()
-            try:
-                rank, status, payload = queue.get(timeout=max(remaining, 0.1))
-            except queue_mod.Empty:
-                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in "
-                                   f"{timeout:.0f} s (collective mismatch or deadlock?)") from None
+            rank, status, payload = _next_reply(queue, procs, deadline, fn, timeout)
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)

@@ -5,16 +5,29 @@ Tiers: ``pytest -m "not slow"`` is the fast tier (single process, under a minute
 (``pytest``, what CI runs) adds the tests marked ``slow``. Every test that spawns processes or
 builds a DeepSpeed engine is ``slow`` (marked here from its ``distributed`` / ``deepspeed``
 marker, so no such test can land in the fast tier by accident).
+
+Process groups: ``megaloss.testing.run_distributed`` inside a test runs on a pool of spawned gloo
+ranks per world size, started once per session and shared by the tests (reseeded before each
+case, respawned after a failure or timeout; see ``megaloss/testing.py``). Tests marked
+``deepspeed`` or ``fresh_processes`` get freshly spawned ranks instead.
 """
 import os
 import sys
 
 import pytest
+import torch
+
+from megaloss.testing import shared_process_groups
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Shared test helpers (float64 references, launcher helpers) and the launch jobs' support package.
 sys.path.insert(0, os.path.join(HERE, "helpers"))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "launch"))
+
+# One torch thread in the pytest process: the cases use tiny shapes, and on a small machine
+# shared with other processes a second OpenMP thread mostly spins (measured: a [1, 8] x [8, 16]
+# bf16 matmul 0.005 ms with one thread, 1-14 ms with two on a loaded 2-core machine).
+torch.set_num_threads(1)
 
 
 def pytest_configure(config):
@@ -22,9 +35,32 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "deepspeed: runs a real DeepSpeed engine (slow tier)")
     config.addinivalue_line("markers", "slow: not in the fast tier (CI runs everything)")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU, skips without (gpu_check.sh)")
+    config.addinivalue_line("markers", "fresh_processes: run_distributed spawns new ranks for "
+                            "this test instead of using the shared pool")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("distributed") or item.get_closest_marker("deepspeed"):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def _process_group_pools():
+    pools = {}
+    yield pools
+    for pool in pools.values():
+        pool.close(kill=True)  # idle between cases: nothing to finish
+
+
+@pytest.fixture(autouse=True)
+def _shared_process_groups(request, _process_group_pools):
+    """Route ``run_distributed`` to the session's pools, except for DeepSpeed tests (an engine
+    leaves process-global state behind: its comm backend, groups, ZeRO hooks) and tests marked
+    ``fresh_processes``."""
+    node = request.node
+    if node.get_closest_marker("deepspeed") or node.get_closest_marker("fresh_processes"):
+        yield
+        return
+    with shared_process_groups(_process_group_pools):
+        yield

@@ -160,8 +160,27 @@ def _check(results, world, sp, tp):
     assert not failures, "\n".join(failures[:20])
 
 
+def _run_each(rank, world, meshes):
+    """Every ``(sp, tp)`` of ``meshes`` on the same ranks, one after the other (one spawn and
+    one set of imports for all the layouts of a world size)."""
+    return {(sp, tp): _run(rank, world, sp, tp, LAYOUTS[(world, sp, tp)]) for sp, tp in meshes}
+
+
+@pytest.fixture(scope="module")
+def world4_results():
+    """DP=2 x SP=2 and SP=2 x TP=2 in one 4-process spawn: ``{(sp, tp): per-rank results}``."""
+    meshes = [(sp, tp) for world, sp, tp in LAYOUTS if world == 4]
+    per_rank = run_distributed(_run_each, 4, meshes, timeout=600)
+    return {mesh: [r[mesh] for r in per_rank] for mesh in meshes}
+
+
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("world, sp, tp", list(LAYOUTS), ids=["sp2", "dp2xsp2", "sp2xtp2"])
-def test_ulysses_sequence_parallel_matches_single_device(world, sp, tp):
-    results = run_distributed(_run, world, sp, tp, LAYOUTS[(world, sp, tp)], timeout=400)
-    _check(results, world, sp, tp)
+def test_ulysses_sp2_matches_single_device():
+    results = run_distributed(_run, 2, 2, 1, LAYOUTS[(2, 2, 1)], timeout=400)
+    _check(results, 2, 2, 1)
+
+
+@pytest.mark.timeout(660)
+@pytest.mark.parametrize("sp, tp", [(2, 1), (2, 2)], ids=["dp2xsp2", "sp2xtp2"])
+def test_ulysses_world4_matches_single_device(world4_results, sp, tp):
+    _check(world4_results[(sp, tp)], 4, sp, tp)

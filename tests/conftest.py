@@ -12,9 +12,9 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Shared test helpers (float64 references, launcher helpers) and the launch jobs' support package.
+# Shared test helpers (float64 references, launcher helpers). The launch jobs are the package
+# ``launch`` at the repository root, imported as ``launch.*`` like megaloss.
 sys.path.insert(0, os.path.join(HERE, "helpers"))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "launch"))
 
 
 def pytest_configure(config):

@@ -17,15 +17,14 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from launch_helpers import REPO, run_deepspeed_launcher
+from launch_helpers import REPO, launcher_env, run_deepspeed_launcher, wait_until
 
-from jobs.code_search import stdlib_root
+from launch.jobs.code_search import stdlib_root
 from megaloss.testing import free_port
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
@@ -38,8 +37,7 @@ class Launched:
     def __init__(self, script: Path, args: list) -> None:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
                "--master_port", str(free_port()), str(script), *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines = []
@@ -54,12 +52,18 @@ class Launched:
     def output(self) -> str:
         return "".join(self.lines)
 
-    def wait_for(self, text: str, timeout: float) -> None:
-        t0 = time.monotonic()
-        while text not in self.output:
-            assert self.proc.poll() is None or self.reader.is_alive(), self.output[-4000:]
-            assert time.monotonic() - t0 < timeout, f"no {text!r} in:\n{self.output[-4000:]}"
-            time.sleep(0.2)
+    def alive(self) -> bool:
+        return self.proc.poll() is None or self.reader.is_alive()
+
+    def wait_for_steps(self, monitor_file: Path, steps: int, timeout: float) -> None:
+        """Until the run has logged ``steps`` optimizer steps (DeepSpeed's csv_monitor appends
+        one ``step,value`` line per step to ``monitor_file``)."""
+        def logged():
+            return monitor_file.exists() and len(monitor_file.read_text().splitlines()) > steps
+        try:
+            wait_until(logged, timeout, f"{steps} steps in {monitor_file}", alive=self.alive)
+        except AssertionError as e:
+            raise AssertionError(f"{e}:\n{self.output[-4000:]}") from None
 
     def finish(self, timeout: float) -> str:
         """Wait until every process of the session has closed the output (all exited)."""
@@ -111,8 +115,7 @@ def test_ctrl_c_saves_and_resume_continues_lm(tmp_path):
             "--vocab_size", "300", "--eval_blocks", "8", "--eval_every", "0",
             "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"), "--no_progress"]
     job = Launched(REPO / "launch" / "train_lm.py", args + ["--steps", "100000"])
-    job.wait_for("before training", timeout=240)
-    time.sleep(2.0)  # some steps
+    job.wait_for_steps(out / "monitor" / "megaloss" / "Train_megaloss_loss.csv", 2, timeout=240)
     os.killpg(job.proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
     output = job.finish(timeout=120)
     k = _check_stopped(out, output, "SIGINT", "lm")
@@ -133,8 +136,8 @@ def test_sigterm_to_the_launcher_saves_and_resume_continues_embed(tmp_path):
             "--max_query_len", "16", "--output_dir", str(out), "--cache_dir",
             str(tmp_path / "cache"), "--no_progress"]
     job = Launched(REPO / "launch" / "train_embed.py", args + ["--steps", "100000"])
-    job.wait_for("before training", timeout=240)
-    time.sleep(2.0)
+    job.wait_for_steps(out / "monitor" / "megaloss" / "Train_megaloss_mnr_loss.csv", 2,
+                       timeout=240)
     launch_py = psutil.Process(job.proc.pid).children()[0]  # deepspeed.launcher.launch
     assert "deepspeed.launcher.launch" in " ".join(launch_py.cmdline())
     launch_py.send_signal(signal.SIGTERM)

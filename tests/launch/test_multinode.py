@@ -177,7 +177,7 @@ def _wait_all(procs: dict, tmp_path: Path, timeout: float) -> None:
         for p in procs.values():  # one failed launcher must not leave the others waiting
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+                p.wait(timeout=30)
 
 
 def _metrics(out: Path) -> list:

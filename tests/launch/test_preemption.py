@@ -151,29 +151,26 @@ def preempted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("preemption")
     runs = {}
 
-    out = tmp / "lm"
-    job = Launched(REPO / "launch" / "train_lm.py",
-                   _lm_args(out, tmp / "cache") + ["--steps", "100000"])
-    try:
-        job.wait_for_steps(out / "monitor" / "megaloss" / "Train_megaloss_loss.csv", 2,
-                           timeout=240)
-        os.killpg(job.proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
-        runs["lm"] = (out, job.finish(timeout=120))
-    finally:
-        job.kill()
+    def ctrl_c(job):  # what Ctrl-C in the terminal sends: SIGINT to the whole process group
+        os.killpg(job.proc.pid, signal.SIGINT)
 
-    out = tmp / "embed"
-    job = Launched(REPO / "launch" / "train_embed.py",
-                   _embed_args(out, tmp / "cache") + ["--steps", "100000"])
-    try:
-        job.wait_for_steps(out / "monitor" / "megaloss" / "Train_megaloss_mnr_loss.csv", 2,
-                           timeout=240)
+    def sigterm_to_launch_py(job):
         launch_py = psutil.Process(job.proc.pid).children()[0]  # deepspeed.launcher.launch
         assert "deepspeed.launcher.launch" in " ".join(launch_py.cmdline())
         launch_py.send_signal(signal.SIGTERM)
-        runs["embed"] = (out, job.finish(timeout=120))
-    finally:
-        job.kill()
+
+    for name, args, monitor_file, stop in (
+            ("lm", _lm_args, "Train_megaloss_loss.csv", ctrl_c),
+            ("embed", _embed_args, "Train_megaloss_mnr_loss.csv", sigterm_to_launch_py)):
+        out = tmp / name
+        job = Launched(REPO / "launch" / f"train_{name}.py",
+                       args(out, tmp / "cache") + ["--steps", "100000"])
+        try:
+            job.wait_for_steps(out / "monitor" / "megaloss" / monitor_file, 2, timeout=240)
+            stop(job)
+            runs[name] = (out, job.finish(timeout=120))
+        finally:
+            job.kill()
 
     resumes = []
     for name, (out, _) in runs.items():

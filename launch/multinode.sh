@@ -1,5 +1,7 @@
-# Sourced by launch/train_lm.sh and launch/train_embed.sh once they have set JOB (the path of the
-# script the deepspeed launcher runs) and their positional arguments (the job's arguments). Starts
+# Sourced by the launch/train_*.sh scripts once they have set REPO (the repository root), JOB (the
+# path of the script the deepspeed launcher runs) and their positional arguments (the job's
+# arguments). The jobs import their shared code as the package launch.jobs: the repository root
+# goes first on PYTHONPATH, which every rank inherits (and DeepSpeed's ssh launcher exports). Starts
 # with `deepspeed` on one node, or on several from the settings a scheduler puts in the
 # environment (launch/README.md, "Several nodes"):
 #   NUM_PROCS                 processes per node (default 2; on GPUs: GPUs per node)
@@ -11,6 +13,7 @@
 # --node_rank R --master_addr A --master_port P --num_gpus NUM_PROCS` (a hostfile is written to
 # $TMPDIR when none is given: in this form its names are only labels). Without a node rank but with HOSTFILE:
 # this one launcher starts every node over ssh (pdsh). DRY_RUN=1 prints the command instead.
+export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
 NUM_PROCS_SET="${NUM_PROCS:+1}"
 NUM_PROCS="${NUM_PROCS:-2}"
 NNODES="${NNODES:-${PET_NNODES:-${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-}}}}"

@@ -2,19 +2,22 @@
 """Train the code-search bi-encoder through sentence-transformers' ``SentenceTransformerTrainer``
 with megaloss's gathered MNR loss, under DeepSpeed.
 
-Run through the launcher (it passes ``--local_rank``)::
+Run through the launcher (it passes ``--local_rank``) with the repository root on
+``PYTHONPATH``, as ``launch/train_embed_hf.sh`` does::
 
+    export PYTHONPATH=.
     deepspeed --num_gpus 2 launch/train_embed_hf.py            # configs/zero2_hf.json (ZeRO-2)
     deepspeed --num_gpus 2 launch/train_embed_hf.py --mini_batch_size 16   # GradCache variant
 
 The same task as ``launch/train_embed.py`` (megaloss's own DeepSpeed loop), the Hugging Face way:
 
 - data: the same (docstring -> function source) pairs from this interpreter's standard library
-  and the same held-out files (``launch/jobs/code_search.py``, cached with ``train_embed.py``'s
-  ``load_pairs_cached``, so both jobs share the cache and the split); the same byte-level BPE
-  (``launch/jobs/text_data.py``), here wrapped as a ``transformers.PreTrainedTokenizerFast``;
+  and the same held-out files (:mod:`launch.jobs.code_search`, cached by
+  :func:`launch.jobs.pair_data.load_pairs_cached`, so both jobs share the cache and the split);
+  the same byte-level BPE (:mod:`launch.jobs.text_data`), here wrapped as a
+  ``transformers.PreTrainedTokenizerFast``;
 - model: a ``SentenceTransformer`` of a ``Transformer`` module (a small random-init BERT from a
-  ``transformers.BertConfig``, ``train_embed.py``'s ``build_encoder``; no download) and mean
+  ``transformers.BertConfig``, :func:`launch.jobs.models.build_encoder`; no download) and mean
   ``Pooling``;
 - loss: ``megaloss.integrations.hf.sentence_transformers.GatheredMultipleNegativesRankingLoss``
   (in-batch negatives from every data-parallel rank, exact cross-rank gradients); with
@@ -42,107 +45,58 @@ filling, optimizer/scheduler choice), this repository's
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import shutil
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model is built here
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*", category=FutureWarning)
+import torch
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from launch.jobs.arguments import (add_embedding_arguments, add_job_arguments,
+                                   add_pair_data_arguments, add_trainer_arguments, job_parser,
+                                   require_at_least)
+from launch.jobs.models import build_encoder
+from launch.jobs.pair_data import load_pairs_cached, tokenizer_cached
+from launch.jobs.reporting import (Curve, plot_loss_curve, print_summary_table, rank0_logger,
+                                   write_metrics_csv, write_summary_json)
+from launch.jobs.retrieval import evaluate_sentence_transformer
+from launch.jobs.runs import (agreed, finish_run, open_trainer_run, quiet_job_environment,
+                              start_trainer_process)
+from launch.jobs.summaries import retrieval_summary_rows
+from launch.jobs.text_data import EOS
 
-from jobs.reporting import (  # noqa: E402
-    Curve, plot_loss_curve, print_summary_table, rank0_logger, write_metrics_csv,
-    write_summary_json)
-from jobs.runs import agreed, open_fresh_run, start_trainer_process  # noqa: E402
-from jobs.text_data import EOS  # noqa: E402
-# Pieces that live only in the megaloss-loop embedding job: the cached pair extraction and
-# tokenizer (same cache keys, so both jobs share data and split), the encoder and the metrics.
-from train_embed import (  # noqa: E402
-    MODEL_SIZES, build_encoder, load_pairs_cached, retrieval_metrics, tokenizer_cached)
-
-REPO = Path(__file__).resolve().parent.parent
+quiet_job_environment()
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--deepspeed_config", type=str,
-                   default=str(REPO / "configs" / "zero2_hf.json"),
-                   help="ds_config JSON for the Trainer ('auto' keys are filled from the "
-                        "arguments); its 'megaloss.mnr' section sets the loss")
-    p.add_argument("--train_data", nargs="+", default=None,
-                   help=".py files, directories or .jsonl files of {query, document}; "
-                        "default: the Python standard library")
-    p.add_argument("--eval_data", nargs="+", default=None,
-                   help="held-out sources; default: whole files held out from --train_data")
-    p.add_argument("--eval_fraction", type=float, default=0.1)
-    p.add_argument("--max_train", type=int, default=None, help="cap on training pairs")
-    p.add_argument("--max_eval", type=int, default=None, help="cap on held-out pairs")
-    p.add_argument("--steps", type=int, default=150,
-                   help="optimizer steps (train_embed.py: 200; 150 keeps the default run at a "
-                        "few minutes on 2 CPU cores)")
-    p.add_argument("--batch_size", type=int, default=32,
-                   help="pairs per rank per micro-batch (the Trainer's "
-                        "per_device_train_batch_size)")
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--mini_batch_size", type=int, default=None,
-                   help="use CachedGatheredMultipleNegativesRankingLoss (GradCache): embed and "
-                        "back-propagate N pairs at a time; the loss is still over the whole "
-                        "global batch")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup_steps", type=int, default=20)
-    p.add_argument("--model_size", choices=sorted(MODEL_SIZES), default="small")
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--vocab_size", type=int, default=4096)
+    p = job_parser(__doc__)
+    # train_embed.py: 200 steps; 150 keep the default run at a few minutes on 2 CPU cores
+    add_job_arguments(p, steps=150, output_dir=os.path.join("runs", "embed_hf"))
+    add_pair_data_arguments(p)
+    add_embedding_arguments(p)
     p.add_argument("--max_seq_len", type=int, default=128,
                    help="tokens per text (queries and documents alike)")
-    p.add_argument("--eval_batch_size", type=int, default=128)
-    p.add_argument("--logging_steps", type=int, default=10,
-                   help="the Trainer logs (and metrics.csv gets) every N steps, and step 1")
-    p.add_argument("--report_to", type=str, default="none",
-                   help="the Trainer's report_to: none, wandb, tensorboard, all")
+    add_trainer_arguments(p, loss_section="mnr", batch_size=32, gradient_accumulation_steps=1,
+                          unit="pairs")
     p.add_argument("--save_model", action="store_true",
                    help="save the trained SentenceTransformer to <output_dir>/model")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output_dir", type=str, default=os.path.join("runs", "embed_hf"),
-                   help="the run's folder, relative to the current directory")
-    p.add_argument("--cache_dir", type=str,
-                   default=os.environ.get("MEGALOSS_CACHE",
-                                          os.path.join(Path.home(), ".cache", "megaloss")),
-                   help="where extracted pairs and the tokenizer are cached")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the run already in --output_dir")
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
-    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                   help="set by the deepspeed launcher")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "gradient_accumulation_steps", "vocab_size",
-                 "max_seq_len", "eval_batch_size", "logging_steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
-    if args.mini_batch_size is not None and args.mini_batch_size < 1:
-        p.error("--mini_batch_size must be >= 1")
+    require_at_least(p, args, ("steps", "batch_size", "gradient_accumulation_steps", "vocab_size",
+                               "max_seq_len", "eval_batch_size", "logging_steps",
+                               "mini_batch_size"))
     return args
 
 
 # model -----------------------------------------------------------------------------------------
 def build_sentence_transformer(tokenizer, args: argparse.Namespace):
     """A ``SentenceTransformer([Transformer, Pooling(mean)])`` around a random-init BERT
-    (``train_embed.build_encoder``: sizes from :data:`train_embed.MODEL_SIZES`) and the job's
-    BPE (a ``tokenizers.Tokenizer``, :data:`jobs.text_data.EOS` as padding). sentence-transformers
-    loads a ``Transformer`` module from a folder, so model and tokenizer go through a temporary
-    one per process (same seed on every rank: the same weights; DeepSpeed broadcasts rank 0's
-    anyway). Not collective."""
+    (:func:`launch.jobs.models.build_encoder`: sizes from :data:`launch.jobs.models.BERT_SIZES`)
+    and the job's BPE (a ``tokenizers.Tokenizer``, :data:`launch.jobs.text_data.EOS` as padding).
+    sentence-transformers loads a ``Transformer`` module from a folder, so model and tokenizer go
+    through a temporary one per process (same seed on every rank: the same weights; DeepSpeed
+    broadcasts rank 0's anyway). Not collective."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
     from transformers import PreTrainedTokenizerFast
@@ -194,37 +148,6 @@ def build_loss(model, mnr, mini_batch_size: Optional[int]):
                                                       **kwargs)
 
 
-# evaluation ------------------------------------------------------------------------------------
-@torch.no_grad()
-def embed_texts(model, texts: List[str], batch_size: int) -> torch.Tensor:
-    """Embeddings ``[N, D]`` (float32, CPU) of all ``N`` texts, the same on every rank. Each rank
-    encodes a contiguous shard of ``ceil(N / world)`` texts (the last ones padded with the first
-    text, so every rank runs the same number of forwards, as ZeRO-3's collective parameter
-    gathers need), then one all-gather."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    per = math.ceil(len(texts) / world)
-    mine = texts[rank * per:(rank + 1) * per]
-    emb = model.encode(mine + [texts[0]] * (per - len(mine)), batch_size=batch_size,
-                       convert_to_tensor=True, show_progress_bar=False).float()
-    if world == 1:
-        return emb[:len(texts)].cpu()
-    parts = [torch.empty_like(emb) for _ in range(world)]
-    dist.all_gather(parts, emb.contiguous())
-    return torch.cat(parts)[:len(texts)].cpu()
-
-
-def evaluate(model, queries: List[str], documents: List[str],
-             batch_size: int) -> Dict[str, float]:
-    """Held-out ``mrr@10`` and ``recall@1`` of retrieving document i for query i among all
-    held-out documents (``train_embed.retrieval_metrics``: cosine); collective."""
-    was_training = model.training
-    q = embed_texts(model, queries, batch_size)
-    d = embed_texts(model, documents, batch_size)
-    model.train(was_training)
-    return retrieval_metrics(q, d)
-
-
 # outputs ---------------------------------------------------------------------------------------
 def train_rows(log_history: List[Dict[str, Any]]) -> List[Dict[str, float]]:
     """The Trainer's training log entries (``{"loss", "grad_norm", "learning_rate", "epoch",
@@ -252,12 +175,7 @@ def write_outputs(out_dir: Path, rows: List[Dict[str, float]], summary: Dict) ->
 
 
 def print_summary(summary: Dict) -> None:
-    b, a = summary["eval_before"], summary["eval_after"]
-    rows = [("held-out MRR@10", f"{b['mrr@10']:.4f}", f"{a['mrr@10']:.4f}"),
-            ("held-out recall@1", f"{b['recall@1']:.4f}", f"{a['recall@1']:.4f}")]
-    if summary["first_loss"] is not None:
-        rows.append(("train MNR loss (first / last log)", f"{summary['first_loss']:.4f}",
-                     f"{summary['last_loss']:.4f}"))
+    rows = retrieval_summary_rows(summary, "train MNR loss (first / last log)")
     extra = (f"{summary['train_pairs']} train / {summary['eval_pairs']} held-out pairs, "
              f"{summary['steps']} steps x {summary['global_batch']} pairs (micro-batch "
              f"{summary['micro_batch']} x GAS {summary['gas']} x DP {summary['dp']}), ZeRO-"
@@ -270,16 +188,11 @@ def print_summary(summary: Dict) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    from megaloss.integrations.deepspeed import load_megaloss_config
-
     out_dir = Path(args.output_dir)
     rank, world = start_trainer_process(args.local_rank, args.report_to, out_dir)
     log = rank0_logger("embed_hf", rank, t_start)
 
-    with open(args.deepspeed_config, encoding="utf-8") as f:
-        ds_config = json.load(f)
-    ml = load_megaloss_config(ds_config)  # validates the "megaloss" section
-    agreed(lambda: open_fresh_run(out_dir, args.overwrite), what=f"--output_dir {out_dir}")
+    ds_config, ml = open_trainer_run(args, out_dir)
 
     train, held, data_key = load_pairs_cached(args)
     tokenizer = tokenizer_cached([t for p in train for t in (p.query, p.document)],
@@ -296,7 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                    what="building the SentenceTransformer")
     n_params = sum(p.numel() for p in model.parameters())
     queries, documents = [p.query for p in held], [p.document for p in held]
-    before = evaluate(model, queries, documents, args.eval_batch_size)
+    before = evaluate_sentence_transformer(model, queries, documents, args.eval_batch_size)
     log(f"before training: held-out MRR@10 {before['mrr@10']:.4f}, "
         f"recall@1 {before['recall@1']:.4f}")
 
@@ -327,7 +240,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     train_seconds = time.perf_counter() - t_train
     model = trainer.model  # the SentenceTransformer, trained (DeepSpeed's engine wraps it)
     log(f"trained {trainer.state.global_step} steps in {train_seconds:.1f} s")
-    after = evaluate(model, queries, documents, args.eval_batch_size)
+    after = evaluate_sentence_transformer(model, queries, documents, args.eval_batch_size)
     log(f"after training: held-out MRR@10 {after['mrr@10']:.4f}, "
         f"recall@1 {after['recall@1']:.4f}")
     trainer.log({"eval_mrr@10": after["mrr@10"], "eval_recall@1": after["recall@1"]})
@@ -351,12 +264,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                "data": "stdlib" if args.train_data is None else "user data",
                "data_key": data_key, "train_seconds": train_seconds,
                "total_seconds": time.perf_counter() - t_start}
-    if rank == 0:
-        write_outputs(out_dir, rows, summary)
-        print_summary(summary)
-        log(f"wrote {out_dir / 'metrics.csv'}, {out_dir / 'loss_curve.png'}, "
-            f"{out_dir / 'summary.json'}")
-    dist.barrier()
+    finish_run(out_dir, rank, lambda: write_outputs(out_dir, rows, summary),
+               lambda: print_summary(summary), log)
     return summary
 
 

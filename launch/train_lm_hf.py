@@ -2,17 +2,19 @@
 """Train the LM job's small Llama through ``transformers.Trainer`` with megaloss's chunked
 cross-entropy and global loss calibration (``MegalossTrainer``), under DeepSpeed.
 
-Run through the launcher (it passes ``--local_rank``)::
+Run through the launcher (it passes ``--local_rank``) with the repository root on
+``PYTHONPATH``, as ``launch/train_lm_hf.sh`` does::
 
+    export PYTHONPATH=.
     deepspeed --num_gpus 2 launch/train_lm_hf.py              # configs/zero2_hf.json (ZeRO-2)
     deepspeed --num_gpus 2 launch/train_lm_hf.py --report_to wandb   # WANDB_MODE=offline here
 
 The same task as ``launch/train_lm.py`` (megaloss's own DeepSpeed loop), the Hugging Face way:
 
 - data: the same standard-library text, held-out files, BPE tokenizer and token cache
-  (``launch/jobs/text_data.py`` through ``train_lm.py``'s ``load_data``), cut into blocks of
+  (:func:`launch.jobs.lm_data.load_data`, as ``train_lm.py``), cut into blocks of
   ``--seq_len`` tokens with ``shift_labels`` (already shifted targets, ``[N, seq_len]`` int64);
-- model: ``train_lm.py``'s ``build_model`` (a ``transformers.LlamaForCausalLM`` from a
+- model: :func:`launch.jobs.models.build_llama` (a ``transformers.LlamaForCausalLM`` from a
   ``LlamaConfig``, random init, no download), wrapped in ``megaloss.CausalLMWithLoss``;
 - training: ``megaloss.integrations.hf.trainer.MegalossTrainer`` (a ``transformers.Trainer``):
   no ``[tokens, vocab]`` logits, each optimizer step's loss the global token mean over its
@@ -38,94 +40,50 @@ Sources: transformers 5.24 ``trainer.py`` and ``integrations/deepspeed.py``; thi
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*", category=FutureWarning)
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from launch.jobs.arguments import (add_job_arguments, add_llama_arguments, add_lm_data_arguments,
+                                   add_trainer_arguments, job_parser, require_at_least)
+from launch.jobs.lm_data import eval_batches, load_blocks
+from launch.jobs.models import build_llama
+from launch.jobs.reporting import print_summary_table, rank0_logger
+from launch.jobs.runs import (finish_run, open_trainer_run, quiet_job_environment,
+                              start_trainer_process)
+from launch.jobs.summaries import lm_summary_rows, write_lm_outputs
 
-from jobs.reporting import (  # noqa: E402
-    Curve, plot_loss_curve, print_summary_table, rank0_logger, write_metrics_csv,
-    write_summary_json)
-from jobs.runs import agreed, open_fresh_run, start_trainer_process  # noqa: E402
-# Pieces that live only in the megaloss-loop LM job: the cached stdlib split, tokenizer and token
-# streams (same cache keys, so both jobs share them), the model and the eval sharding.
-from train_lm import MODEL_SIZES, build_model, eval_batches, load_data, make_blocks  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
+quiet_job_environment()
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--deepspeed_config", type=str,
-                   default=str(REPO / "configs" / "zero2_hf.json"),
-                   help="ds_config JSON for the Trainer ('auto' keys are filled from the "
-                        "arguments); its 'megaloss.ce' section sets the loss")
-    p.add_argument("--train_data", nargs="*", default=None,
-                   help="text files or directories (.py/.txt/.md/.rst); default: the stdlib")
-    p.add_argument("--eval_data", nargs="*", default=None,
-                   help="held-out text files or directories; default: the stdlib's held-out "
-                        "files, or a crc32 split of --train_data files")
-    p.add_argument("--eval_fraction", type=float, default=0.05)
-    p.add_argument("--max_train_bytes", type=int, default=2_500_000,
-                   help="keep a strided subset of training files under this size (0: all)")
-    p.add_argument("--steps", type=int, default=150, help="optimizer steps")
-    p.add_argument("--batch_size", type=int, default=4,
-                   help="blocks per rank per micro-batch (per_device_train_batch_size)")
-    p.add_argument("--gradient_accumulation_steps", type=int, default=2)
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--vocab_size", type=int, default=2048, help="BPE vocabulary size")
-    p.add_argument("--model_size", choices=sorted(MODEL_SIZES), default="small")
-    p.add_argument("--hidden_size", type=int, default=None, help="overrides --model_size")
-    p.add_argument("--num_layers", type=int, default=None, help="overrides --model_size")
-    p.add_argument("--num_heads", type=int, default=None, help="overrides --model_size")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup_steps", type=int, default=10)
-    p.add_argument("--lr_scheduler", type=str, default="constant_with_warmup",
+    p = job_parser(__doc__)
+    add_job_arguments(p, steps=150, output_dir=os.path.join("runs", "lm_hf"))
+    add_lm_data_arguments(p)
+    add_llama_arguments(p)
+    g = p.add_argument_group("optimization")
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--warmup_steps", type=int, default=10)
+    g.add_argument("--lr_scheduler", type=str, default="constant_with_warmup",
                    help="the Trainer's lr_scheduler_type (the default: linear warm-up, then "
                         "constant, as train_lm.py's configs)")
-    p.add_argument("--eval_blocks", type=int, default=64,
-                   help="held-out blocks of seq_len tokens evaluated (evenly spaced)")
-    p.add_argument("--eval_batch_size", type=int, default=8)
-    p.add_argument("--eval_every", type=int, default=50,
-                   help="steps between held-out evaluations (0: only before and after)")
-    p.add_argument("--logging_steps", type=int, default=10,
-                   help="the Trainer logs (and metrics.csv gets) every N steps, and step 1")
-    p.add_argument("--report_to", type=str, default="none",
-                   help="the Trainer's report_to: none, wandb, tensorboard, all")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output_dir", type=str, default=os.path.join("runs", "lm_hf"),
-                   help="the run's folder, relative to the current directory")
-    p.add_argument("--cache_dir", type=str,
-                   default=os.environ.get("MEGALOSS_CACHE", str(Path.home() / ".cache" /
-                                                                "megaloss")))
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the run already in --output_dir")
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
-    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                   help="set by the deepspeed launcher")
+    g.add_argument("--eval_batch_size", type=int, default=8)
+    add_trainer_arguments(p, loss_section="ce", batch_size=4, gradient_accumulation_steps=2,
+                          unit="blocks")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "gradient_accumulation_steps", "seq_len",
-                 "eval_blocks", "eval_batch_size", "logging_steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
-    if args.eval_every < 0:
-        p.error("--eval_every must be >= 0")
+    require_at_least(p, args, ("steps", "batch_size", "gradient_accumulation_steps", "seq_len",
+                               "eval_blocks", "eval_batch_size", "logging_steps"))
+    require_at_least(p, args, ("eval_every",), minimum=0)
     return args
 
 
 class Blocks(torch.utils.data.Dataset):
-    """Rows of :func:`jobs.text_data.lm_blocks`' output: ``{"input_ids": [T], "shift_labels":
+    """Rows of :func:`launch.jobs.text_data.lm_blocks`' output: ``{"input_ids": [T], "shift_labels":
     [T]}`` int64 each (``default_data_collator`` stacks them to ``[B, T]``)."""
 
     def __init__(self, blocks: Dict[str, torch.Tensor]) -> None:
@@ -142,8 +100,8 @@ class Blocks(torch.utils.data.Dataset):
 def evaluate(model, batches: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
     """Held-out token-mean cross-entropy (nats, z-loss excluded) of ``model`` (a
     :class:`megaloss.CausalLMWithLoss` with ``reduction="sum"``) over this rank's ``batches``
-    (:func:`train_lm.eval_batches`: the same count on every rank), summed over ranks with one
-    all-reduce; collective. Returns ``{"loss", "perplexity", "num_tokens"}``."""
+    (:func:`launch.jobs.lm_data.eval_batches`: the same count on every rank), summed over ranks
+    with one all-reduce; collective. Returns ``{"loss", "perplexity", "num_tokens"}``."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -187,11 +145,8 @@ def eval_callback(batches, evals: List[Dict[str, Any]], every: int, log):
 
 
 # outputs ---------------------------------------------------------------------------------------
-def train_rows(log_history: List[Dict[str, Any]],
-               evals: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """metrics.csv rows: the Trainer's training logs (one per ``--logging_steps``), with the
-    held-out CE / perplexity where an evaluation fell on that step (else empty)."""
-    eval_at = {e["step"]: e for e in evals}
+def train_rows(log_history: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """metrics.csv rows: the Trainer's training logs (one per ``--logging_steps``)."""
     rows = []
     for e in log_history:
         if "loss" not in e:
@@ -201,31 +156,12 @@ def train_rows(log_history: List[Dict[str, Any]],
                      "ce_loss": e.get("ce_loss", ""), "z_loss": e.get("z_loss", ""),
                      "num_valid_tokens": e.get("num_valid_tokens", ""),
                      "grad_norm": e.get("grad_norm", ""), "lr": e.get("learning_rate", ""),
-                     "epoch": e.get("epoch", ""),
-                     "eval_loss": eval_at.get(step, {}).get("loss", ""),
-                     "eval_perplexity": eval_at.get(step, {}).get("perplexity", "")})
+                     "epoch": e.get("epoch", "")})
     return rows
 
 
-def write_outputs(out_dir: Path, rows: List[Dict[str, Any]], evals: List[Dict[str, Any]],
-                  summary: Dict[str, Any]) -> None:
-    write_metrics_csv(out_dir / "metrics.csv", rows)
-    write_summary_json(out_dir / "summary.json", summary)
-    plot_loss_curve(
-        out_dir / "loss_curve.png",
-        [Curve("train (global loss)", [r["step"] for r in rows], [r["loss"] for r in rows]),
-         Curve("held-out CE", [e["step"] for e in evals], [e["loss"] for e in evals], "o-")],
-        title=f"MegalossTrainer: {summary['model']} on {summary['data']}",
-        ylabel="cross-entropy (nats / token)", grid=True)
-
-
 def print_summary(summary: Dict[str, Any]) -> None:
-    before, after = summary["eval_before"], summary["eval_after"]
-    rows = [("held-out perplexity", f"{before['perplexity']:.1f}", f"{after['perplexity']:.1f}"),
-            ("held-out CE (nats/token)", f"{before['loss']:.4f}", f"{after['loss']:.4f}")]
-    if summary["first_loss"] is not None:
-        rows.append(("train loss (first / last log)", f"{summary['first_loss']:.4f}",
-                     f"{summary['last_loss']:.4f}"))
+    rows = lm_summary_rows(summary, "train loss (first / last log)")
     info = (f"{summary['steps']} steps in {summary['train_seconds']:.1f} s, "
             f"{summary['tokens_per_s']:.0f} tokens/s, micro-batch {summary['micro_batch']} x "
             f"GAS {summary['gas']} x DP {summary['dp']} x {summary['seq_len']} tokens, ZeRO-"
@@ -239,37 +175,26 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = parse_args(argv)
     t_start = time.perf_counter()
     from megaloss import CausalLMWithLoss
-    from megaloss.integrations.deepspeed import load_megaloss_config
 
     out_dir = Path(args.output_dir)
     rank, world = start_trainer_process(args.local_rank, args.report_to, out_dir)
     log = rank0_logger("lm_hf", rank, t_start)
 
-    with open(args.deepspeed_config, encoding="utf-8") as f:
-        ds_config = json.load(f)
-    ml = load_megaloss_config(ds_config)  # validates the "megaloss" section
+    ds_config, ml = open_trainer_run(args, out_dir)
     if ml.tensor_parallel_size != 1 or ml.sequence_parallel_size != 1:
         raise SystemExit(f"{args.deepspeed_config}: the Trainer job is data parallel only "
                          "(megaloss.tensor_parallel_size and sequence_parallel_size must be 1; "
                          "launch/train_lm.py runs TP / SP)")
-    agreed(lambda: open_fresh_run(out_dir, args.overwrite), what=f"--output_dir {out_dir}")
 
-    tok, train_stream, eval_stream, info, data_key = load_data(args, rank)
+    tok, train_blocks, held_blocks, info, data_key = load_blocks(args, log)
     vocab = tok.get_vocab_size()
-    train_blocks = make_blocks(train_stream, args.seq_len, "training", info["train_files"])
-    held_blocks = make_blocks(eval_stream, args.seq_len, "held-out", info["eval_files"],
-                              args.eval_blocks)
     micro, gas = args.batch_size, args.gradient_accumulation_steps
-    log(f"data: {info['train_files']} train files ({info['train_bytes'] / 1e6:.1f} MB, "
-        f"{info['train_tokens']} tokens, {train_blocks['input_ids'].shape[0]} blocks), "
-        f"{info['eval_files']} held-out files ({held_blocks['input_ids'].shape[0]} blocks); "
-        f"BPE vocab {vocab}")
     if train_blocks["input_ids"].shape[0] < micro * gas * world:
         raise SystemExit(f"{train_blocks['input_ids'].shape[0]} training blocks cannot fill one "
                          f"global batch of {micro * gas * world}: give more text or a smaller "
                          "--batch_size / --seq_len")
 
-    llama, cfg = build_model(args, vocab)
+    llama, cfg = build_llama(args, vocab)
     model = CausalLMWithLoss(llama, options=ml.ce.options())
     n_params = sum(p.numel() for p in llama.parameters())
     held = eval_batches(held_blocks, args.eval_batch_size, world, rank)
@@ -308,7 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     log(f"after training: held-out CE {after['loss']:.4f}, perplexity {after['perplexity']:.1f}")
     trainer.log({"eval_loss": after["loss"], "eval_perplexity": after["perplexity"]})
 
-    rows = train_rows(trainer.state.log_history, evals)
+    rows = train_rows(trainer.state.log_history)
     engine = trainer.model_wrapped
     zero_stage = (engine.zero_optimization_stage()
                   if hasattr(engine, "zero_optimization_stage") else None)
@@ -326,12 +251,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "model": f"Llama {cfg.num_hidden_layers}L x {cfg.hidden_size}", "data_key": data_key,
         "total_seconds": time.perf_counter() - t_start, **info,
     }
-    if rank == 0:
-        write_outputs(out_dir, rows, evals, summary)
-        print_summary(summary)
-        log(f"wrote {out_dir / 'metrics.csv'}, {out_dir / 'loss_curve.png'}, "
-            f"{out_dir / 'summary.json'}")
-    dist.barrier()
+    finish_run(out_dir, rank, lambda: write_lm_outputs(
+        out_dir, rows, evals, summary,
+        f"MegalossTrainer: {summary['model']} on {summary['data']}"),
+        lambda: print_summary(summary), log)
     return summary
 
 

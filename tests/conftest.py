@@ -20,9 +20,9 @@ import torch
 from megaloss.testing import shared_process_groups
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Shared test helpers (float64 references, launcher helpers) and the launch jobs' support package.
+# Shared test helpers (float64 references, launcher helpers). The launch jobs are the package
+# ``launch`` at the repository root, imported as ``launch.*`` like megaloss.
 sys.path.insert(0, os.path.join(HERE, "helpers"))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "launch"))
 
 # One torch thread in the pytest process: the cases use tiny shapes, and on a small machine
 # shared with other processes a second OpenMP thread mostly spins (measured: a [1, 8] x [8, 16]

@@ -1,15 +1,24 @@
 """Support code of the ``launch/`` jobs (not part of the megaloss library): built-in real data
-that needs no download, and what the jobs write and print.
+that needs no download, the models, the options and what the jobs write and print.
 
-- :mod:`jobs.text_data`: language-modelling text from the interpreter's standard library, a
-  byte-level BPE tokenizer, fixed-length blocks; and what both jobs share: the per-rank batch
+- :mod:`launch.jobs.text_data`: language-modelling text from the interpreter's standard library,
+  a byte-level BPE tokenizer, fixed-length blocks; and what all jobs share: the per-rank batch
   stream (``StepBatches``), cache keys (``files_digest``) and cache writes (``atomic_write``).
-- :mod:`jobs.code_search`: (docstring -> function source) retrieval pairs extracted with ``ast``.
-- :mod:`jobs.reporting`: metrics CSV, loss-curve PNG, ``summary.json``, summary table, rank-0 log.
-- :mod:`jobs.runs`: what both jobs share around the training loop: the run options
-  (``--save_every``, ``--resume``, ``--eval_only``, ``--overwrite``), one run per output folder,
-  failures every rank reports with their cause, SIGTERM / SIGINT stopping at a step boundary.
+- :mod:`launch.jobs.code_search`: (docstring -> function source) retrieval pairs extracted with
+  ``ast``.
+- :mod:`launch.jobs.lm_data`: the LM jobs' split, tokenizer and token streams (cached), blocks and
+  evaluation shards.
+- :mod:`launch.jobs.pair_data`: the embedding jobs' cached pairs and tokenizer.
+- :mod:`launch.jobs.models`: the small random-init Llama and BERT the jobs train.
+- :mod:`launch.jobs.retrieval`: MRR@k and recall@1 of held-out retrieval.
+- :mod:`launch.jobs.arguments`: the command-line option groups the jobs share.
+- :mod:`launch.jobs.reporting`: metrics CSV, loss-curve PNG, ``summary.json``, summary table,
+  rank-0 log.
+- :mod:`launch.jobs.runs`: what the jobs share around the training loop: process start-up, the
+  run options (``--save_every``, ``--resume``, ``--eval_only``, ``--overwrite``), one run per
+  output folder, failures every rank reports with their cause, SIGTERM / SIGINT stopping at a
+  step boundary, resume, and the end-of-run tail (outputs, summary table, barrier).
 
-The launch scripts run with ``launch/`` on ``sys.path`` (Python puts a script's folder there), so
-they import these as ``jobs.*``.
+Imported as a package (``from launch.jobs.text_data import ...``): the ``launch/*.sh`` scripts put
+the repository root on ``PYTHONPATH``.
 """

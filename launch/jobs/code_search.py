@@ -22,7 +22,7 @@ training are dropped (copied code across files would otherwise leak).
 Users' own data: ``.py`` files, directories of them (searched recursively, sorted), or JSON Lines
 files with one ``{"query": ..., "document": ...}`` object per line.
 
-Only the standard library is used here (``ast``, ``json``, ``zlib``); :mod:`jobs.text_data`
+Only the standard library is used here (``ast``, ``json``, ``zlib``); :mod:`launch.jobs.text_data`
 builds on it.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What makes a launch job's run one a user can trust, around its training loop: one run per
 output folder, failures that every rank reports with their cause, preemption that saves, and
-the command-line options for checkpoints and resume both jobs share.
+the command-line options for checkpoints and resume the megaloss-loop jobs share.
 
 - :func:`add_run_arguments`: ``--save_every``, ``--resume [latest|PATH]``, ``--eval_only``,
   ``--overwrite``, ``--keep_checkpoints``.
@@ -12,6 +12,10 @@ the command-line options for checkpoints and resume both jobs share.
   (``--resume``).
 - :class:`StopRequest`: SIGTERM / SIGINT ask for a stop at the next step boundary, agreed across
   ranks with one tiny all-reduce per step; a second SIGINT interrupts at once.
+- :func:`start_process` / :func:`start_trainer_process`: a launched process's start-up;
+  :func:`open_trainer_run`: a trainer job's ds_config and run folder.
+- :func:`resume_job_state`, :func:`report_checkpoint_eval`, :func:`checkpoint_stats`,
+  :func:`finish_run`: resume, ``--eval_only``'s report and the end-of-run tail every job shares.
 
 Single-process use (``torch.distributed`` not initialised) works too: nothing to agree with.
 """
@@ -23,13 +27,15 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
 __all__ = ["RUN_OUTPUTS", "CHECKPOINTS", "add_run_arguments", "check_run_arguments", "agreed",
-           "prepare_output_dir", "resume_source", "open_run", "step_boundary", "save_run", "progress_bar",
-           "StopRequest"]
+           "prepare_output_dir", "resume_source", "open_run", "open_fresh_run", "step_boundary",
+           "save_run", "progress_bar", "StopRequest", "start_process", "start_trainer_process",
+           "open_trainer_run", "resume_job_state", "report_checkpoint_eval", "checkpoint_stats",
+           "finish_run", "TrainLoop", "quiet_job_environment"]
 
 T = TypeVar("T")
 
@@ -40,7 +46,7 @@ CHECKPOINTS = "checkpoints"
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of runs, checkpoints and resume, shared by both jobs."""
+    """The options of runs, checkpoints and resume of the megaloss-loop jobs."""
     g = p.add_argument_group("runs, checkpoints and resume")
     g.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --output_dir (its metrics, plot, summary, "
@@ -305,6 +311,62 @@ def progress_bar(args: argparse.Namespace, start: int) -> Any:
                 dynamic_ncols=True)
 
 
+class TrainLoop:
+    """The optimizer-step loop of a megaloss-loop job, around the job's own step::
+
+        loop = TrainLoop(args, start, seconds_before, stop, device, save, log)
+        for step in loop:
+            ...                      # one optimizer step
+            loop.show(loss=...)      # the progress bar's figures
+        loop.stopped, loop.seconds   # {"signal", "step"} or None; training seconds in all
+
+    Steps ``start + 1 .. args.steps``; after each: the progress bar (rank 0, unless
+    ``--no_progress``), then :func:`step_boundary` (stop agreed across ranks, checkpoints), ending
+    the loop when a signal arrived. ``seconds`` counts training time since the first start
+    (``seconds_before`` from a resumed run's record), also while the loop runs (for ``save``).
+    """
+
+    def __init__(self, args: argparse.Namespace, start: int, seconds_before: float,
+                 stop: "StopRequest", device: Any, save: Callable[[int], Any],
+                 log: Callable[[str], Any]) -> None:
+        self.args, self.start, self.stop, self.device = args, start, stop, device
+        self.save, self.log = save, log
+        self.stopped: Optional[dict] = None
+        self._before, self._t0, self._t1 = seconds_before, None, None
+        self._postfix: dict = {}
+
+    @property
+    def seconds(self) -> float:
+        import time
+
+        if self._t0 is None:
+            return self._before
+        return self._before + (self._t1 or time.perf_counter()) - self._t0
+
+    def show(self, **postfix: str) -> None:
+        self._postfix = postfix
+
+    def __iter__(self):
+        import time
+
+        bar = progress_bar(self.args, self.start)
+        self._t0 = time.perf_counter()
+        try:
+            for step in range(self.start + 1, self.args.steps + 1):
+                yield step
+                if bar is not None:
+                    bar.set_postfix(**self._postfix)
+                    bar.update(1)
+                self.stopped = step_boundary(self.stop, self.device, step, self.args, self.save,
+                                             self.log)
+                if self.stopped:
+                    break
+        finally:
+            self._t1 = time.perf_counter()
+            if bar is not None:
+                bar.close()
+
+
 def open_fresh_run(out_dir: Path, overwrite: bool) -> None:
     """One run per folder for a job without ``--resume`` (the Hugging Face trainer jobs; call on
     one rank, inside :func:`agreed`): a folder holding a run's outputs is refused unless
@@ -316,14 +378,25 @@ def open_fresh_run(out_dir: Path, overwrite: bool) -> None:
     prepare_output_dir(out_dir, overwrite=overwrite, resuming=False)
 
 
-def start_trainer_process(local_rank: int, report_to: str, out_dir: Path) -> tuple:
-    """Process start-up of a job that hands its loop to a Hugging Face trainer under the
-    ``deepspeed`` launcher (or plain ``python``: then one process).
+def quiet_job_environment() -> None:
+    """What every job sets before its libraries start: no tokenizers thread pool (the jobs are
+    launched as several processes), no Hub access or download bars (the models are built here),
+    and no per-call FutureWarning of torch 2.13's deprecated ``all_gather_into_tensor`` (DeepSpeed's
+    ZeRO and megaloss's gathers call it every step). Settings already in the environment win."""
+    import warnings
 
-    Quiet DeepSpeed and threads per process (``configure_launched_process``), keep that thread
-    count from accelerate (which resets torch's threads when ``OMP_NUM_THREADS`` is unset), start
-    DeepSpeed's comm before any model is built (under ZeRO-3 the trainers load models through
-    ``zero.Init``), and point W&B at ``<out_dir>/wandb`` when ``report_to`` is not ``"none"``.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*",
+                            category=FutureWarning)
+
+
+def start_process(local_rank: int) -> Tuple[int, int]:
+    """Process start-up of a job under the ``deepspeed`` launcher (or plain ``python``: then one
+    process): quiet DeepSpeed, threads per process on CPU, no JIT build
+    (``configure_launched_process``), DeepSpeed's comm, and this rank's device before the first
+    object collective (NCCL needs it; a no-op on CPU).
 
     Returns:
         ``(rank, world_size)``.
@@ -336,15 +409,133 @@ def start_trainer_process(local_rank: int, report_to: str, out_dir: Path) -> tup
     from megaloss.testing import free_port
 
     configure_launched_process()
-    if not torch.cuda.is_available():
-        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
-        # plain `python launch/<job>.py`: one process (DeepSpeed would look for MPI)
+        # plain `python -m launch.<job>`: one process (DeepSpeed would look for MPI)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     deepspeed.init_distributed()
     get_accelerator().set_device(local_rank)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def start_trainer_process(local_rank: int, report_to: str, out_dir: Path) -> Tuple[int, int]:
+    """:func:`start_process` for a job that hands its loop to a Hugging Face trainer: also keeps
+    the thread count from accelerate (which resets torch's threads when ``OMP_NUM_THREADS`` is
+    unset) and points W&B at ``<out_dir>/wandb`` when ``report_to`` is not ``"none"``. DeepSpeed's
+    comm starts before any model is built (under ZeRO-3 the trainers load models through
+    ``zero.Init``).
+
+    Returns:
+        ``(rank, world_size)``.
+    """
+    rank, world = start_process(local_rank)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     if report_to != "none":
         os.environ.setdefault("WANDB_DIR", str(out_dir.resolve()))  # <output_dir>/wandb
         os.environ.setdefault("WANDB_PROJECT", "megaloss")
-    return dist.get_rank(), dist.get_world_size()
+    return rank, world
+
+
+def open_trainer_run(args: argparse.Namespace, out_dir: Path) -> Tuple[dict, Any]:
+    """The ds_config of a trainer job (``args.deepspeed_config``, its ``"megaloss"`` section
+    validated) and its run folder, refused when it holds a run unless ``args.overwrite``
+    (:func:`open_fresh_run`, decided on rank 0, every rank exits on refusal). Collective.
+
+    Returns:
+        ``(ds_config dict, MegalossConfig)``.
+    """
+    import json
+
+    from megaloss.integrations.deepspeed import load_megaloss_config
+
+    with open(args.deepspeed_config, encoding="utf-8") as f:
+        ds_config = json.load(f)
+    ml = load_megaloss_config(ds_config)
+    agreed(lambda: open_fresh_run(out_dir, args.overwrite), what=f"--output_dir {out_dir}")
+    return ds_config, ml
+
+
+def resume_job_state(me: Any, resume_from: str, job_state: dict, expected: Dict[str, Any],
+                     options: str, log: Callable[[str], Any]) -> None:
+    """Load the checkpoint ``resume_from`` into the engine of ``me``
+    (:func:`megaloss.integrations.deepspeed.load_checkpoint`) and the job's own record saved with
+    it (client state ``"job"``) into ``job_state`` (its keys only). Collective.
+
+    Args:
+        expected: client-state values this run must match (the data cache key, the vocabulary),
+            by key.
+        options: the command-line options that decide them, named in the error.
+
+    Raises:
+        SystemExit: the checkpoint was trained on other data or another tokenizer.
+    """
+    import time
+
+    from megaloss.integrations.deepspeed import load_checkpoint
+
+    t0 = time.perf_counter()
+    path, client = load_checkpoint(me, resume_from)
+    saved = client.get("job", {})
+    if any(saved.get(k) != v for k, v in expected.items()):
+        raise SystemExit(
+            f"checkpoint {path} was trained on other data or another tokenizer ("
+            + ", ".join(f"{k} {saved.get(k)}" for k in expected) + "; these options give "
+            + ", ".join(f"{k} {v}" for k, v in expected.items()) + f"): pass the same {options}")
+    job_state.update({k: saved[k] for k in job_state if k in saved})
+    engine = me.engine
+    log(f"resumed from {path} at step {engine.global_steps} "
+        f"({engine.global_samples} samples) in {time.perf_counter() - t0:.2f} s")
+
+
+def report_checkpoint_eval(out_dir: Path, rank: int, title: str, resume_from: str, step: int,
+                           result: Dict[str, float], rows: Sequence[Tuple[str, str]]) -> dict:
+    """``--eval_only``'s report: ``<out_dir>/eval_step<step>.json`` (``{"checkpoint", "step",
+    "eval": result}``) and a ``metric | value`` table of ``rows`` on rank 0, then a barrier.
+
+    Returns:
+        the report.
+    """
+    import torch.distributed as dist
+
+    from .reporting import print_summary_table, write_summary_json
+
+    report = {"checkpoint": str(resume_from), "step": step, "eval": result}
+    if rank == 0:
+        write_summary_json(out_dir / f"eval_step{step}.json", report)
+        print_summary_table(f"{title}: checkpoint evaluation", rows,
+                            f"step {step} of {resume_from}", columns=("metric", "value"))
+    dist.barrier()
+    return report
+
+
+def checkpoint_stats(saves: List[dict]) -> Optional[Dict[str, Any]]:
+    """``summary.json``'s ``checkpoints``: how many saves, mean seconds and MiB per save, the
+    last folder (``None`` without saves)."""
+    if not saves:
+        return None
+    return {"saves": len(saves), "seconds_per_save": sum(x["seconds"] for x in saves) / len(saves),
+            "mib_per_save": sum(x["mib"] for x in saves) / len(saves),
+            "last": saves[-1]["path"]}
+
+
+def finish_run(out_dir: Path, rank: int, write_outputs: Callable[[], Any],
+               print_summary: Callable[[], Any], log: Callable[[str], Any], *,
+               engine: Any = None, stop: Optional[StopRequest] = None) -> None:
+    """The end of every job: the engine's monitors closed (``engine``: flushed before rank 0
+    writes), ``write_outputs()`` and ``print_summary()`` on rank 0 with a log line naming the
+    files, a barrier, then the signal handlers of ``stop`` restored (only now: a second signal
+    must not cut the outputs' writing short). Collective."""
+    import torch.distributed as dist
+
+    if engine is not None:
+        from megaloss.integrations.deepspeed import close_monitors
+        close_monitors(engine)
+    if rank == 0:
+        write_outputs()
+        print_summary()
+        log(f"wrote {out_dir / 'metrics.csv'}, {out_dir / 'loss_curve.png'}, "
+            f"{out_dir / 'summary.json'}")
+    dist.barrier()
+    if stop is not None:
+        stop.restore()

@@ -3,9 +3,9 @@ source files, plus a byte-level BPE tokenizer trained on them, and fixed-length 
 cache and batching helpers both jobs share.
 
 Built-in data (no download): the ``.py`` files of ``sysconfig.get_paths()["stdlib"]`` outside
-test suites, demos and vendored trees (:func:`jobs.code_search.stdlib_files`, the same subset the
-embedding job uses). Whole files are held out for evaluation with the same deterministic
-``crc32(relative path)`` split (:func:`jobs.code_search.is_held_out`). A training budget of
+test suites, demos and vendored trees (:func:`launch.jobs.code_search.stdlib_files`, the same
+subset the embedding job uses). Whole files are held out for evaluation with the same deterministic
+``crc32(relative path)`` split (:func:`launch.jobs.code_search.is_held_out`). A training budget of
 ``max_bytes`` keeps a *strided* sorted subset (every k-th file), so the text covers the whole
 library rather than its alphabetical start.
 
@@ -34,8 +34,8 @@ import torch
 from .code_search import is_held_out, stdlib_files, stdlib_root
 
 __all__ = ["EOS", "TEXT_SUFFIXES", "text_files", "stdlib_split", "strided_subset",
-           "read_texts", "check_texts", "files_digest", "atomic_write", "train_bpe_tokenizer", "encode_stream",
-           "lm_blocks", "StepBatches"]
+           "read_texts", "check_texts", "files_digest", "atomic_write", "train_bpe_tokenizer",
+           "encode_stream", "lm_blocks", "StepBatches"]
 
 PathLike = Union[str, Path]
 EOS = "<|endoftext|>"

@@ -1,18 +1,37 @@
-"""Shared by the end-to-end launcher tests (``tests/launch/test_train_*.py``): run a script under
-``deepspeed --num_gpus N`` on CPU and read what DeepSpeed's ``csv_monitor`` wrote.
+"""Shared by the end-to-end launcher tests (``tests/launch/``): run a script under ``deepspeed
+--num_gpus N`` on CPU, run several jobs' ``main`` in one launch (this file is then the script
+the launcher runs), and read what DeepSpeed's ``csv_monitor`` wrote.
 
-Not a test module (no ``test_`` prefix); ``tests/helpers`` is on ``sys.path`` (conftest.py).
+Not a test module (no ``test_`` prefix); ``tests/helpers`` is on ``sys.path`` (conftest.py). The
+launched processes import the jobs as ``launch.*``: the repository root is their PYTHONPATH.
 """
+import argparse
 import csv
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from megaloss.testing import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def launcher_env(**extra: str) -> dict:
+    """The environment of a launched job: one thread per process, the repository root first on
+    PYTHONPATH (the jobs import ``launch.jobs``; the ranks import this checkout's megaloss)."""
+    path = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+
+
+def script_env(**extra: str) -> dict:
+    """The environment of a ``bash launch/<job>.sh`` run as the README shows it: one thread per
+    process and no PYTHONPATH (the script puts the repository root there itself)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 def run_deepspeed_launcher(script: Path, args: Sequence[str], *, timeout: float,
@@ -26,11 +45,37 @@ def run_deepspeed_launcher(script: Path, args: Sequence[str], *, timeout: float,
     """
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus),
            "--master_port", str(free_port()), str(script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-tail:] + proc.stderr[-tail:]
     return proc
+
+
+def run_jobs_in_one_launch(jobs: List[dict], spec: Path, *, timeout: float, num_gpus: int = 2,
+                           tail: int = 6000) -> subprocess.CompletedProcess:
+    """One ``deepspeed`` launch that runs every job of ``jobs`` in turn in the same processes
+    (process start-up, i.e. importing torch / deepspeed / transformers, costs more than these
+    tiny jobs, and the suite shares 2 cores).
+
+    A job is ``{"job": "train_lm" | "train_embed", "argv": [...]}``, plus optionally
+    ``"expect_exit": path`` (it must stop with ``SystemExit``; rank 0 writes the message to
+    ``path``) or ``"stop_after": k`` (its stop request fires at the k-th step boundary, as a
+    SIGTERM there would). ``spec`` is where the list is written for the launched processes.
+    """
+    spec.write_text(json.dumps(jobs))
+    return run_deepspeed_launcher(Path(__file__), ["--jobs", str(spec)], timeout=timeout,
+                                  num_gpus=num_gpus, tail=tail)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str,
+               alive: Optional[Callable[[], bool]] = None, poll: float = 0.1) -> None:
+    """Poll ``condition`` until it holds; ``AssertionError`` naming ``what`` after ``timeout``
+    seconds, or as soon as ``alive()`` (the process that should make it true) says it is gone."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert alive is None or alive(), f"exited before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(poll)
 
 
 def monitor_column(path: Path) -> List[float]:
@@ -38,3 +83,46 @@ def monitor_column(path: Path) -> List[float]:
     then ``step,value`` rows)."""
     with open(path) as f:
         return [float(r[1]) for r in list(csv.reader(f))[1:]]
+
+
+def _stop_after(base, k: int):
+    class StopAfter(base):
+        calls = 0
+
+        def should_stop(self, device="cpu"):
+            StopAfter.calls += 1
+            if StopAfter.calls == k:
+                self.received = "SIGTERM"
+            return super().should_stop(device)
+    return StopAfter
+
+
+def _drive() -> None:
+    """Under the launcher (:func:`run_jobs_in_one_launch`): each job's ``main`` in turn."""
+    import launch.train_embed
+    import launch.train_lm
+    from launch.jobs.runs import StopRequest
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--jobs", type=str, required=True)
+    args = p.parse_args()
+    modules = {"train_lm": launch.train_lm, "train_embed": launch.train_embed}
+    for job in json.loads(Path(args.jobs).read_text()):
+        module = modules[job["job"]]
+        argv = job["argv"] + ["--local_rank", str(args.local_rank)]
+        module.StopRequest = (_stop_after(StopRequest, job["stop_after"]) if "stop_after" in job
+                              else StopRequest)
+        if job.get("expect_exit"):
+            try:
+                module.main(argv)
+            except SystemExit as e:
+                if args.local_rank == 0:
+                    Path(job["expect_exit"]).write_text(str(e.code))
+                continue
+            raise AssertionError(f"{job} did not stop")
+        module.main(argv)
+
+
+if __name__ == "__main__":
+    _drive()

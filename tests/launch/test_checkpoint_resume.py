@@ -7,26 +7,22 @@ the per-rank RNG states must be restored). The embedding job's cosine LR schedul
 (the stop request is injected at that step boundary). Also: ``--eval_only --resume`` reproduces the
 uninterrupted run's final evaluation exactly, and a rerun into a folder holding a run is refused.
 
-One launcher run drives every job (this file's ``__main__`` calls the jobs' ``main`` in turn, in
-the same processes: start-up costs more than these tiny jobs). A fresh process per run is
-covered by test_preemption.py, which resumes in a new launcher run.
+One launcher run drives every job (``launch_helpers.run_jobs_in_one_launch`` calls the jobs'
+``main`` in turn, in the same processes: start-up costs more than these tiny jobs); the tests
+below assert on its outputs. A fresh process per run is covered by test_preemption.py, which
+resumes in a new launcher run.
 """
 import csv
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-if __name__ == "__main__":  # run by the launcher (see _driver): no conftest.py sets sys.path
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "helpers"),
-                    str(Path(__file__).resolve().parents[2] / "launch")]
+from launch_helpers import REPO, run_jobs_in_one_launch
 
-from launch_helpers import REPO, run_deepspeed_launcher  # noqa: E402
-
-from jobs.code_search import stdlib_root  # noqa: E402
+from launch.jobs.code_search import stdlib_root
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
 
@@ -46,7 +42,7 @@ def _lm_config(stage: int, tp: int) -> dict:
     return cfg
 
 
-def _lm_args(cfg: Path, out: Path, cache: Path, steps: int, *extra: str) -> list:
+def _lm_args(cfg, out, cache, steps: int, *extra: str) -> list:
     root = stdlib_root()
     return ["--deepspeed_config", str(cfg), "--train_data", str(root / "json"),
             str(root / "csv.py"), "--eval_data", str(root / "textwrap.py"), "--steps",
@@ -55,7 +51,7 @@ def _lm_args(cfg: Path, out: Path, cache: Path, steps: int, *extra: str) -> list
             "--cache_dir", str(cache), "--no_progress", *extra]
 
 
-def _embed_args(out: Path, cache: Path, steps: int, *extra: str) -> list:
+def _embed_args(out, cache, steps: int, *extra: str) -> list:
     root = stdlib_root()
     return ["--train_data", str(root / "email"), str(root / "json"), "--eval_fraction", "0.2",
             "--max_eval", "24", "--steps", str(steps), "--micro_batch_size", "4",
@@ -65,53 +61,7 @@ def _embed_args(out: Path, cache: Path, steps: int, *extra: str) -> list:
             "--no_progress", *extra]
 
 
-def _driver() -> None:
-    """Under the launcher: each job's ``main`` in turn. A job spec with ``"expect_exit"`` must
-    stop with ``SystemExit``; its message is written to that path. With ``"stop_after": k`` the
-    job's stop request fires at its k-th step boundary, as a SIGTERM there would."""
-    import argparse
-    import importlib.util
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--local_rank", type=int, default=0)
-    p.add_argument("--jobs", type=str, required=True)
-    args = p.parse_args()
-    from jobs.runs import StopRequest
-
-    modules = {}
-    for name in ("train_lm", "train_embed"):
-        spec = importlib.util.spec_from_file_location(name, REPO / "launch" / f"{name}.py")
-        modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(modules[name])
-    mains = {name: mod.main for name, mod in modules.items()}
-
-    def stop_after(k):
-        class StopAfter(StopRequest):
-            calls = 0
-
-            def should_stop(self, device="cpu"):
-                StopAfter.calls += 1
-                if StopAfter.calls == k:
-                    self.received = "SIGTERM"
-                return super().should_stop(device)
-        return StopAfter
-
-    for job in json.loads(Path(args.jobs).read_text()):
-        argv = job["argv"] + ["--local_rank", str(args.local_rank)]
-        modules[job["script"]].StopRequest = (stop_after(job["stop_after"]) if "stop_after" in job
-                                              else StopRequest)
-        if job.get("expect_exit"):
-            try:
-                mains[job["script"]](argv)
-            except SystemExit as e:
-                if args.local_rank == 0:
-                    Path(job["expect_exit"]).write_text(str(e.code))
-                continue
-            raise AssertionError(f"{job} did not stop")
-        mains[job["script"]](argv)
-
-
-def _rows(out: Path) -> list:
+def _rows(out) -> list:
     with open(out / "metrics.csv") as f:
         return list(csv.DictReader(f))
 
@@ -130,7 +80,7 @@ def _tensors(obj, prefix=""):
             yield from _tensors(v, f"{prefix}/{i}")
 
 
-def assert_checkpoints_equal(a: Path, b: Path) -> int:
+def assert_checkpoints_equal(a, b) -> int:
     """Same files, and every tensor in them bitwise equal (model, optimizer, RNG states).
     Returns the number of tensor elements compared."""
     files = sorted(p.name for p in a.glob("*.pt"))
@@ -147,65 +97,78 @@ def assert_checkpoints_equal(a: Path, b: Path) -> int:
     return compared
 
 
-@pytest.mark.timeout(600)
-def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The first launch: every layout's uninterrupted and interrupted + resumed runs, the ZeRO-3
+    checkpoint evaluated and a rerun refused, the embedding job stopped and resumed."""
+    tmp_path = tmp_path_factory.mktemp("resume")
     cache, jobs, cases = tmp_path / "cache", [], []
     for stage, tp in LM_LAYOUTS:
         cfg = tmp_path / f"zero{stage}-tp{tp}.json"
         cfg.write_text(json.dumps(_lm_config(stage, tp)))
         full, part = tmp_path / f"lm{stage}{tp}-full", tmp_path / f"lm{stage}{tp}-part"
         jobs += [
-            {"script": "train_lm", "argv": _lm_args(cfg, full, cache, 2 * N, "--save_every",
-                                                    str(2 * N))},
-            {"script": "train_lm", "argv": _lm_args(cfg, part, cache, N, "--save_every", str(N))},
-            {"script": "train_lm", "argv": _lm_args(cfg, part, cache, 2 * N, "--resume",
-                                                    "--save_every", str(N))},
+            {"job": "train_lm", "argv": _lm_args(cfg, full, cache, 2 * N, "--save_every",
+                                                 str(2 * N))},
+            {"job": "train_lm", "argv": _lm_args(cfg, part, cache, N, "--save_every", str(N))},
+            {"job": "train_lm", "argv": _lm_args(cfg, part, cache, 2 * N, "--resume",
+                                                 "--save_every", str(N))},
         ]
         cases.append(("lm", stage, tp, full, part))
     # the ZeRO-3 layout: evaluate the resumed run's checkpoint; rerun without --resume: refused
     cfg3 = tmp_path / "zero3-tp1.json"
     part3 = tmp_path / "lm31-part"
     jobs += [
-        {"script": "train_lm", "argv": _lm_args(cfg3, part3, cache, 2 * N, "--eval_only",
-                                                "--resume", str(part3 / "checkpoints"))},
-        {"script": "train_lm", "argv": _lm_args(cfg3, part3, cache, 2 * N),
+        {"job": "train_lm", "argv": _lm_args(cfg3, part3, cache, 2 * N, "--eval_only",
+                                             "--resume", str(part3 / "checkpoints"))},
+        {"job": "train_lm", "argv": _lm_args(cfg3, part3, cache, 2 * N),
          "expect_exit": str(tmp_path / "refused.txt")},
     ]
     full, part = tmp_path / "embed-full", tmp_path / "embed-part"
     jobs += [
-        {"script": "train_embed", "argv": _embed_args(full, cache, 2 * N, "--save_every",
-                                                      str(2 * N))},
-        {"script": "train_embed", "argv": _embed_args(part, cache, 2 * N), "stop_after": N},
-        {"script": "train_embed", "argv": _embed_args(part, cache, 2 * N, "--resume",
-                                                      "--save_every", str(N))},
-        {"script": "train_embed", "argv": _embed_args(part, cache, 2 * N, "--resume",
-                                                      "--eval_only")},
+        {"job": "train_embed", "argv": _embed_args(full, cache, 2 * N, "--save_every",
+                                                   str(2 * N))},
+        {"job": "train_embed", "argv": _embed_args(part, cache, 2 * N), "stop_after": N},
+        {"job": "train_embed", "argv": _embed_args(part, cache, 2 * N, "--resume",
+                                                   "--save_every", str(N))},
+        {"job": "train_embed", "argv": _embed_args(part, cache, 2 * N, "--resume",
+                                                   "--eval_only")},
     ]
     cases.append(("embed", 2, 1, full, part))
-    spec = tmp_path / "jobs.json"
-    spec.write_text(json.dumps(jobs))
-    run_deepspeed_launcher(Path(__file__), ["--jobs", str(spec)], timeout=560, tail=6000)
+    run_jobs_in_one_launch(jobs, tmp_path / "jobs.json", timeout=560)
+    return tmp_path, {case[:3]: case[3:] for case in cases}
 
-    for job, stage, tp, full, part in cases:
-        exact = LM_EXACT if job == "lm" else EMBED_EXACT
-        a, b = _rows(full), _rows(part)
-        assert [int(r["step"]) for r in a] == list(range(1, 2 * N + 1))
-        assert [[r[k] for k in exact] for r in a] == [[r[k] for k in exact] for r in b], \
-            (job, stage, tp)
-        n = assert_checkpoints_equal(full / "checkpoints" / f"step_{2 * N}",
-                                     part / "checkpoints" / f"step_{2 * N}")
-        assert n > 1000, (job, stage, tp, n)
-        summary = json.loads((part / "summary.json").read_text())
-        assert summary["resumed_at_step"] == N and summary["steps"] == 2 * N
-        assert summary["stopped"] is None and summary["eval_after"] is not None
-        assert summary["checkpoints"]["saves"] >= 1 and summary["checkpoints"]["mib_per_save"] > 0
-        # the monitor files continue the first half: one header, steps 1..2N once each
-        name = "Train_megaloss_loss.csv" if job == "lm" else "Train_megaloss_mnr_loss.csv"
-        lines = (part / "monitor" / "megaloss" / name).read_text().splitlines()
-        assert lines[0].startswith("step,") and sum(ln.startswith("step,") for ln in lines) == 1
-        assert [float(ln.split(",")[1]) for ln in lines[1:]] == [float(r["loss"]) for r in a]
 
-    full3 = tmp_path / "lm31-full"
+CASES = [("lm", stage, tp) for stage, tp in LM_LAYOUTS] + [("embed", 2, 1)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job,stage,tp", CASES, ids=lambda v: str(v))
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(runs, job, stage, tp):
+    full, part = runs[1][job, stage, tp]
+    exact = LM_EXACT if job == "lm" else EMBED_EXACT
+    a, b = _rows(full), _rows(part)
+    assert [int(r["step"]) for r in a] == list(range(1, 2 * N + 1))
+    assert [[r[k] for k in exact] for r in a] == [[r[k] for k in exact] for r in b], \
+        (job, stage, tp)
+    n = assert_checkpoints_equal(full / "checkpoints" / f"step_{2 * N}",
+                                 part / "checkpoints" / f"step_{2 * N}")
+    assert n > 1000, (job, stage, tp, n)
+    summary = json.loads((part / "summary.json").read_text())
+    assert summary["resumed_at_step"] == N and summary["steps"] == 2 * N
+    assert summary["stopped"] is None and summary["eval_after"] is not None
+    assert summary["checkpoints"]["saves"] >= 1 and summary["checkpoints"]["mib_per_save"] > 0
+    # the monitor files continue the first half: one header, steps 1..2N once each
+    name = "Train_megaloss_loss.csv" if job == "lm" else "Train_megaloss_mnr_loss.csv"
+    lines = (part / "monitor" / "megaloss" / name).read_text().splitlines()
+    assert lines[0].startswith("step,") and sum(ln.startswith("step,") for ln in lines) == 1
+    assert [float(ln.split(",")[1]) for ln in lines[1:]] == [float(r["loss"]) for r in a]
+
+
+@pytest.mark.timeout(600)
+def test_eval_only_reproduces_the_final_evaluation_and_a_rerun_is_refused(runs):
+    tmp_path = runs[0]
+    part3, full3 = tmp_path / "lm31-part", tmp_path / "lm31-full"
     report = json.loads((part3 / f"eval_step{2 * N}.json").read_text())
     assert report["eval"]["loss"] == json.loads(
         (full3 / "summary.json").read_text())["eval_after"]["loss"]
@@ -215,7 +178,13 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     refused = (tmp_path / "refused.txt").read_text()
     assert "already holds a run" in refused and "--resume" in refused and "--overwrite" in refused
 
-    # universal checkpoint: TP=2 (2 processes) -> TP=1 (1 process)
+
+@pytest.mark.timeout(600)
+def test_universal_checkpoint_from_tp2_resumes_on_one_process(runs):
+    """TP=2 (2 processes) -> universal checkpoint -> TP=1 (1 process): evaluation and training
+    continue where the TP=2 run stopped."""
+    tmp_path = runs[0]
+    cache = tmp_path / "cache"
     src = tmp_path / "lm22-full" / "checkpoints"
     conv = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                            "--input_folder", str(src / f"step_{2 * N}"), "--output_folder",
@@ -228,13 +197,12 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     cfg1 = tmp_path / "universal-tp1.json"
     cfg1.write_text(json.dumps(cfg))
     one = tmp_path / "lm-universal"
-    spec.write_text(json.dumps([
-        {"script": "train_lm", "argv": _lm_args(cfg1, one, cache, 2 * N, "--eval_only",
-                                                "--resume", str(src / "universal"))},
-        {"script": "train_lm", "argv": _lm_args(cfg1, one, cache, 2 * N + 2, "--resume",
-                                                str(src / "universal"))}]))
-    run_deepspeed_launcher(Path(__file__), ["--jobs", str(spec)], timeout=300, num_gpus=1,
-                           tail=6000)
+    run_jobs_in_one_launch([
+        {"job": "train_lm", "argv": _lm_args(cfg1, one, cache, 2 * N, "--eval_only",
+                                             "--resume", str(src / "universal"))},
+        {"job": "train_lm", "argv": _lm_args(cfg1, one, cache, 2 * N + 2, "--resume",
+                                             str(src / "universal"))}],
+        tmp_path / "universal.json", timeout=300, num_gpus=1)
     full = json.loads((tmp_path / "lm22-full" / "summary.json").read_text())
     report = json.loads((one / f"eval_step{2 * N}.json").read_text())
     assert report["eval"]["loss"] == full["eval_after"]["loss"]
@@ -243,7 +211,3 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     rows = _rows(one)
     assert [int(r["step"]) for r in rows] == list(range(1, 2 * N + 3))
     assert [r["loss"] for r in rows[:2 * N]] == [r["loss"] for r in _rows(tmp_path / "lm22-full")]
-
-
-if __name__ == "__main__":
-    _driver()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import code_search as cs
+from launch.jobs import code_search as cs
 
 SOURCE = textwrap.dedent('''
     import os

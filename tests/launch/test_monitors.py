@@ -27,7 +27,7 @@ import pytest
 
 from launch_helpers import REPO, run_deepspeed_launcher
 
-from jobs.code_search import stdlib_root
+from launch.jobs.code_search import stdlib_root
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
 

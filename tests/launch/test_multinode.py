@@ -29,7 +29,8 @@ SCRIPTS = ("train_lm.sh", "train_embed.sh")
 _SCHEDULER_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "HOSTFILE", "NUM_PROCS",
                    "PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
                    "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_JOB_NODELIST",
-                   "SLURM_JOB_ID", "DRY_RUN", "DS_CONFIG")
+                   "SLURM_JOB_ID", "DRY_RUN", "DS_CONFIG",
+                   "PYTHONPATH")  # the scripts put the repository root there themselves
 
 
 def _clean_env(**extra):
@@ -162,8 +163,7 @@ def _start(tmp_path: Path, name: str, env: dict, out: str) -> subprocess.Popen:
     return subprocess.Popen(["bash", str(REPO / "launch" / "train_lm.sh"),
                              *_job_args(tmp_path, out)], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True,
-                            env=_clean_env(OMP_NUM_THREADS=1, PYTHONPATH=REPO, TMPDIR=tmp_path,
-                                           **env))
+                            env=_clean_env(OMP_NUM_THREADS=1, TMPDIR=tmp_path, **env))
 
 
 def _wait_all(procs: dict, tmp_path: Path, timeout: float) -> None:
@@ -177,7 +177,7 @@ def _wait_all(procs: dict, tmp_path: Path, timeout: float) -> None:
         for p in procs.values():  # one failed launcher must not leave the others waiting
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+                p.wait(timeout=30)
 
 
 def _metrics(out: Path) -> list:

@@ -7,25 +7,25 @@
 
 Both must save a checkpoint at the next step boundary, write ``metrics.csv``, ``summary.json``
 (saying where and why they stopped) and the plot for the steps that ran, and exit; a new
-launcher run with ``--resume`` then continues them: metrics and monitor files hold every step
-once, with one header.
+launcher run with ``--resume`` (one for both jobs) then continues them: metrics and monitor files
+hold every step once, with one header.
 """
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from launch_helpers import REPO, run_deepspeed_launcher
+from launch_helpers import REPO, launcher_env, run_jobs_in_one_launch, wait_until
 
-from jobs.code_search import stdlib_root
+from launch.jobs.code_search import stdlib_root
 from megaloss.testing import free_port
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
@@ -38,8 +38,7 @@ class Launched:
     def __init__(self, script: Path, args: list) -> None:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
                "--master_port", str(free_port()), str(script), *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines = []
@@ -54,12 +53,27 @@ class Launched:
     def output(self) -> str:
         return "".join(self.lines)
 
-    def wait_for(self, text: str, timeout: float) -> None:
-        t0 = time.monotonic()
-        while text not in self.output:
-            assert self.proc.poll() is None or self.reader.is_alive(), self.output[-4000:]
-            assert time.monotonic() - t0 < timeout, f"no {text!r} in:\n{self.output[-4000:]}"
-            time.sleep(0.2)
+    def alive(self) -> bool:
+        return self.proc.poll() is None or self.reader.is_alive()
+
+    def wait_for_steps(self, monitor_file: Path, steps: int, timeout: float) -> None:
+        """Until the run has logged ``steps`` optimizer steps (DeepSpeed's csv_monitor appends
+        one ``step,value`` line per step to ``monitor_file``)."""
+        def logged():
+            return monitor_file.exists() and len(monitor_file.read_text().splitlines()) > steps
+        try:
+            wait_until(logged, timeout, f"{steps} steps in {monitor_file}", alive=self.alive)
+        except AssertionError as e:
+            raise AssertionError(f"{e}:\n{self.output[-4000:]}") from None
+
+    def kill(self) -> None:
+        """SIGKILL to the whole session (launcher and ranks) if any of it still runs."""
+        if self.proc.poll() is None or self.reader.is_alive():
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(30)
 
     def finish(self, timeout: float) -> str:
         """Wait until every process of the session has closed the output (all exited)."""
@@ -102,47 +116,94 @@ def _check_continued(out: Path, k: int, extra: int, monitor_file: str) -> None:
     assert [int(ln.split(",")[0]) for ln in lines[1:]] == [int(r["samples"]) for r in rows]
 
 
-@pytest.mark.timeout(420)
-def test_ctrl_c_saves_and_resume_continues_lm(tmp_path):
+def _lm_args(out: Path, cache: Path) -> list:
     root = stdlib_root()
-    out = tmp_path / "out"
-    args = ["--train_data", str(root / "json"), str(root / "csv.py"), "--eval_data",
+    return ["--train_data", str(root / "json"), str(root / "csv.py"), "--eval_data",
             str(root / "textwrap.py"), "--model_size", "tiny", "--seq_len", "32",
             "--vocab_size", "300", "--eval_blocks", "8", "--eval_every", "0",
-            "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"), "--no_progress"]
-    job = Launched(REPO / "launch" / "train_lm.py", args + ["--steps", "100000"])
-    job.wait_for("before training", timeout=240)
-    time.sleep(2.0)  # some steps
-    os.killpg(job.proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
-    output = job.finish(timeout=120)
-    k = _check_stopped(out, output, "SIGINT", "lm")
+            "--output_dir", str(out), "--cache_dir", str(cache), "--no_progress"]
 
-    proc = run_deepspeed_launcher(REPO / "launch" / "train_lm.py",
-                                  args + ["--steps", str(k + 2), "--resume"], timeout=240)
-    assert f"resumed from {out / 'checkpoints' / f'step_{k}'} at step {k}" in proc.stdout
-    _check_continued(out, k, 2, "Train_megaloss_loss.csv")
+
+def _embed_args(out: Path, cache: Path) -> list:
+    root = stdlib_root()
+    return ["--train_data", str(root / "email"), str(root / "json"), "--eval_fraction", "0.2",
+            "--max_eval", "24", "--micro_batch_size", "4", "--gradient_accumulation_steps", "1",
+            "--model_size", "tiny", "--vocab_size", "300", "--max_doc_len", "32",
+            "--max_query_len", "16", "--output_dir", str(out), "--cache_dir", str(cache),
+            "--no_progress"]
+
+
+def _stopped_at(out: Path):
+    """The step the stopped run says it stopped after (None when it wrote no such summary: its
+    test then fails on the stopped run's files)."""
+    try:
+        return json.loads((out / "summary.json").read_text())["stopped"]["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """The LM job stopped by Ctrl-C and the embedding job by SIGTERM at the launcher (a launch
+    each, their folders copied as they were when they stopped), then one new launch resuming
+    both for 2 more steps. Returns ``{job: (folder, copy of the stopped folder, output)}`` and
+    the resuming launch's stdout."""
+    tmp = tmp_path_factory.mktemp("preemption")
+    runs = {}
+
+    def ctrl_c(job):  # what Ctrl-C in the terminal sends: SIGINT to the whole process group
+        os.killpg(job.proc.pid, signal.SIGINT)
+
+    def sigterm_to_launch_py(job):
+        launch_py = psutil.Process(job.proc.pid).children()[0]  # deepspeed.launcher.launch
+        assert "deepspeed.launcher.launch" in " ".join(launch_py.cmdline())
+        launch_py.send_signal(signal.SIGTERM)
+
+    for name, args, monitor_file, stop in (
+            ("lm", _lm_args, "Train_megaloss_loss.csv", ctrl_c),
+            ("embed", _embed_args, "Train_megaloss_mnr_loss.csv", sigterm_to_launch_py)):
+        out = tmp / name
+        job = Launched(REPO / "launch" / f"train_{name}.py",
+                       args(out, tmp / "cache") + ["--steps", "100000"])
+        try:
+            job.wait_for_steps(out / "monitor" / "megaloss" / monitor_file, 2, timeout=240)
+            stop(job)
+            runs[name] = (out, job.finish(timeout=120))
+        finally:
+            job.kill()
+
+    resumes = []
+    for name, (out, _) in runs.items():
+        shutil.copytree(out, out.with_name(f"{name}-stopped"))
+        k = _stopped_at(out)
+        if k is not None:
+            args = (_lm_args if name == "lm" else _embed_args)(out, tmp / "cache")
+            resume = ["--resume"] if name == "lm" else ["--resume", "latest"]
+            resumes.append({"job": f"train_{name}", "argv": args + ["--steps", str(k + 2)]
+                            + resume})
+    proc = run_jobs_in_one_launch(resumes, tmp / "resume.json", timeout=240)
+    return {name: (out, out.with_name(f"{name}-stopped"), output)
+            for name, (out, output) in runs.items()}, proc.stdout
 
 
 @pytest.mark.timeout(420)
-def test_sigterm_to_the_launcher_saves_and_resume_continues_embed(tmp_path):
-    root = stdlib_root()
-    out = tmp_path / "out"
-    args = ["--train_data", str(root / "email"), str(root / "json"), "--eval_fraction", "0.2",
-            "--max_eval", "24", "--micro_batch_size", "4", "--gradient_accumulation_steps", "1",
-            "--model_size", "tiny", "--vocab_size", "300", "--max_doc_len", "32",
-            "--max_query_len", "16", "--output_dir", str(out), "--cache_dir",
-            str(tmp_path / "cache"), "--no_progress"]
-    job = Launched(REPO / "launch" / "train_embed.py", args + ["--steps", "100000"])
-    job.wait_for("before training", timeout=240)
-    time.sleep(2.0)
-    launch_py = psutil.Process(job.proc.pid).children()[0]  # deepspeed.launcher.launch
-    assert "deepspeed.launcher.launch" in " ".join(launch_py.cmdline())
-    launch_py.send_signal(signal.SIGTERM)
-    output = job.finish(timeout=120)
-    k = _check_stopped(out, output, "SIGTERM", "embed")
+def test_ctrl_c_saves_lm(preempted):
+    _, stopped, output = preempted[0]["lm"]
+    _check_stopped(stopped, output, "SIGINT", "lm")
 
-    proc = run_deepspeed_launcher(REPO / "launch" / "train_embed.py",
-                                  args + ["--steps", str(k + 2), "--resume", "latest"],
-                                  timeout=240)
-    assert f"at step {k}" in proc.stdout
-    _check_continued(out, k, 2, "Train_megaloss_mnr_loss.csv")
+
+@pytest.mark.timeout(420)
+def test_sigterm_to_the_launcher_saves_embed(preempted):
+    _, stopped, output = preempted[0]["embed"]
+    _check_stopped(stopped, output, "SIGTERM", "embed")
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name,monitor_file", [("lm", "Train_megaloss_loss.csv"),
+                                                ("embed", "Train_megaloss_mnr_loss.csv")])
+def test_resume_in_a_new_launch_continues(preempted, name, monitor_file):
+    out, stopped, _ = preempted[0][name]
+    k = _stopped_at(stopped)
+    assert k is not None, f"{name} did not stop"
+    assert f"resumed from {out / 'checkpoints' / f'step_{k}'} at step {k}" in preempted[1]
+    _check_continued(out, k, 2, monitor_file)

@@ -11,25 +11,17 @@
 The single-process cases are in the fast tier; the launcher runs are slow.
 The misspelled ``"megalos"`` section is in tests/integrations/test_deepspeed_config.py.
 """
-import importlib.util
-import os
 import subprocess
 import sys
 
 import pytest
 
-from launch_helpers import REPO
+from launch_helpers import REPO, launcher_env
 
+from launch import train_embed, train_lm
+from launch.jobs.lm_data import load_data, make_blocks
+from launch.jobs.pair_data import load_pairs_cached
 from megaloss.testing import free_port
-
-
-@pytest.fixture(scope="module")
-def train_lm():
-    spec = importlib.util.spec_from_file_location("train_lm_under_test",
-                                                  REPO / "launch" / "train_lm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _text(path, n=40):
@@ -37,66 +29,62 @@ def _text(path, n=40):
     return path
 
 
-def _lm_args(train_lm, tmp_path, *argv):
+def _lm_args(tmp_path, *argv):
     return train_lm.parse_args([*argv, "--vocab_size", "260", "--seq_len", "16",
                                 "--cache_dir", str(tmp_path / "cache")])
 
 
 @pytest.mark.parametrize("which", ["train", "eval"])
-def test_empty_file_is_named(train_lm, tmp_path, which):
+def test_empty_file_is_named(tmp_path, which):
     good, empty = _text(tmp_path / "good.py"), tmp_path / "empty.txt"
     empty.write_text("")
     train, held = (empty, good) if which == "train" else (good, empty)
-    args = _lm_args(train_lm, tmp_path, "--train_data", str(train), "--eval_data", str(held))
+    args = _lm_args(tmp_path, "--train_data", str(train), "--eval_data", str(held))
     with pytest.raises(SystemExit) as err:
-        train_lm.load_data(args, 0)
+        load_data(args)
     flag = "--train_data" if which == "train" else "--eval_data"
     assert str(err.value) == f"{flag} file {empty} is empty"
 
 
-def test_empty_files_inside_a_folder_are_fine_unless_all_are(train_lm, tmp_path):
+def test_empty_files_inside_a_folder_are_fine_unless_all_are(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "__init__.py").write_text("")
     _text(tmp_path / "d" / "mod.py")
     held = _text(tmp_path / "held.py")
-    args = _lm_args(train_lm, tmp_path, "--train_data", str(tmp_path / "d"), "--eval_data",
+    args = _lm_args(tmp_path, "--train_data", str(tmp_path / "d"), "--eval_data",
                     str(held))
-    tok, train_stream, eval_stream, info, key = train_lm.load_data(args, 0)
+    tok, train_stream, eval_stream, info, key = load_data(args)
     assert info["train_files"] == 2 and train_stream.numel() > 100 and len(key) == 16
     (tmp_path / "d" / "mod.py").write_text("  \n")
     with pytest.raises(SystemExit, match=r"--train_data: all 2 files are empty"):
-        train_lm.load_data(args, 0)
+        load_data(args)
 
 
-def test_too_short_text_says_which_and_what_to_change(train_lm, tmp_path):
+def test_too_short_text_says_which_and_what_to_change(tmp_path):
     import torch
     with pytest.raises(SystemExit) as err:
-        train_lm.make_blocks(torch.arange(5), 128, "held-out", 1)
+        make_blocks(torch.arange(5), 128, "held-out", 1)
     assert str(err.value) == ("held-out text (1 file) holds 5 tokens, fewer than one block of "
                               "--seq_len + 1 = 129; give more text or a smaller --seq_len")
 
 
-def test_unsplittable_folder_mentions_eval_fraction(train_lm, tmp_path):
+def test_unsplittable_folder_mentions_eval_fraction(tmp_path):
     for name in "abcd":
         _text(tmp_path / f"{name}.py")
-    args = _lm_args(train_lm, tmp_path, "--train_data", str(tmp_path), "--eval_fraction", "0")
+    args = _lm_args(tmp_path, "--train_data", str(tmp_path), "--eval_fraction", "0")
     with pytest.raises(SystemExit) as err:
-        train_lm.load_data(args, 0)
+        load_data(args)
     msg = str(err.value)
     assert msg.startswith("cannot split 4 files into train and held-out with --eval_fraction 0.0")
     assert "pass --eval_data, or another --eval_fraction" in msg
 
 
 def test_embed_job_names_missing_pairs(tmp_path):
-    spec = importlib.util.spec_from_file_location("train_embed_under_test",
-                                                  REPO / "launch" / "train_embed.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     empty = tmp_path / "empty.py"
     empty.write_text("")
-    args = mod.parse_args(["--train_data", str(empty), "--cache_dir", str(tmp_path / "c")])
+    args = train_embed.parse_args(["--train_data", str(empty), "--cache_dir", str(tmp_path / "c")])
     with pytest.raises(SystemExit) as err:
-        mod.load_pairs_cached(args)
+        load_pairs_cached(args)
     assert str(err.value).startswith(f"no training pairs in --train_data {empty}: it needs "
                                      "functions with a docstring")
     assert f"empty: {empty}" in str(err.value)
@@ -105,8 +93,7 @@ def test_embed_job_names_missing_pairs(tmp_path):
 def _launch_failing(script, args, tmp_path):
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
            "--master_port", str(free_port()), str(script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.run(cmd, cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=280)
     assert proc.returncode != 0, proc.stdout[-3000:]
     return proc.stdout

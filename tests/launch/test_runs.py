@@ -6,14 +6,14 @@ import argparse
 import os
 import signal
 from itertools import islice
-from pathlib import Path
 
 import pytest
 import torch
 
-from jobs.runs import (StopRequest, add_run_arguments, agreed, check_run_arguments,
-                       prepare_output_dir, resume_source)
-from jobs.text_data import StepBatches
+from launch import train_embed, train_embed_hf, train_lm, train_lm_hf
+from launch.jobs.runs import (StopRequest, add_run_arguments, agreed, check_run_arguments,
+                              checkpoint_stats, prepare_output_dir, resume_source)
+from launch.jobs.text_data import StepBatches
 
 
 def _args(*argv):
@@ -115,13 +115,14 @@ def test_step_batches_iter_from_continues_the_stream(start):
 
 
 def test_relative_default_output_dirs_follow_the_current_directory():
-    import importlib.util
+    for job, default in ((train_lm, "lm"), (train_embed, "embed"), (train_lm_hf, "lm_hf"),
+                         (train_embed_hf, "embed_hf")):
+        assert job.parse_args([]).output_dir == os.path.join("runs", default)
 
-    repo = Path(__file__).resolve().parents[2]
-    for script, default in (("train_lm", os.path.join("runs", "lm")),
-                            ("train_embed", os.path.join("runs", "embed"))):
-        spec = importlib.util.spec_from_file_location(f"{script}_defaults",
-                                                      repo / "launch" / f"{script}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        assert mod.parse_args([]).output_dir == default
+
+def test_checkpoint_stats():
+    assert checkpoint_stats([]) is None
+    saves = [{"step": 2, "seconds": 1.0, "mib": 3.0, "path": "a"},
+             {"step": 4, "seconds": 2.0, "mib": 5.0, "path": "b"}]
+    assert checkpoint_stats(saves) == {"saves": 2, "seconds_per_save": 1.5, "mib_per_save": 4.0,
+                                       "last": "b"}

@@ -1,36 +1,63 @@
-"""End to end: ``deepspeed --num_gpus 2 launch/train_embed.py`` on CPU, shrunk (tiny encoder,
-four stdlib packages as user data, 24 steps of micro-batch 8 x GAS 2 x DP 2).
+"""End to end: the embedding job (``launch.train_embed``) under ``deepspeed --num_gpus 2`` on
+CPU, shrunk; its three runs share one launch (process start-up costs more than these tiny jobs).
 
-Checks what a user sees: exit status 0, ``metrics.csv`` with one row per optimizer step, the
-``csv_monitor`` files DeepSpeed writes from ``engine.monitor`` (MNR loss and in-batch accuracy,
-held-out MRR@10), the PNG plot, the summary, the measured engine multiplier (GAS x DP), and that
-training works: the global MNR loss falls.
+- The job (tiny encoder, four stdlib packages as user data, 24 steps of micro-batch 8 x GAS 2 x
+  DP 2). Checks what a user sees: exit status 0, ``metrics.csv`` with one row per optimizer step,
+  the ``csv_monitor`` files DeepSpeed writes from ``engine.monitor`` (MNR loss and in-batch
+  accuracy, held-out MRR@10), the PNG plot, the summary, the measured engine multiplier (GAS x
+  DP), and that training works: the global MNR loss falls.
+- GradCache (``--mini_batch_size``) trains exactly as without it: two runs from the same seed, no
+  dropout, micro-batch 6 x GAS 2 x DP 2, ZeRO-2 (the job's default config), one plain, one with
+  ``--mini_batch_size 4`` (replays of 4 and 2 pairs). Every optimizer step's logged global loss,
+  in-batch accuracy and gradient norm agree (rel 1e-4: fp32, summation order), so the optimizer
+  steps between them did too.
 """
 import csv
 import json
 
 import pytest
 
-from launch_helpers import REPO, monitor_column, run_deepspeed_launcher
+from launch_helpers import monitor_column, run_jobs_in_one_launch
 
-from jobs.code_search import stdlib_root
+from launch.jobs.code_search import stdlib_root
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 24
 
 
-@pytest.mark.timeout(420)
-def test_train_embed_launcher(tmp_path):
-    out = tmp_path / "out"
+def _grad_cache_args(out, cache, *extra):
+    return ["--train_data", str(stdlib_root() / "email"), "--eval_fraction", "0.2",
+            "--max_eval", "32", "--max_train", "200", "--steps", "4", "--micro_batch_size", "6",
+            "--gradient_accumulation_steps", "2", "--model_size", "tiny", "--vocab_size", "320",
+            "--max_doc_len", "32", "--dropout", "0", "--warmup_steps", "1",
+            "--output_dir", str(out), "--cache_dir", str(cache), "--no_progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One launch: the job, then the plain and the GradCache run. Returns the launch's output
+    and the folder holding the runs' output folders."""
+    tmp_path = tmp_path_factory.mktemp("train_embed")
     data = [str(stdlib_root() / d) for d in ("email", "asyncio", "http", "importlib")]
-    proc = run_deepspeed_launcher(
-        REPO / "launch" / "train_embed.py",
-        ["--train_data", *data, "--eval_fraction", "0.2", "--max_eval", "96",
-         "--steps", str(STEPS), "--micro_batch_size", "8", "--gradient_accumulation_steps",
-         "2", "--model_size", "tiny", "--vocab_size", "512", "--max_doc_len", "64",
-         "--lr", "3e-3", "--warmup_steps", "2", "--output_dir", str(out),
-         "--cache_dir", str(tmp_path / "cache"), "--no_progress"], timeout=400)
+    job = ["--train_data", *data, "--eval_fraction", "0.2", "--max_eval", "96",
+           "--steps", str(STEPS), "--micro_batch_size", "8", "--gradient_accumulation_steps",
+           "2", "--model_size", "tiny", "--vocab_size", "512", "--max_doc_len", "64",
+           "--lr", "3e-3", "--warmup_steps", "2", "--output_dir", str(tmp_path / "out"),
+           "--cache_dir", str(tmp_path / "cache"), "--no_progress"]
+    proc = run_jobs_in_one_launch([
+        {"job": "train_embed", "argv": job},
+        {"job": "train_embed", "argv": _grad_cache_args(tmp_path / "plain", tmp_path / "cache")},
+        {"job": "train_embed", "argv": _grad_cache_args(tmp_path / "cached", tmp_path / "cache",
+                                                        "--mini_batch_size", "4")}],
+        tmp_path / "jobs.json", timeout=400)
+    return proc, tmp_path
+
+
+@pytest.mark.timeout(420)
+def test_train_embed_launcher(runs):
+    proc, tmp_path = runs
+    out = tmp_path / "out"
     assert "before training: held-out MRR@10" in proc.stdout
 
     with open(out / "metrics.csv") as f:
@@ -59,3 +86,20 @@ def test_train_embed_launcher(tmp_path):
         [float(r["accuracy"]) for r in rows], rel=1e-6)
     assert monitor_column(monitor / "Eval_megaloss_mrr@10.csv") == pytest.approx(
         [summary["eval_before"]["mrr@10"], summary["eval_after"]["mrr@10"]], rel=1e-6)
+
+
+def _outputs(out):
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    return rows, json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.timeout(420)
+def test_mini_batch_size_trains_like_plain(runs):
+    plain, _ = _outputs(runs[1] / "plain")
+    cached, summary = _outputs(runs[1] / "cached")
+    assert summary["mnr"]["mini_batch_size"] == 4
+    assert len(plain) == len(cached) == 4
+    for a, b in zip(plain, cached):
+        for key in ("loss", "accuracy", "grad_norm"):
+            assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-4), (a["step"], key)

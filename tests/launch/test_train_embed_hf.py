@@ -3,21 +3,21 @@
 user data (96 held-out pairs), 30 steps of 16 pairs per rank.
 
 Checks what a user sees: exit status 0, ``summary.json`` with finite metrics, held-out MRR@10
-rising, the logged MNR loss falling, ``metrics.csv`` and the plot. With ``--mini_batch_size`` (the cached / GradCache loss), the same
-checks, skipped until ``CachedGatheredMultipleNegativesRankingLoss`` exists in
+rising, the logged MNR loss falling, ``metrics.csv`` and the plot. With ``--mini_batch_size``
+(the cached / GradCache loss), the same checks, skipped until
+``CachedGatheredMultipleNegativesRankingLoss`` exists in
 ``megaloss.integrations.hf.sentence_transformers``.
 """
 import csv
 import json
 import math
-import os
 import subprocess
 
 import pytest
 
-from launch_helpers import REPO
+from launch_helpers import REPO, script_env
 
-from jobs.code_search import stdlib_root
+from launch.jobs.code_search import stdlib_root
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
 
@@ -26,9 +26,7 @@ STEPS = 30
 
 def run_job(tmp_path, out, *extra, timeout=170):
     data = [str(stdlib_root() / d) for d in ("email", "asyncio", "http", "importlib")]
-    env = {**os.environ, "NUM_PROCS": "2", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO)] + [p for p in [os.environ.get(
-               "PYTHONPATH")] if p])}
+    env = script_env(NUM_PROCS="2")
     cmd = ["bash", str(REPO / "launch" / "train_embed_hf.sh"),
            "--train_data", *data, "--eval_fraction", "0.2", "--max_eval", "96",
            "--steps", str(STEPS), "--batch_size", "16", "--model_size", "tiny",

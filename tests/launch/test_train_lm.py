@@ -6,21 +6,16 @@ calibrated metrics, the ``csv_monitor`` files DeepSpeed writes from ``engine.mon
 plot, and that training works: held-out cross-entropy and the train loss both fall.
 Layouts: ZeRO-0, ZeRO-1 and ZeRO-3 with DP=2 x TP=1 (ZeRO really partitions), ZeRO-2 with
 DP=1 x TP=2 (the main job's layout: vocab-parallel CE). One launcher run drives all four jobs
-(this file's ``__main__`` calls ``launch/train_lm.py``'s ``main`` per layout): process start-up
-dominates the cost.
+(``launch_helpers.run_jobs_in_one_launch`` calls ``launch.train_lm.main`` per layout): process
+start-up dominates the cost.
 """
 import csv
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-if __name__ == "__main__":  # run by the launcher (see _driver): no conftest.py sets sys.path
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "helpers"),
-                    str(Path(__file__).resolve().parents[2] / "launch")]
-
-from launch_helpers import REPO, monitor_column, run_deepspeed_launcher  # noqa: E402
+from launch_helpers import REPO, monitor_column, run_jobs_in_one_launch
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
 
@@ -41,40 +36,32 @@ def _ds_config(stage: int, tp: int) -> dict:
     return cfg
 
 
-def _job_args(ds_config: Path, out: Path, cache: Path) -> list:
+def _job_args(ds_config, out, cache) -> list:
     return ["--deepspeed_config", str(ds_config), "--steps", str(STEPS), "--model_size", "tiny",
             "--seq_len", "32", "--vocab_size", "320", "--max_train_bytes", "200000",
             "--eval_blocks", "16", "--eval_every", "3", "--output_dir", str(out),
             "--cache_dir", str(cache), "--no_progress"]
 
 
-def _driver() -> None:
-    """Run under the deepspeed launcher: ``launch/train_lm.py``'s ``main`` once per layout in
-    the same processes (process start-up, i.e. importing torch / deepspeed / transformers,
-    costs more than these tiny jobs, and the suite shares 2 cores)."""
-    import argparse
-    import importlib.util
-    p = argparse.ArgumentParser()
-    p.add_argument("--local_rank", type=int, default=0)
-    p.add_argument("--jobs", type=str, required=True)
-    args = p.parse_args()
-    spec = importlib.util.spec_from_file_location("train_lm", REPO / "launch" / "train_lm.py")
-    train_lm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_lm)
-    for argv in json.loads(args.jobs):
-        train_lm.main(argv + ["--local_rank", str(args.local_rank)])
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One launcher run of the four layouts; their output folders by (stage, TP)."""
+    tmp = tmp_path_factory.mktemp("train_lm")
+    jobs, outs = [], {}
+    for stage, tp in LAYOUTS:
+        ds_config = tmp / f"zero{stage}-tp{tp}.json"
+        ds_config.write_text(json.dumps(_ds_config(stage, tp)))
+        outs[stage, tp] = tmp / f"out-zero{stage}"
+        jobs.append({"job": "train_lm", "argv": _job_args(ds_config, outs[stage, tp],
+                                                          tmp / "cache")})
+    run_jobs_in_one_launch(jobs, tmp / "jobs.json", timeout=560)
+    return outs
 
 
 @pytest.mark.timeout(600)
-def test_train_lm_under_deepspeed_launcher(tmp_path):
-    jobs = []
-    for stage, tp in LAYOUTS:
-        ds_config = tmp_path / f"zero{stage}-tp{tp}.json"
-        ds_config.write_text(json.dumps(_ds_config(stage, tp)))
-        jobs.append(_job_args(ds_config, tmp_path / f"out-zero{stage}", tmp_path / "cache"))
-    run_deepspeed_launcher(Path(__file__), ["--jobs", json.dumps(jobs)], timeout=560, tail=6000)
-    for stage, tp in LAYOUTS:
-        _check_outputs(tmp_path / f"out-zero{stage}", stage, tp)
+@pytest.mark.parametrize("stage,tp", LAYOUTS, ids=lambda v: str(v))
+def test_train_lm_under_deepspeed_launcher(runs, stage, tp):
+    _check_outputs(runs[stage, tp], stage, tp)
 
 
 def _check_outputs(out: Path, stage: int, tp: int) -> None:
@@ -99,7 +86,3 @@ def _check_outputs(out: Path, stage: int, tp: int) -> None:
     for tag in ("num_tokens", "z_loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_mib"):
         assert (monitor / f"Train_megaloss_{tag}.csv").exists(), tag
     assert (monitor / "Eval_megaloss_perplexity.csv").exists()
-
-
-if __name__ == "__main__":
-    _driver()

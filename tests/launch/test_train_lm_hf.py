@@ -11,13 +11,12 @@ global batch's tokens: micro-batch 4 x GAS 2 x DP 2 x 32), the plot, and the off
 import csv
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
 
-from launch_helpers import REPO
+from launch_helpers import REPO, script_env
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
 
@@ -41,10 +40,7 @@ def wandb_tags(run_dir):
 def test_train_lm_hf(tmp_path):
     pytest.importorskip("wandb")
     out = tmp_path / "out"
-    env = {**os.environ, "NUM_PROCS": "2", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-           "WANDB_SILENT": "true",
-           "PYTHONPATH": os.pathsep.join([str(REPO)] + [p for p in [os.environ.get(
-               "PYTHONPATH")] if p])}
+    env = script_env(NUM_PROCS="2", WANDB_MODE="offline", WANDB_SILENT="true")
     env.pop("WANDB_DIR", None)
     proc = subprocess.run(
         ["bash", str(REPO / "launch" / "train_lm_hf.sh"), "--steps", str(STEPS),

@@ -1,0 +1,144 @@
+"""The command-line option groups the jobs share, so one option has one name, default and help
+in every job that takes it:
+
+- :func:`add_job_arguments`: ``--steps``, ``--seed``, ``--output_dir``, ``--cache_dir``,
+  ``--no_progress``, ``--local_rank`` (every job);
+- :func:`add_lm_data_arguments` / :func:`add_llama_arguments`: the LM jobs' text, tokenizer,
+  blocks and model size;
+- :func:`add_pair_data_arguments` / :func:`add_embedding_arguments`: the embedding jobs' pairs,
+  tokenizer, encoder size, GradCache mini-batch, learning rate and evaluation batch;
+- :func:`add_trainer_arguments`: ``--deepspeed_config``, ``--logging_steps``, ``--report_to``,
+  ``--overwrite`` (the jobs that hand their loop to a Hugging Face trainer);
+- :func:`require_at_least`: ``p.error`` for a number below its minimum.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Iterable, Optional
+
+from .models import BERT_SIZES, LLAMA_SIZES
+
+REPO = Path(__file__).resolve().parents[2]  # configs/ lives at the repository root
+
+__all__ = ["job_parser", "add_job_arguments", "add_lm_data_arguments", "add_llama_arguments",
+           "add_pair_data_arguments", "add_embedding_arguments", "add_trainer_arguments",
+           "require_at_least"]
+
+
+def job_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser described by the first paragraph of a job's docstring, defaults in ``--help``."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, output_dir: str) -> None:
+    """``--steps`` (default ``steps``), ``--seed``, ``--output_dir`` (default ``output_dir``,
+    relative to the current directory), ``--cache_dir``, ``--no_progress``, ``--local_rank``."""
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", type=str, default=output_dir,
+                   help="the run's folder, relative to the current directory: metrics.csv, "
+                        "summary.json, loss_curve.png (and the job's monitor/, wandb/, "
+                        "checkpoints/)")
+    p.add_argument("--cache_dir", type=str,
+                   default=os.environ.get("MEGALOSS_CACHE",
+                                          str(Path.home() / ".cache" / "megaloss")),
+                   help="where tokenizers, token streams and extracted pairs are cached")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                   help="set by the deepspeed launcher")
+
+
+def add_lm_data_arguments(p: argparse.ArgumentParser) -> None:
+    """The LM jobs' text (:mod:`launch.jobs.lm_data`), tokenizer and blocks."""
+    g = p.add_argument_group("data")
+    g.add_argument("--train_data", nargs="*", default=None,
+                   help="text files or directories (.py/.txt/.md/.rst); default: the stdlib")
+    g.add_argument("--eval_data", nargs="*", default=None,
+                   help="held-out text files or directories; default: the stdlib's held-out "
+                        "files, or a crc32 split of --train_data files")
+    g.add_argument("--eval_fraction", type=float, default=0.05,
+                   help="share of files held out when --eval_data is not given")
+    g.add_argument("--max_train_bytes", type=int, default=2_500_000,
+                   help="keep a strided subset of training files under this size (0: all)")
+    g.add_argument("--seq_len", type=int, default=128)
+    g.add_argument("--vocab_size", type=int, default=2048, help="BPE vocabulary size")
+    g.add_argument("--eval_blocks", type=int, default=64,
+                   help="held-out blocks of seq_len tokens evaluated (evenly spaced)")
+    g.add_argument("--eval_every", type=int, default=50,
+                   help="steps between held-out evaluations (0: only before and after)")
+
+
+def add_llama_arguments(p: argparse.ArgumentParser) -> None:
+    """The LM jobs' model (:func:`launch.jobs.models.build_llama`)."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model_size", choices=sorted(LLAMA_SIZES), default="small")
+    g.add_argument("--hidden_size", type=int, default=None, help="overrides --model_size")
+    g.add_argument("--num_layers", type=int, default=None, help="overrides --model_size")
+    g.add_argument("--num_heads", type=int, default=None, help="overrides --model_size")
+
+
+def add_pair_data_arguments(p: argparse.ArgumentParser) -> None:
+    """The embedding jobs' pairs (:mod:`launch.jobs.pair_data`) and tokenizer."""
+    g = p.add_argument_group("data")
+    g.add_argument("--train_data", nargs="+", default=None,
+                   help=".py files, directories or .jsonl files of {query, document}; "
+                        "default: the Python standard library")
+    g.add_argument("--eval_data", nargs="+", default=None,
+                   help="held-out sources; default: whole files held out from --train_data")
+    g.add_argument("--eval_fraction", type=float, default=0.1)
+    g.add_argument("--max_train", type=int, default=None, help="cap on training pairs")
+    g.add_argument("--max_eval", type=int, default=None, help="cap on held-out pairs")
+    g.add_argument("--vocab_size", type=int, default=4096)
+
+
+def add_embedding_arguments(p: argparse.ArgumentParser) -> None:
+    """The embedding jobs' encoder (:func:`launch.jobs.models.build_encoder`), GradCache
+    mini-batch, learning rate and evaluation batch."""
+    g = p.add_argument_group("model and training")
+    g.add_argument("--model_size", choices=sorted(BERT_SIZES), default="small")
+    g.add_argument("--dropout", type=float, default=0.1,
+                   help="encoder dropout (the training set is small: it curbs memorisation)")
+    g.add_argument("--mini_batch_size", type=int, default=None,
+                   help="GradCache: encode and back-propagate this many pairs at a time (the "
+                        "same loss and gradients over the whole global batch, activation "
+                        "memory of one mini-batch; overrides megaloss.mnr.mini_batch_size of "
+                        "a ds_config)")
+    g.add_argument("--lr", type=float, default=2e-3)
+    g.add_argument("--warmup_steps", type=int, default=20)
+    g.add_argument("--eval_batch_size", type=int, default=128)
+
+
+def add_trainer_arguments(p: argparse.ArgumentParser, loss_section: str, *, batch_size: int,
+                          gradient_accumulation_steps: int, unit: str) -> None:
+    """What the jobs on a Hugging Face trainer add: their ds_config (default
+    ``configs/zero2_hf.json``, whose ``megaloss.<loss_section>`` sets the loss), the Trainer's
+    batch (``--batch_size`` ``unit`` per rank per micro-batch, ``--gradient_accumulation_steps``;
+    defaults as given), logging and one run per folder."""
+    g = p.add_argument_group("trainer")
+    g.add_argument("--batch_size", type=int, default=batch_size,
+                   help=f"{unit} per rank per micro-batch (the Trainer's "
+                        "per_device_train_batch_size)")
+    g.add_argument("--gradient_accumulation_steps", type=int,
+                   default=gradient_accumulation_steps)
+    g.add_argument("--deepspeed_config", type=str, default=str(REPO / "configs" / "zero2_hf.json"),
+                   help="ds_config JSON for the Trainer ('auto' keys are filled from the "
+                        f"arguments); its 'megaloss.{loss_section}' section sets the loss")
+    g.add_argument("--logging_steps", type=int, default=10,
+                   help="the Trainer logs (and metrics.csv gets) every N steps, and step 1")
+    g.add_argument("--report_to", type=str, default="none",
+                   help="the Trainer's report_to: none, wandb, tensorboard, all")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --output_dir")
+
+
+def require_at_least(p: argparse.ArgumentParser, args: argparse.Namespace,
+                     names: Iterable[str], minimum: int = 1) -> None:
+    """``p.error("--name must be >= minimum")`` for the first of ``names`` below ``minimum``;
+    an option left at ``None`` (not given) passes."""
+    for name in names:
+        value: Optional[int] = getattr(args, name)
+        if value is not None and value < minimum:
+            p.error(f"--{name} must be >= {minimum}")

@@ -23,7 +23,8 @@ The same task as ``launch/train_embed.py`` (megaloss's own DeepSpeed loop), the 
   (in-batch negatives from every data-parallel rank, exact cross-rank gradients); with
   ``--mini_batch_size N`` its cached (GradCache) variant
   ``CachedGatheredMultipleNegativesRankingLoss`` (imported only then). ``scale`` (``1 /
-  temperature``), ``symmetric`` and ``gather_across_devices`` come from the ds_config's
+  temperature``), ``similarity_fct``, ``symmetric``, ``gather_across_devices`` and
+  ``chunk_size`` come from the ds_config's
   ``"megaloss": {"mnr": ...}`` section;
 - training: ``SentenceTransformerTrainer`` with ``TrainingArguments(deepspeed=<ds_config>,
   use_cpu=True on CPU)``; the ds_config's ``"auto"`` batch, clipping keys are filled by the
@@ -132,8 +133,13 @@ def build_loss(model, mnr, mini_batch_size: Optional[int]):
     """megaloss's gathered MNR as a sentence-transformers loss, or its cached (GradCache)
     variant when ``mini_batch_size`` is given (imported only then). ``mnr`` is the ds_config's
     :class:`megaloss.integrations.deepspeed.config.MNRConfig`."""
-    kwargs = dict(scale=1.0 / mnr.temperature, symmetric=mnr.symmetric,
-                  gather_across_devices=mnr.gather_across_ranks)
+    if not mnr.local_loss:
+        raise SystemExit("megaloss.mnr.local_loss=false is not available with the "
+                         "sentence-transformers loss (it scores this rank's rows, the same value "
+                         "and gradients); remove the key")
+    kwargs = dict(scale=1.0 / mnr.temperature, similarity_fct=mnr.similarity,
+                  symmetric=mnr.symmetric, gather_across_devices=mnr.gather_across_ranks,
+                  chunk_size=mnr.chunk_size)
     if mini_batch_size is None:
         from megaloss.integrations.hf.sentence_transformers import \
             GatheredMultipleNegativesRankingLoss

@@ -45,17 +45,39 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from launch.jobs.arguments import (add_embedding_arguments, add_job_arguments,
-                                   add_pair_data_arguments, job_parser, require_at_least)
+from launch.jobs.arguments import (
+    add_embedding_arguments,
+    add_job_arguments,
+    add_pair_data_arguments,
+    job_parser,
+    require_at_least,
+)
 from launch.jobs.models import build_encoder
 from launch.jobs.pair_data import encode_pairs, load_pairs_cached, tokenizer_cached
-from launch.jobs.reporting import (Curve, plot_loss_curve, print_summary_table, rank0_logger,
-                                   write_metrics_csv, write_summary_json)
+from launch.jobs.reporting import (
+    Curve,
+    plot_loss_curve,
+    print_summary_table,
+    rank0_logger,
+    write_metrics_csv,
+    write_summary_json,
+)
 from launch.jobs.retrieval import evaluate_engine
-from launch.jobs.runs import (CHECKPOINTS, StopRequest, TrainLoop, add_run_arguments,
-                              check_run_arguments, checkpoint_stats, finish_run, open_run,
-                              quiet_job_environment, report_checkpoint_eval, resume_job_state,
-                              save_run, start_process)
+from launch.jobs.runs import (
+    CHECKPOINTS,
+    StopRequest,
+    TrainLoop,
+    add_run_arguments,
+    check_run_arguments,
+    checkpoint_stats,
+    finish_run,
+    open_run,
+    quiet_job_environment,
+    report_checkpoint_eval,
+    resume_job_state,
+    save_run,
+    start_process,
+)
 from launch.jobs.summaries import retrieval_summary_rows
 from launch.jobs.text_data import EOS, StepBatches
 
@@ -169,11 +191,18 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     from megaloss import Topology
-    from megaloss.integrations.deepspeed import (initialize, load_ds_config, peak_memory_mib,
-                                                 write_metrics)
+    from megaloss.integrations.deepspeed import (
+        initialize,
+        load_ds_config,
+        peak_memory_mib,
+        write_metrics,
+    )
     from megaloss.integrations.deepspeed.grad_cache import inner_replay_backward
-    from megaloss.integrations.hf import (EmbeddingModelWithMNR, cached_mnr_forward,
-                                         step_loss_weights)
+    from megaloss.integrations.hf import (
+        EmbeddingModelWithMNR,
+        cached_mnr_forward,
+        step_loss_weights,
+    )
 
     rank, _ = start_process(args.local_rank)
     torch.manual_seed(args.seed)

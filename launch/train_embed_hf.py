@@ -55,16 +55,32 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from launch.jobs.arguments import (add_embedding_arguments, add_job_arguments,
-                                   add_pair_data_arguments, add_trainer_arguments, job_parser,
-                                   require_at_least)
+from launch.jobs.arguments import (
+    add_embedding_arguments,
+    add_job_arguments,
+    add_pair_data_arguments,
+    add_trainer_arguments,
+    job_parser,
+    require_at_least,
+)
 from launch.jobs.models import build_encoder
 from launch.jobs.pair_data import load_pairs_cached, tokenizer_cached
-from launch.jobs.reporting import (Curve, plot_loss_curve, print_summary_table, rank0_logger,
-                                   write_metrics_csv, write_summary_json)
+from launch.jobs.reporting import (
+    Curve,
+    plot_loss_curve,
+    print_summary_table,
+    rank0_logger,
+    write_metrics_csv,
+    write_summary_json,
+)
 from launch.jobs.retrieval import evaluate_sentence_transformer
-from launch.jobs.runs import (agreed, finish_run, open_trainer_run, quiet_job_environment,
-                              start_trainer_process)
+from launch.jobs.runs import (
+    agreed,
+    finish_run,
+    open_trainer_run,
+    quiet_job_environment,
+    start_trainer_process,
+)
 from launch.jobs.summaries import retrieval_summary_rows
 from launch.jobs.text_data import EOS
 
@@ -141,15 +157,18 @@ def build_loss(model, mnr, mini_batch_size: Optional[int]):
                   symmetric=mnr.symmetric, gather_across_devices=mnr.gather_across_ranks,
                   chunk_size=mnr.chunk_size)
     if mini_batch_size is None:
-        from megaloss.integrations.hf.sentence_transformers import \
-            GatheredMultipleNegativesRankingLoss
+        from megaloss.integrations.hf.sentence_transformers import (
+            GatheredMultipleNegativesRankingLoss,
+        )
         return GatheredMultipleNegativesRankingLoss(model, **kwargs)
     try:
-        from megaloss.integrations.hf.sentence_transformers import \
-            CachedGatheredMultipleNegativesRankingLoss
+        from megaloss.integrations.hf.sentence_transformers import (
+            CachedGatheredMultipleNegativesRankingLoss,
+        )
     except ImportError as e:
         raise SystemExit("--mini_batch_size needs megaloss.integrations.hf.sentence_transformers."
-                         f"CachedGatheredMultipleNegativesRankingLoss, not in this megaloss ({e})")
+                         f"CachedGatheredMultipleNegativesRankingLoss, not in this megaloss ({e})"
+                         ) from None
     return CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch_size,
                                                       **kwargs)
 
@@ -220,8 +239,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         f"recall@1 {before['recall@1']:.4f}")
 
     from datasets import Dataset
-    from sentence_transformers import (SentenceTransformerTrainer,
-                                       SentenceTransformerTrainingArguments)
+    from sentence_transformers import (
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
 
     loss = build_loss(model, ml.mnr, args.mini_batch_size)
     train_ds = Dataset.from_dict({"anchor": [p.query for p in train],

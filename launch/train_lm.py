@@ -36,16 +36,30 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-
-from launch.jobs.arguments import (add_job_arguments, add_llama_arguments, add_lm_data_arguments,
-                                   job_parser)
+from launch.jobs.arguments import (
+    add_job_arguments,
+    add_llama_arguments,
+    add_lm_data_arguments,
+    job_parser,
+)
 from launch.jobs.lm_data import eval_batches, load_blocks
 from launch.jobs.models import build_llama
 from launch.jobs.reporting import print_summary_table, rank0_logger
-from launch.jobs.runs import (CHECKPOINTS, StopRequest, TrainLoop, add_run_arguments,
-                              check_run_arguments, checkpoint_stats, finish_run, open_run,
-                              quiet_job_environment, report_checkpoint_eval, resume_job_state,
-                              save_run, start_process)
+from launch.jobs.runs import (
+    CHECKPOINTS,
+    StopRequest,
+    TrainLoop,
+    add_run_arguments,
+    check_run_arguments,
+    checkpoint_stats,
+    finish_run,
+    open_run,
+    quiet_job_environment,
+    report_checkpoint_eval,
+    resume_job_state,
+    save_run,
+    start_process,
+)
 from launch.jobs.summaries import lm_summary_rows, write_lm_outputs
 from launch.jobs.text_data import StepBatches
 

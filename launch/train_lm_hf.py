@@ -49,13 +49,23 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from launch.jobs.arguments import (add_job_arguments, add_llama_arguments, add_lm_data_arguments,
-                                   add_trainer_arguments, job_parser, require_at_least)
+from launch.jobs.arguments import (
+    add_job_arguments,
+    add_llama_arguments,
+    add_lm_data_arguments,
+    add_trainer_arguments,
+    job_parser,
+    require_at_least,
+)
 from launch.jobs.lm_data import eval_batches, load_blocks
 from launch.jobs.models import build_llama
 from launch.jobs.reporting import print_summary_table, rank0_logger
-from launch.jobs.runs import (finish_run, open_trainer_run, quiet_job_environment,
-                              start_trainer_process)
+from launch.jobs.runs import (
+    finish_run,
+    open_trainer_run,
+    quiet_job_environment,
+    start_trainer_process,
+)
 from launch.jobs.summaries import lm_summary_rows, write_lm_outputs
 
 quiet_job_environment()

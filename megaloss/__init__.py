@@ -27,15 +27,36 @@ Renamed (the old names keep working for one release and emit a ``DeprecationWarn
 from importlib import import_module
 from typing import Any
 
-from .calibration import (EngineScale, EngineScaleError, LossCalibrator, StepCalibration,
-                          compute_loss_weights, probe_ddp, probe_no_engine)
-from .losses import (CrossEntropyOutput, GradCacheStep, LinearCrossEntropyLoss, MNROptions,
-                     MNROutput, MultipleNegativesRankingLoss, VocabParallelLMHead,
-                     VocabParallelOptions, grad_cache_step, linear_cross_entropy,
-                     linear_cross_entropy_with_stats, mnr_loss, mnr_loss_with_stats, split_rows)
+from .calibration import (
+    EngineScale,
+    EngineScaleError,
+    LossCalibrator,
+    StepCalibration,
+    compute_loss_weights,
+    probe_ddp,
+    probe_no_engine,
+)
+
 # deprecated aliases (one release; they warn when called), kept out of __all__
-from .losses import (mnr_loss_with_metrics, vocab_parallel_linear_cross_entropy,  # noqa: F401
-                     vocab_parallel_linear_cross_entropy_with_stats)
+from .losses import (  # noqa: F401
+    CrossEntropyOutput,
+    GradCacheStep,
+    LinearCrossEntropyLoss,
+    MNROptions,
+    MNROutput,
+    MultipleNegativesRankingLoss,
+    VocabParallelLMHead,
+    VocabParallelOptions,
+    grad_cache_step,
+    linear_cross_entropy,
+    linear_cross_entropy_with_stats,
+    mnr_loss,
+    mnr_loss_with_metrics,
+    mnr_loss_with_stats,
+    split_rows,
+    vocab_parallel_linear_cross_entropy,
+    vocab_parallel_linear_cross_entropy_with_stats,
+)
 from .losses.grad_cache import grad_cache  # noqa: F401
 from .ops import CrossEntropyOptions
 from .ops.labels import causal_shift

@@ -3,10 +3,10 @@ DeepSpeed, which would replace the user's own build), one version source, the sh
 and py.typed as package data, the console scripts. The wheel itself is built and installed into
 a fresh venv by ``tools/wheel_check.sh`` (CI)."""
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import megaloss
 from megaloss.configs import config_names, config_path

@@ -49,8 +49,7 @@ import time
 from typing import Any, Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import (MALLOC_ENV, MemoryProbe, format_table, median, mib,  # noqa: E402
-                           run_worker, write_csv)
+from _bench_common import MALLOC_ENV, MemoryProbe, format_table, median, mib, run_worker, write_csv  # noqa: E402
 
 BASE_IMPLS = ("eager", "megaloss")
 EXTRA_IMPLS = ("megaloss_torch", "megaloss_triton", "megaloss_compile", "liger", "cce")
@@ -106,7 +105,7 @@ def _loss_fns(methods: List[str], chunk: int, dev,
             elif m == "liger":
                 from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
                 liger = LigerFusedLinearCrossEntropyLoss()
-                fns[m] = lambda h, w, y: liger(w, h, y)  # Liger takes the weight first
+                fns[m] = lambda h, w, y, liger=liger: liger(w, h, y)  # Liger takes the weight first
             elif m == "cce":
                 from cut_cross_entropy import linear_cross_entropy as cce
                 fns[m] = lambda h, w, y: cce(h, w, y)

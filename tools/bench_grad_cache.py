@@ -79,8 +79,7 @@ _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _TOOLS)
 if os.path.dirname(_TOOLS) not in sys.path:  # megaloss from this checkout when not installed
     sys.path.insert(1, os.path.dirname(_TOOLS))
-from _bench_common import (MALLOC_ENV, MemoryProbe, format_table, mib,  # noqa: E402
-                           trim_memory, write_csv)
+from _bench_common import MALLOC_ENV, MemoryProbe, format_table, mib, trim_memory, write_csv  # noqa: E402
 
 IMPLS = ("plain", "cached")
 LOSS_RTOL = 1e-5

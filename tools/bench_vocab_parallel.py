@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Benchmark: ``megaloss.linear_cross_entropy(..., vocab_parallel_options=...)`` per tensor-parallel rank.
+"""Benchmark: ``megaloss.linear_cross_entropy(..., vocab_parallel_options=...)`` per
+tensor-parallel rank.
 
 For each TP size, TP real processes (spawned, gloo, CPU) hold the same replicated
 ``hidden [N, H]`` and labels and one ``[ceil(V/TP), H]`` lm_head shard each, and run one
@@ -32,8 +33,7 @@ import time
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import (MALLOC_ENV, MemoryProbe, format_table, median, mib,  # noqa: E402
-                           write_csv)
+from _bench_common import MALLOC_ENV, MemoryProbe, format_table, median, mib, write_csv  # noqa: E402
 
 COLUMNS = ["tp", "tokens", "hidden", "vocab", "chunk_size", "rows_per_rank", "threads_per_rank",
            "time_s", "repeats", "extra_MiB", "extra_MiB_min", "mem_vs_tp1", "fwd_B_per_token",

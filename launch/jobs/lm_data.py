@@ -13,8 +13,18 @@ import torch
 
 from .code_search import is_held_out
 from .runs import agreed
-from .text_data import (atomic_write, check_texts, encode_stream, files_digest, lm_blocks,
-                        read_texts, stdlib_split, strided_subset, text_files, train_bpe_tokenizer)
+from .text_data import (
+    atomic_write,
+    check_texts,
+    encode_stream,
+    files_digest,
+    lm_blocks,
+    read_texts,
+    stdlib_split,
+    strided_subset,
+    text_files,
+    train_bpe_tokenizer,
+)
 
 __all__ = ["split_files", "load_data", "make_blocks", "load_blocks", "eval_batches"]
 

@@ -9,10 +9,22 @@
   training loop or engine integration calls.
 """
 from .calibrator import LossCalibrator, StepCalibration
-from .engine_scale import (EngineScale, EngineScaleError, measure_grad_scale, probe_ddp,
-                           probe_no_engine)
-from .weights import (LOSS_REDUCTIONS, LossWeights, compute_loss_weights, loss_weight_dtype,
-                      raw_token_weights, sample_ids_from_boundaries, split_for_sequence_parallel)
+from .engine_scale import (
+    EngineScale,
+    EngineScaleError,
+    measure_grad_scale,
+    probe_ddp,
+    probe_no_engine,
+)
+from .weights import (
+    LOSS_REDUCTIONS,
+    LossWeights,
+    compute_loss_weights,
+    loss_weight_dtype,
+    raw_token_weights,
+    sample_ids_from_boundaries,
+    split_for_sequence_parallel,
+)
 
 __all__ = [
     "LossCalibrator", "StepCalibration", "EngineScale", "EngineScaleError", "measure_grad_scale",

@@ -2,7 +2,8 @@
 
 Usage, once per optimizer step (the labels of all ``G`` micro-batches are known up front)::
 
-    calib = LossCalibrator(topology, loss_reduction="token", engine_scale=probe_deepspeed(cfg, mpu=mpu))
+    calib = LossCalibrator(topology, loss_reduction="token", engine_scale=probe_deepspeed(cfg,
+    mpu=mpu))
     step = calib.begin_step([mb["labels"] for mb in micro_batches])      # ONE all-reduce
     for i, mb in enumerate(micro_batches):
         labels = step.local_labels(i)       # this SP rank's slice (the labels when sp = 1)
@@ -31,8 +32,13 @@ from ..parallel.comm import all_reduce_sum_
 from ..parallel.groups import group_ranks
 from ..parallel.topology import Topology
 from .engine_scale import EngineScale
-from .weights import (LOSS_REDUCTIONS, LossWeights, SpSplitFn, compute_loss_weights,
-                      split_for_sequence_parallel)
+from .weights import (
+    LOSS_REDUCTIONS,
+    LossWeights,
+    SpSplitFn,
+    compute_loss_weights,
+    split_for_sequence_parallel,
+)
 
 __all__ = ["LossCalibrator", "StepCalibration"]
 

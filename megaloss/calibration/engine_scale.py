@@ -10,9 +10,11 @@ DDP (average over its ``D`` ranks, sum over micro-batches), ``1/(G * D)`` for De
 ``engine.backward`` (divides the loss by the ``G`` accumulation steps, averages over DP) — and
 other values for other paths (DeepSpeed 0.19's ``runtime/engine.py``: a direct ``loss.backward()``
 is divided through hooks on ``engine.forward`` outputs; ZeRO-3's reduce-scatter divides by its
-whole partition group). Version tables lie, so megaloss *measures* ``c`` once at start-up: a probe with a tiny
+whole partition group). Version tables lie, so megaloss *measures* ``c`` once at start-up: a probe
+with a tiny
 parameter ``theta`` and ``L_ri = a_ri * sum(theta)`` for coefficients ``a_ri`` distinct per
-*global* rank goes through the engine's real path, and ``c = g / sum_{r in group, i} a_ri``. The per-rank loss
+*global* rank goes through the engine's real path, and ``c = g / sum_{r in group, i} a_ri``. The
+per-rank loss
 multiplier is ``1 / c``: with calibrated weights (``sum_{r,i} L_ri`` = global loss), backwarding
 ``L_ri / c`` gives exactly the single-device gradient.
 

@@ -17,14 +17,28 @@ and its ``_with_stats`` form, ``mnr_loss_with_metrics``.
 """
 from . import grad_cache  # noqa: F401  (the module, no longer shadowed by a function)
 from .ce_output import CrossEntropyOutput
-from .cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy, \
-    linear_cross_entropy_with_stats
+from .cross_entropy import (
+    LinearCrossEntropyLoss,
+    linear_cross_entropy,
+    linear_cross_entropy_with_stats,
+)
 from .grad_cache import GradCacheStep, grad_cache_step, split_rows
-from .mnr import (SIMILARITIES, MNROptions, MNROutput, MultipleNegativesRankingLoss, mnr_loss,
-                  mnr_loss_with_metrics, mnr_loss_with_stats)
-from .vocab_parallel import (VocabParallelLMHead, VocabParallelOptions,
-                             vocab_parallel_linear_cross_entropy,
-                             vocab_parallel_linear_cross_entropy_with_stats, vocab_shard_range)
+from .mnr import (
+    SIMILARITIES,
+    MNROptions,
+    MNROutput,
+    MultipleNegativesRankingLoss,
+    mnr_loss,
+    mnr_loss_with_metrics,  # noqa: F401 (deprecated name, kept one release)
+    mnr_loss_with_stats,
+)
+from .vocab_parallel import (
+    VocabParallelLMHead,
+    VocabParallelOptions,
+    vocab_parallel_linear_cross_entropy,  # noqa: F401 (deprecated)
+    vocab_parallel_linear_cross_entropy_with_stats,  # noqa: F401 (deprecated)
+    vocab_shard_range,
+)
 
 __all__ = [
     "linear_cross_entropy", "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss",

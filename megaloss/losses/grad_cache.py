@@ -2,7 +2,8 @@ r"""Gradient caching (GradCache): a contrastive loss over a batch whose encoder 
 
 Gao, Zhang, Han, Callan, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup"
 (RepL4NLP 2021, arXiv:2101.06983; reference code ``luyug/GradCache``,
-``src/grad_cache/grad_cache.py``; sentence-transformers' ``CachedMultipleNegativesRankingLoss``). The loss of a contrastive batch
+``src/grad_cache/grad_cache.py``; sentence-transformers' ``CachedMultipleNegativesRankingLoss``).
+The loss of a contrastive batch
 depends on the parameters only through the embeddings, so with ``e = f_theta(x)``::
 
     dL/dtheta = sum_k  (dL/de_k)^T  de_k/dtheta          (k: mini-batches of rows)

@@ -18,7 +18,8 @@ every *positive* of another pair that carries the query's id (a repeated text is
 hard negatives carry no id and are never masked.
 
 Distribution contract (the autograd gather of open_clip's ``ClipLoss(gather_with_grad=True,
-local_loss=True)``, ``src/open_clip/loss.py``, extended to uneven batches). Documents (and queries when
+local_loss=True)``, ``src/open_clip/loss.py``, extended to uneven batches). Documents (and queries
+when
 they are needed as columns or rows) are gathered with an autograd all-gather whose backward is a
 SUM reduce-scatter, so rank r's embeddings receive the gradient of the *sum of every rank's
 loss*. Then:
@@ -62,8 +63,14 @@ from .._deprecation import deprecated_alias, renamed_keywords, warn_renamed
 from ..ops.infonce_rows import infonce_rows
 from ..ops.options import SIMILARITIES, MNROptions, mnr_option_error, resolve_options
 from ..parallel.comm import all_gather_dim0, all_reduce_sum_
-from ..parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size, is_trivial, \
-    resolve_group
+from ..parallel.groups import (
+    SINGLE_RANK,
+    GroupLike,
+    group_rank,
+    group_size,
+    is_trivial,
+    resolve_group,
+)
 from ..parallel.mappings import all_reduce_sum_autograd, gather_from_region
 
 __all__ = ["mnr_loss", "mnr_loss_with_stats", "MNROutput", "MNROptions",

@@ -8,7 +8,8 @@ is combined from the shards with two fp32 all-reduces of ``[tokens]``-sized tens
 local maxima, then one SUM of the stacked ``[sum-exp, target logit, (sum of logits)]``; about
 8-12 bytes per token, independent of V. No logits are gathered.
 
-Differences from Megatron-core's ``tensor_parallel/cross_entropy.py``: padded vocab rows never enter the softmax
+Differences from Megatron-core's ``tensor_parallel/cross_entropy.py``: padded vocab rows never
+enter the softmax
 (they are sliced off before the matmul, and get a zero gradient); label smoothing averages over
 the *global* ``V`` so every TP rank computes the same loss; no input is modified in place; the
 weight gradient accumulates in ``accum_dtype``.

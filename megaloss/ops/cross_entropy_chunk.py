@@ -6,7 +6,8 @@ For token ``t`` with logits ``z_t = W h_t + b`` over the vocabulary ``[0, V)``:
 
     y_j &= c \tanh(z_j / c) \quad\text{(logit soft-capping, Gemma 2; } y = z \text{ without it)}\\
     \mathrm{lse} &= \log \textstyle\sum_{j<V} e^{y_j}\\
-    \ell_t &= \mathrm{lse} - (1-\varepsilon)\, y_{\text{target}} - \tfrac{\varepsilon}{V}\textstyle\sum_{j<V} y_j
+    \ell_t &= \mathrm{lse} - (1-\varepsilon)\, y_{\text{target}} -
+    \tfrac{\varepsilon}{V}\textstyle\sum_{j<V} y_j
               + \lambda_z\, \mathrm{lse}^2
 
 which is ``F.cross_entropy(y, target, label_smoothing=eps)`` (torch's smoothing: a mix of the
@@ -15,7 +16,8 @@ one-hot and the uniform distribution over all V classes) plus the PaLM z-loss
 
 .. math::
 
-    \partial \ell / \partial y_j = p_j (1 + 2\lambda_z \mathrm{lse}) - (1-\varepsilon)[j = \text{target}]
+    \partial \ell / \partial y_j = p_j (1 + 2\lambda_z \mathrm{lse}) - (1-\varepsilon)[j =
+    \text{target}]
                                    - \varepsilon / V, \qquad p_j = e^{y_j - \mathrm{lse}}
 
 times ``1 - tanh(z_j/c)^2`` under soft-capping. Ignored tokens have loss 0 and gradient 0.

@@ -8,8 +8,8 @@ are built from these dataclasses) or the functional API's keyword arguments down
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
 import math
+from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Optional, Type, TypeVar
 
 import torch

@@ -33,7 +33,8 @@ passes.
 digits), because libdevice's ``tanh`` is not available under Triton's interpreter.
 
 This module imports ``triton``: :mod:`megaloss.ops.cross_entropy_chunk` imports it only when
-the Triton epilogue is selected (or to ask :func:`interpreted`). Triton's interpreter (``TRITON_INTERPRET=1``, which runs the
+the Triton epilogue is selected (or to ask :func:`interpreted`). Triton's interpreter
+(``TRITON_INTERPRET=1``, which runs the
 kernels on CPU tensors, slowly) is chosen when triton is imported: triton's own library
 (``tl.sum``, ``tl.zeros``, ...) is jitted then, so the variable must be set before the first
 ``import triton`` of the process (tests run the interpreted cases in a subprocess).

@@ -9,8 +9,12 @@ and the losses (:mod:`megaloss.losses`).
 """
 from .comm import all_gather_dim0, all_gather_sizes, all_reduce_max_, all_reduce_sum_
 from .groups import SINGLE_RANK, group_rank, group_ranks, group_size, resolve_group
-from .mappings import (all_reduce_sum_autograd, copy_to_region, gather_from_region,
-                       reduce_from_region)
+from .mappings import (
+    all_reduce_sum_autograd,
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+)
 from .param_tags import is_tensor_parallel, mark_tensor_parallel
 from .topology import Topology, init_dp_tp_mesh, init_parallel_mesh
 

@@ -40,7 +40,8 @@ def all_reduce_max_(tensor: torch.Tensor, group: GroupLike = None) -> torch.Tens
     return tensor
 
 
-# torch 2.13 deprecates all_gather_into_tensor for the *_single name; older torch has only the former.
+# torch 2.13 deprecates all_gather_into_tensor for the *_single name; older torch has only
+# the former.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -75,8 +76,11 @@ def backend_device(group: GroupLike = None) -> torch.device:
     return torch.device("cpu")
 
 
+_CPU = torch.device("cpu")
+
+
 def all_gather_sizes(n: int, group: GroupLike = None,
-                     device: torch.device = torch.device("cpu")) -> List[int]:
+                     device: torch.device = _CPU) -> List[int]:
     """Every rank's integer ``n`` (e.g. its local batch size) in rank order: one all-gather of an
     int64 ``[1]`` tensor on ``device`` (the backend's device: CUDA for NCCL) and one host sync.
 

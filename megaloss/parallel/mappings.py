@@ -16,7 +16,8 @@ is the sum of every rank's part. A gathered tensor feeds every rank's loss, so t
 the sum of all ranks' losses w.r.t. rank r's slice is the sum of every rank's gradient for it.
 ``all_reduce_sum_autograd`` makes a per-rank share ``l_r`` into the global ``L = sum_r l_r`` on
 every rank; each rank's backward then carries ``world x dl_r``, which a data-parallel engine's
-*average* turns back into ``dL`` (XTuner v1's loss calibration, ``xtuner/v1/loss/base_loss_ctx.py``).
+*average* turns back into ``dL`` (XTuner v1's loss calibration,
+``xtuner/v1/loss/base_loss_ctx.py``).
 
 The gather runs on torch's functional collectives (``torch.distributed._functional_collectives``:
 ``all_gather_single_autograd``, whose backward is a reduce-scatter SUM). Those need equal sizes on

@@ -12,7 +12,8 @@ What it does:
 (``python -m megaloss.tools.check_layout`` is the same.) It runs from any directory: paths are
 read relative to the current one, and nothing of a megaloss checkout is needed.
 
-1. **Your layout**: ``deepspeed --num_gpus N --module megaloss.tools.check_layout ...`` (the ``deepspeed``
+1. **Your layout**: ``deepspeed --num_gpus N --module megaloss.tools.check_layout ...`` (the
+``deepspeed``
    launcher, as a training job runs) builds the model on every rank from one seed, makes the
    process groups from the config's ``megaloss.tensor_parallel_size`` (``DP = N / TP``), and
    trains K optimizer steps through the path megaloss users train with:
@@ -594,7 +595,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny",
                    help="'tiny' (built-in) or a transformers config.json / folder")
     p.add_argument("--config_override", default=None,
-                   help='JSON of model config fields to override, e.g. \'{"num_hidden_layers": 2}\'')
+                   help="JSON of model config fields to override, e.g. "
+                        "'{\"num_hidden_layers\": 2}'")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps K (default 4)")
     p.add_argument("--seq_len", type=int, default=32, help="tokens per sequence (default 32)")
     p.add_argument("--seed", type=int, default=0)
@@ -619,7 +621,8 @@ def _launch_layout(spec_path: Path, spec: Dict[str, Any], log_path: Path, verbos
     cpus = os.cpu_count() or 1
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // (spec["num_procs"] + 1))))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus",
-           str(spec["num_procs"]), "--master_port", str(free_port()), "--module", "megaloss.tools.check_layout",
+           str(spec["num_procs"]), "--master_port", str(free_port()),
+           "--module", "megaloss.tools.check_layout",
            "--_worker", str(spec_path)]
     out = None if verbose else open(log_path, "w")
     return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -124,7 +123,8 @@ def vocab_parallel_ce(tokens: int, hidden: int, tp: int, *, chunk_size: int = 10
                       hidden_bytes: int = 4, label_smoothing: bool = False,
                       sequence_parallel: bool = False, loss_weights: bool = True,
                       weight_bytes: int = 4) -> Dict[str, Traffic]:
-    """``linear_cross_entropy(..., vocab_parallel_options=...)`` on one micro-batch, per rank, over the TP group.
+    """``linear_cross_entropy(..., vocab_parallel_options=...)`` on one micro-batch, per rank,
+    over the TP group.
 
     Args:
         tokens: this rank's tokens (``[..., H]`` hidden states it hands in; with Megatron
@@ -403,8 +403,13 @@ def _measure_world(rank: int, world: int) -> List[Dict[str, Any]]:
     :func:`megaloss.testing.run_distributed`)."""
     import torch
 
-    from megaloss import (EngineScale, LossCalibrator, VocabParallelOptions,
-                          linear_cross_entropy_with_stats, mnr_loss_with_stats)
+    from megaloss import (
+        EngineScale,
+        LossCalibrator,
+        VocabParallelOptions,
+        linear_cross_entropy_with_stats,
+        mnr_loss_with_stats,
+    )
     from megaloss.integrations.hf import step_loss_weights
     from megaloss.losses.vocab_parallel import vocab_shard_range
     from megaloss.ops.options import CrossEntropyOptions

@@ -2,9 +2,18 @@
 as four micro-batches, and the weights through megaloss's chunked CE."""
 import pytest
 import torch
-
-from calibration_cases import (IGNORE, TOY_EXPECTED, Toy, TinyLM, init_weight, make_step,
-                               plain_micro_step, reference, toy_batches, train_step)
+from calibration_cases import (
+    IGNORE,
+    TOY_EXPECTED,
+    TinyLM,
+    Toy,
+    init_weight,
+    make_step,
+    plain_micro_step,
+    reference,
+    toy_batches,
+    train_step,
+)
 
 
 @pytest.mark.parametrize("gas", [1, 2, 3])

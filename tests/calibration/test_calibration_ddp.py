@@ -10,10 +10,19 @@ import contextlib
 
 import pytest
 import torch
+from calibration_cases import (
+    TOY_EXPECTED,
+    TinyLM,
+    Toy,
+    make_groups,
+    make_step,
+    make_tp_groups,
+    reference,
+    run_toy,
+    train_step,
+)
 
 from megaloss.testing import run_distributed
-from calibration_cases import (TOY_EXPECTED, TinyLM, Toy, make_groups, make_step,
-                                    make_tp_groups, reference, run_toy, train_step)
 
 pytestmark = [pytest.mark.distributed]
 REDUCTIONS = ("token", "sample", "square")
@@ -34,8 +43,13 @@ def ddp_part(rank, world, layouts, toy, bad_probe=False, tp_layouts=()):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from megaloss import SINGLE_RANK, Topology
-    from megaloss.calibration import (EngineScale, EngineScaleError, LossCalibrator,
-                                      measure_grad_scale, probe_ddp)
+    from megaloss.calibration import (
+        EngineScale,
+        EngineScaleError,
+        LossCalibrator,
+        measure_grad_scale,
+        probe_ddp,
+    )
     out = {}
     if toy:
         topo = Topology.default()

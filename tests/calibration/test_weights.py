@@ -5,9 +5,14 @@ import pytest
 import torch
 
 from megaloss import SINGLE_RANK
-from megaloss.calibration import (EngineScaleError, LossCalibrator, compute_loss_weights,
-                                  measure_grad_scale, sample_ids_from_boundaries,
-                                  split_for_sequence_parallel)
+from megaloss.calibration import (
+    EngineScaleError,
+    LossCalibrator,
+    compute_loss_weights,
+    measure_grad_scale,
+    sample_ids_from_boundaries,
+    split_for_sequence_parallel,
+)
 
 IGNORE = -100
 
@@ -20,7 +25,7 @@ def test_definitions_by_hand():
     # two samples in one packed row: [a a a | b] with one ignored token in a; plus a row sample c
     labels = [torch.tensor([[1, IGNORE, 2, 3]]), torch.tensor([[4, 4]])]
     cu = [torch.tensor([0, 3, 4]), None]
-    l = [torch.tensor([[1.0, 100.0, 3.0, 5.0]]), torch.tensor([[2.0, 4.0]])]
+    losses = [torch.tensor([[1.0, 100.0, 3.0, 5.0]]), torch.tensor([[2.0, 4.0]])]
     # n_a = 2 (1, 3), n_b = 1 (5), n_c = 2 (2, 4)
     cases = {"token": (1 + 3 + 5 + 2 + 4) / 5,
              "sample": ((1 + 3) / 2 + 5 + (2 + 4) / 2) / 3,
@@ -28,7 +33,7 @@ def test_definitions_by_hand():
              / (math.sqrt(2) + 1 + math.sqrt(2))}
     for reduction, want in cases.items():
         lw = compute_loss_weights(labels, reduction, cu_seqlens=cu, dtype=torch.float64)
-        assert _weighted(lw, l) == pytest.approx(want, rel=1e-12)
+        assert _weighted(lw, losses) == pytest.approx(want, rel=1e-12)
         assert float(lw.num_tokens) == 5 and float(lw.num_samples) == pytest.approx(3)
         assert float(lw.weights[0][0, 1]) == 0.0  # ignored token
 

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from launch_helpers import REPO, run_deepspeed_launcher
 
 READMES = [REPO / "README.md", REPO / "launch" / "README.md"]

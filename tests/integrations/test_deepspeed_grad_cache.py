@@ -88,8 +88,11 @@ def _worker(rank, world):
 
     from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
     from megaloss.integrations.deepspeed.grad_cache import inner_replay_backward
-    from megaloss.integrations.hf.embedding import (EmbeddingModelWithMNR, cached_mnr_forward,
-                                                    step_loss_weights)
+    from megaloss.integrations.hf.embedding import (
+        EmbeddingModelWithMNR,
+        cached_mnr_forward,
+        step_loss_weights,
+    )
 
     skip_cpu_shm_comm_build()
     group = dist.group.WORLD

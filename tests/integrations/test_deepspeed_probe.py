@@ -10,10 +10,18 @@ gradients are compared with rtol 1e-5, atol 1e-6.
 """
 import pytest
 import torch
+from calibration_cases import (
+    TOY_EXPECTED,
+    TinyLM,
+    Toy,
+    make_groups,
+    make_step,
+    reference,
+    run_toy,
+    train_step,
+)
 
 from megaloss.testing import run_distributed
-from calibration_cases import (TOY_EXPECTED, TinyLM, Toy, make_groups, make_step,
-                                    reference, run_toy, train_step)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow]
 REDUCTIONS = ("token", "sample", "square")
@@ -62,9 +70,9 @@ def _ds_worker(rank, world, toy_paths, layouts):
     from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
     skip_cpu_shm_comm_build()
 
+    from megaloss import SINGLE_RANK, Topology
     from megaloss.calibration import LossCalibrator
     from megaloss.integrations.deepspeed import probe_deepspeed
-    from megaloss import SINGLE_RANK, Topology
     for k, (stage, backward, extra) in enumerate(toy_paths):
         topo = Topology.default()
         # Without zero_allow_untested_optimizer: the probe must allow its SGD on its own copy.

@@ -85,8 +85,7 @@ def _worker(rank, world_size, loss_reduction):
     import deepspeed
 
     from megaloss import Topology
-    from megaloss.integrations.deepspeed import (configure_launched_process, initialize,
-                                                 train_step)
+    from megaloss.integrations.deepspeed import configure_launched_process, initialize, train_step
     configure_launched_process()
     deepspeed.init_distributed()
     torch.manual_seed(0)

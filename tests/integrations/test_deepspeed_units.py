@@ -120,8 +120,12 @@ def test_checkpoint_helpers(tmp_path):
     import random
 
     from megaloss.integrations.deepspeed import resolve_checkpoint
-    from megaloss.integrations.deepspeed.checkpoint import (latest_tag, prune_checkpoints,
-                                                            rng_state, set_rng_state)
+    from megaloss.integrations.deepspeed.checkpoint import (
+        latest_tag,
+        prune_checkpoints,
+        rng_state,
+        set_rng_state,
+    )
     state = rng_state()
     a = (random.random(), torch.rand(3))
     set_rng_state(state)

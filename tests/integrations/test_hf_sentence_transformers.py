@@ -14,8 +14,7 @@ import torch
 
 pytest.importorskip("sentence_transformers")
 
-from megaloss.integrations.hf.sentence_transformers import (  # noqa: E402
-    GatheredMultipleNegativesRankingLoss)
+from megaloss.integrations.hf.sentence_transformers import GatheredMultipleNegativesRankingLoss  # noqa: E402
 from megaloss.testing import run_distributed  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(60)]
@@ -162,8 +161,7 @@ def _rank_grads(rank, world, model_dir, columns, sizes, symmetric, with_st):
     loss.backward()
     out = {"loss": loss.detach(), "grads": grads(model)}
     if with_st:  # sentence-transformers' own gathered loss, where it works (even batches)
-        from sentence_transformers.sentence_transformer.losses import \
-            MultipleNegativesRankingLoss
+        from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
         model.zero_grad(set_to_none=True)
         st = MultipleNegativesRankingLoss(model, gather_across_devices=True)(feats, None)
         st.backward()

@@ -25,11 +25,19 @@ import torch
 
 pytest.importorskip("sentence_transformers")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_hf_sentence_transformers import (assert_grads_close, batch, features,  # noqa: E402
-                                           load_model, loss_and_grads, make_model_dir)
+from test_hf_sentence_transformers import (  # noqa: E402
+    assert_grads_close,
+    batch,
+    features,
+    load_model,
+    loss_and_grads,
+    make_model_dir,
+)
 
 from megaloss.integrations.hf.sentence_transformers import (  # noqa: E402
-    CachedGatheredMultipleNegativesRankingLoss, GatheredMultipleNegativesRankingLoss)
+    CachedGatheredMultipleNegativesRankingLoss,
+    GatheredMultipleNegativesRankingLoss,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +63,7 @@ def test_cached_equals_non_cached(model_dir, mini_batch_size, negatives, symmetr
 
 
 def test_value_matches_sentence_transformers_cached_mnrl(model_dir):
-    from sentence_transformers.sentence_transformer.losses import \
-        CachedMultipleNegativesRankingLoss
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
     model = load_model(model_dir)
     columns = batch(6, 1, seed=4)
     ref_loss, ref_grads = loss_and_grads(
@@ -96,8 +103,10 @@ def _worker_main(argv):  # ZeRO-3's zero.Init follows the latest TrainingArgumen
     import deepspeed
     deepspeed.init_distributed()  # ZeRO-3 builds the model under zero.Init: comm first
     from datasets import Dataset
-    from sentence_transformers import (SentenceTransformerTrainer,
-                                       SentenceTransformerTrainingArguments)
+    from sentence_transformers import (
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
 
     updates = {}
     for (zero, window), name in itertools.product(CASES, ("plain", "cached")):

@@ -2,7 +2,8 @@
 every GradCache replay takes the scale the Trainer applies to the returned loss.
 
 One process, float64, the tiny SentenceTransformer of test_hf_sentence_transformers.py, SGD
-(lr 1, no clipping, same seed: same data order), 12 triplets, 4 per micro-batch, gradient accumulation 2: the
+(lr 1, no clipping, same seed: same data order), 12 triplets, 4 per micro-batch, gradient
+accumulation 2: the
 epoch is a full window of 2 micro-batches and a last window of 1 (the Trainer divides that one's
 loss by 1, not 2). Mini-batch 3: replays of 3 and 1 rows per micro-batch. The parameters after
 the epoch (both updates) equal those of the non-cached loss: ``||u_cached - u|| <= 1e-6 ||u||``
@@ -13,7 +14,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("datasets")
@@ -21,7 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_hf_sentence_transformers import batch, features, load_model, make_model_dir  # noqa: E402
 
 from megaloss.integrations.hf.sentence_transformers import (  # noqa: E402
-    CachedGatheredMultipleNegativesRankingLoss, GatheredMultipleNegativesRankingLoss)
+    CachedGatheredMultipleNegativesRankingLoss,
+    GatheredMultipleNegativesRankingLoss,
+)
 
 PER_DEVICE, GAS, MINI, ROWS = 4, 2, 3, 12
 
@@ -33,8 +35,10 @@ def model_dir(tmp_path_factory):
 
 def _train(model_dir, out_dir, cached):
     from datasets import Dataset
-    from sentence_transformers import (SentenceTransformerTrainer,
-                                       SentenceTransformerTrainingArguments)
+    from sentence_transformers import (
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
 
     anchor, positive, negative = batch(ROWS, 1, seed=21)
     data = Dataset.from_dict({"anchor": anchor, "positive": positive, "negative": negative})

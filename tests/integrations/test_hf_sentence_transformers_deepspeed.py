@@ -55,12 +55,13 @@ class _KeepFirst:
 def _run_case(out_dir, model_dir, zero, keep):
     import torch.distributed as dist
     from datasets import Dataset
-    from sentence_transformers import (SentenceTransformerTrainer,
-                                       SentenceTransformerTrainingArguments)
+    from sentence_transformers import (
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    from megaloss.integrations.hf.sentence_transformers import \
-        GatheredMultipleNegativesRankingLoss
+    from megaloss.integrations.hf.sentence_transformers import GatheredMultipleNegativesRankingLoss
     unset_hf_deepspeed_config()  # the previous case's ZeRO-3 config must not zero.Init the model
     model = load_model(model_dir).float()
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -144,8 +145,7 @@ def _load(out, name, rank=0):
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("case", list(CASES))
 def test_sentence_transformer_trainer_equals_float64(launch, case):
-    from megaloss.integrations.hf.sentence_transformers import \
-        GatheredMultipleNegativesRankingLoss
+    from megaloss.integrations.hf.sentence_transformers import GatheredMultipleNegativesRankingLoss
     out, model_dir = launch
     result = _load(out, case)
     keep = CASES[case][1]

@@ -6,7 +6,6 @@ same ops recomputed), while each decoder layer's forward runs under the checkpoi
 twice per micro-batch (once recomputed in backward)."""
 import pytest
 import torch
-
 from test_hf_trainer import collate, samples, tiny_llama
 
 pytest.importorskip("accelerate")
@@ -69,7 +68,7 @@ def test_wrapper_forwards_the_hf_model_api(tmp_path):
     assert not llama.is_activation_checkpointing
     assert model.num_parameters() == llama.num_parameters()
     with pytest.raises(AttributeError, match="no attribute 'not_an_hf_method'"):
-        model.not_an_hf_method
+        _ = model.not_an_hf_method
     # saved through the wrapper, the folder loads back as the original model, lm_head included
     model.save_pretrained(tmp_path / "saved")
     loaded = LlamaForCausalLM.from_pretrained(tmp_path / "saved")

@@ -3,8 +3,6 @@ gradients): the calibration weights follow the model's dtype, so one SGD step (l
 float64 reference to float64 rounding. With weights built in float32 (``1 / D`` rounded to 7
 digits) the update was ~1e-8 off. Tolerance: 1e-11 relative per tensor; eval loss 1e-12."""
 import pytest
-import torch
-
 from test_hf_trainer import case_reference, collate, eval_samples, samples, tiny_llama
 
 pytest.importorskip("accelerate")

@@ -13,12 +13,17 @@ import os
 import sys
 
 import pytest
-import torch
 
 pytest.importorskip("accelerate")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_hf_trainer import (assert_update_is_minus_grad, case_reference, ce_section,  # noqa: E402
-                             collate, samples, tiny_llama)
+from test_hf_trainer import (  # noqa: E402
+    assert_update_is_minus_grad,
+    case_reference,
+    ce_section,
+    collate,
+    samples,
+    tiny_llama,
+)
 
 from megaloss.testing import run_distributed  # noqa: E402
 
@@ -81,8 +86,8 @@ def test_tensor_and_sequence_parallelism_are_refused_with_the_reason(tmp_path, s
 def test_accelerate_parallelism_config_is_refused_with_the_reason(tmp_path):
     from transformers import TrainingArguments
 
-    from megaloss.integrations.hf.trainer import _refuse_model_parallelism
     from megaloss.integrations.deepspeed.config import MegalossConfig
+    from megaloss.integrations.hf.trainer import _refuse_model_parallelism
 
     class Parallelism:  # the fields of accelerate's ParallelismConfig that matter here
         tp_size, cp_size, sp_size = 1, 2, 1

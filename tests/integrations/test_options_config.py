@@ -31,7 +31,8 @@ def test_impl_accum_dtype_and_ignore_index_flow_to_the_options():
 
 @pytest.mark.parametrize("section, message", [
     ({"ce": {"accum_dtype": "int8"}}, r"megaloss\.ce\.accum_dtype: accum_dtype must be a floating"),
-    ({"ce": {"accum_dtype": "float33"}}, r"megaloss\.ce\.accum_dtype: accum_dtype must be the name"),
+    ({"ce": {"accum_dtype": "float33"}},
+     r"megaloss\.ce\.accum_dtype: accum_dtype must be the name"),
     ({"ce": {"impl": "cuda"}}, r"megaloss\.ce\.impl: impl must be one of"),
     ({"ce": {"label_smoothing": 1.01}},
      r"megaloss\.ce\.label_smoothing: label_smoothing must be a float in \[0\.0, 1\.0\]"),

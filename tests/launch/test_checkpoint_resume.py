@@ -19,7 +19,6 @@ import sys
 
 import pytest
 import torch
-
 from launch_helpers import REPO, run_jobs_in_one_launch
 
 from launch.jobs.code_search import stdlib_root

@@ -24,7 +24,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
 from launch_helpers import REPO, run_deepspeed_launcher
 
 from launch.jobs.code_search import stdlib_root

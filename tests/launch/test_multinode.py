@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launch_helpers import REPO
+
 from megaloss.testing import free_port
 
 SCRIPTS = ("train_lm.sh", "train_embed.sh")

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from launch_helpers import REPO, launcher_env, run_jobs_in_one_launch, wait_until
 
 from launch.jobs.code_search import stdlib_root

@@ -5,8 +5,14 @@ import json
 
 import pytest
 
-from launch.jobs.reporting import (Curve, plot_loss_curve, print_summary_table, rank0_logger,
-                                   write_metrics_csv, write_summary_json)
+from launch.jobs.reporting import (
+    Curve,
+    plot_loss_curve,
+    print_summary_table,
+    rank0_logger,
+    write_metrics_csv,
+    write_summary_json,
+)
 
 
 def test_files_round_trip(tmp_path):

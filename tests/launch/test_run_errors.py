@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from launch_helpers import REPO, launcher_env
 
 from launch import train_embed, train_lm

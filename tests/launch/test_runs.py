@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from launch import train_embed, train_embed_hf, train_lm, train_lm_hf
-from launch.jobs.runs import (StopRequest, add_run_arguments, agreed, check_run_arguments,
-                              checkpoint_stats, prepare_output_dir, resume_source)
+from launch.jobs.runs import (
+    StopRequest,
+    add_run_arguments,
+    agreed,
+    check_run_arguments,
+    checkpoint_stats,
+    prepare_output_dir,
+    resume_source,
+)
 from launch.jobs.text_data import StepBatches
 
 

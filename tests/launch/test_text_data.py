@@ -3,9 +3,18 @@ the per-rank step batches (every DP rank's micro-batches together are exactly on
 import pytest
 import torch
 
-from launch.jobs.text_data import (EOS, StepBatches, atomic_write, encode_stream,
-                                   files_digest, lm_blocks, stdlib_split, strided_subset,
-                                   text_files, train_bpe_tokenizer)
+from launch.jobs.text_data import (
+    EOS,
+    StepBatches,
+    atomic_write,
+    encode_stream,
+    files_digest,
+    lm_blocks,
+    stdlib_split,
+    strided_subset,
+    text_files,
+    train_bpe_tokenizer,
+)
 
 
 def test_stdlib_split_is_disjoint_deterministic_and_nonempty():

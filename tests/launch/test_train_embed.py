@@ -16,7 +16,6 @@ import csv
 import json
 
 import pytest
-
 from launch_helpers import monitor_column, run_jobs_in_one_launch
 
 from launch.jobs.code_search import stdlib_root

@@ -14,7 +14,6 @@ import math
 import subprocess
 
 import pytest
-
 from launch_helpers import REPO, script_env
 
 from launch.jobs.code_search import stdlib_root

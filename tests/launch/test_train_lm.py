@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from launch_helpers import REPO, monitor_column, run_jobs_in_one_launch
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from launch_helpers import REPO, script_env
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]

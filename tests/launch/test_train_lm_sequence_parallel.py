@@ -7,7 +7,6 @@ import json
 import subprocess
 
 import pytest
-
 from launch_helpers import REPO, script_env
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from ce_reference import reference_linear_ce
+
 from megaloss.testing import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

@@ -11,11 +11,11 @@ import warnings
 
 import pytest
 import torch
+from test_mnr import TOL, reference_metrics, reference_mnr
 from torch import nn
 
-from megaloss.testing import run_distributed
 from megaloss.losses.mnr import MultipleNegativesRankingLoss
-from test_mnr import TOL, reference_mnr, reference_metrics
+from megaloss.testing import run_distributed
 
 pytestmark = [pytest.mark.distributed]
 

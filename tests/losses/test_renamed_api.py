@@ -6,9 +6,15 @@ import pytest
 import torch
 
 import megaloss
-from megaloss import (CrossEntropyOptions, MNROptions, VocabParallelOptions,
-                      linear_cross_entropy, linear_cross_entropy_with_stats, mnr_loss,
-                      mnr_loss_with_stats)
+from megaloss import (
+    CrossEntropyOptions,
+    MNROptions,
+    VocabParallelOptions,
+    linear_cross_entropy,
+    linear_cross_entropy_with_stats,
+    mnr_loss,
+    mnr_loss_with_stats,
+)
 from megaloss.losses.mnr import MultipleNegativesRankingLoss
 
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-
 from ce_reference import reference_linear_ce
+
 from megaloss.testing import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
@@ -88,7 +88,8 @@ def _run_cases(group, tp, tp_rank, sequence_parallel):
         ws = shard(weight, tp, tp_rank).to(dtype).requires_grad_(True)
         bs = None if bias is None else shard(bias, tp, tp_rank).to(dtype).requires_grad_(True)
         loss = megaloss.vocab_parallel_linear_cross_entropy(
-            h, ws, labels, tp_group=group, vocab_size=case["v"], sequence_parallel=sequence_parallel,
+            h, ws, labels, tp_group=group, vocab_size=case["v"],
+            sequence_parallel=sequence_parallel,
             bias=bs, loss_weights=None if w is None else w.to(dtype), chunk_size=5,
             **ce_kwargs(case))
         go = grad_out[: loss.numel()].view(loss.shape).to(loss.dtype) if loss.dim() else None
@@ -121,8 +122,9 @@ def check(results, tp, sequence_parallel=False):
         for tp_rank, replicas in by_rank.items():
             for replica in replicas:
                 loss, grads = replica[ci]
-                torch.testing.assert_close(loss.double(), ref.detach(), rtol=tol, atol=atol,
-                                           msg=lambda m: f"case {ci} {case}: loss {m}")
+                torch.testing.assert_close(
+                    loss.double(), ref.detach(), rtol=tol, atol=atol,
+                    msg=lambda m, ci=ci, case=case: f"case {ci} {case}: loss {m}")
                 if first_loss is None:
                     first_loss = loss
                 assert torch.equal(loss, first_loss), f"case {ci}: loss differs across TP ranks"

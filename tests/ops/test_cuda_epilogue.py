@@ -11,12 +11,12 @@
 """
 import pytest
 import torch
+from ce_reference import reference_linear_ce
+from vocab_slices import slices_and_one_device
 
 import megaloss
-from ce_reference import reference_linear_ce
 from megaloss.ops.cross_entropy_chunk import chunk_cross_entropy, epilogue_impl
 from megaloss.ops.options import CrossEntropyOptions
-from vocab_slices import slices_and_one_device
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -156,7 +156,7 @@ def test_vocab_slices_in_threads_match_one_device(reduction):
         torch.tensor(0.7, device=DEV)
     slices, (ref_loss, ref_dh, ref_dw) = slices_and_one_device(h, w, labels, bounds, opts,
                                                                upstream)
-    for start, stop, loss, dh, dw in slices:
+    for start, stop, loss, _dh, dw in slices:
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dw, ref_dw[start:stop], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(sum(s[3] for s in slices), ref_dh, rtol=1e-5, atol=1e-6)

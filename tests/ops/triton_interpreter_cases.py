@@ -23,11 +23,12 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 "test_triton_epilogue.py runs this file so)", allow_module_level=True)
 pytest.importorskip("triton")
 
+from vocab_slices import slices_and_one_device  # noqa: E402  (tests/ops/)
+
 import megaloss  # noqa: E402
 from megaloss.ops import triton_epilogue  # noqa: E402
 from megaloss.ops.cross_entropy_chunk import chunk_cross_entropy  # noqa: E402
 from megaloss.ops.options import CrossEntropyOptions  # noqa: E402
-from vocab_slices import slices_and_one_device  # noqa: E402  (tests/ops/)
 
 assert triton_epilogue.interpreted(), "triton was imported before TRITON_INTERPRET=1 was set"
 
@@ -119,7 +120,7 @@ def test_vocab_parallel_slices_match_one_device(reduction):
     upstream = torch.rand(n, generator=g) + 0.5 if reduction == "none" else torch.tensor(0.7)
     slices, (ref_loss, ref_dh, ref_dw) = slices_and_one_device(
         h, w, labels, bounds, opts.replace(impl="triton"), upstream)
-    for start, stop, loss, dh, dw in slices:
+    for start, stop, loss, _dh, dw in slices:
         _close(loss, ref_loss, torch.float32, f"loss of slice {start}")
         _close(dw, ref_dw[start:stop], torch.float32, f"d_weight of slice {start}")
     _close(sum(dh for *_, dh, _ in slices), ref_dh, torch.float32, "sum of d_hidden")

@@ -17,9 +17,16 @@ SIZES = [(r * 2) % 3 for r in range(WORLD)]  # [0, 2, 1]: includes a rank with n
 def _all_cases(rank, world):
     import torch.distributed as dist
 
-    from megaloss.parallel import (SINGLE_RANK, all_gather_sizes, all_reduce_max_,
-                                   all_reduce_sum_, all_reduce_sum_autograd, copy_to_region,
-                                   gather_from_region, reduce_from_region)
+    from megaloss.parallel import (
+        SINGLE_RANK,
+        all_gather_sizes,
+        all_reduce_max_,
+        all_reduce_sum_,
+        all_reduce_sum_autograd,
+        copy_to_region,
+        gather_from_region,
+        reduce_from_region,
+    )
     out = {}
     # uneven autograd gather over the default group (group=None)
     x = torch.arange(SIZES[rank] * 2, dtype=torch.float64).reshape(-1, 2) + 100 * rank

@@ -2,7 +2,8 @@
 device?".
 
 Slow tier (each runs the tool as a user does, from a directory outside the checkout: the
-layout through the ``deepspeed`` launcher on CPU, the one-device reference in the tool's process, a few steps of the tiny model):
+layout through the ``deepspeed`` launcher on CPU, the one-device reference in the tool's process,
+a few steps of the tiny model):
 
 - PASS on DP 2 x TP 2 (4 processes) under ZeRO-2 and ZeRO-3, the LM job;
 - PASS for the embedding job (gathered MNR) on DP 2;

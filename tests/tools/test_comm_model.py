@@ -1,4 +1,5 @@
-"""``megaloss.tools.comm_model`` (``megaloss-comm-model``): the communication model of megaloss's losses against counts measured on
+"""``megaloss.tools.comm_model`` (``megaloss-comm-model``): the communication model of megaloss's
+losses against counts measured on
 real gloo processes, and the scaling tables of the README.
 
 Slow tier (per world size 1-4, spawned gloo processes): every layout ``TP x DP x SP = world``

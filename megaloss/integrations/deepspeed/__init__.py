@@ -19,11 +19,15 @@ Importing this package does not import ``deepspeed``; the functions import it wh
 """
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from .compat import configure_launched_process, skip_cpu_shm_comm_build
-from .config import (CEConfig, MegalossConfig, MNRConfig, check_top_level_keys,
-                     load_megaloss_config)
+from .config import CEConfig, MegalossConfig, MNRConfig, check_top_level_keys, load_megaloss_config
 from .engine import MegalossEngine, initialize, load_ds_config
-from .monitor import (MONITOR_SECTIONS, close_monitors, continue_monitors, monitor_step,
-                      write_metrics)
+from .monitor import (
+    MONITOR_SECTIONS,
+    close_monitors,
+    continue_monitors,
+    monitor_step,
+    write_metrics,
+)
 from .mpu import DeepSpeedMPU
 from .probe import probe_deepspeed
 from .train_step import EvalResult, StepMetrics, evaluate, peak_memory_mib, train_step

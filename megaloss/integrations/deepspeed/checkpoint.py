@@ -36,7 +36,8 @@ import torch
 from ...parallel.param_tags import is_tensor_parallel
 from .monitor import continue_monitors
 
-__all__ = ["CLIENT_KEY", "universal_checkpoint_info", "save_checkpoint", "load_checkpoint", "resolve_checkpoint",
+__all__ = ["CLIENT_KEY", "universal_checkpoint_info", "save_checkpoint", "load_checkpoint",
+           "resolve_checkpoint",
            "latest_tag", "rng_state", "set_rng_state", "prune_checkpoints", "checkpoint_bytes"]
 
 CLIENT_KEY = "megaloss"  # the part of DeepSpeed's client_state megaloss writes
@@ -139,9 +140,11 @@ def universal_checkpoint_info(module: torch.nn.Module) -> Dict[str, Any]:
     """DeepSpeed's ``universal_checkpoint_info`` for a megaloss model: the trained parameters not
     tagged tensor-parallel are replicated over the TP group (``ds_to_universal`` keeps one copy);
     the TP-sharded ones (the vocab-parallel lm_head) are split on dim 0, its default."""
-    from deepspeed.checkpoint.constants import (TP_REPLICATED_PARAMETER_PATTERNS,
-                                                UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+    from deepspeed.checkpoint.constants import (
+        TP_REPLICATED_PARAMETER_PATTERNS,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    )
 
     replicated = [re.escape(name) + "$" for name, p in module.named_parameters()
                   if p.requires_grad and not is_tensor_parallel(p)]

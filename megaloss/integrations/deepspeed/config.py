@@ -36,8 +36,16 @@ import warnings
 from typing import Any, ClassVar, Dict, Literal, Mapping, Optional, Union
 
 import torch
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
-                      create_model, field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from ...ops.options import CrossEntropyOptions, MNROptions
@@ -213,7 +221,8 @@ class _MNRSection(_OptionsSection):
 
 MNRConfig = create_model(
     "MNRConfig", __base__=_MNRSection, __module__=__name__,
-    __doc__="""Options of the gathered multiple-negatives-ranking (InfoNCE) loss of the embedding job.
+    __doc__="""Options of the gathered multiple-negatives-ranking (InfoNCE) loss of the embedding
+    job.
 
     Fields: every field of :class:`~megaloss.ops.options.MNROptions` (``temperature``,
     ``similarity``, ``symmetric``, ``gather_across_ranks``, ``local_loss``, ``chunk_size``; same

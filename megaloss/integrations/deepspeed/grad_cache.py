@@ -1,6 +1,7 @@
 """GradCache replays as DeepSpeed accumulation passes, so ZeRO 0-3 accept them.
 
-:func:`megaloss.losses.grad_cache.grad_cache_step` back-propagates one mini-batch at a time. Inside one
+:func:`megaloss.losses.grad_cache.grad_cache_step` back-propagates one mini-batch at a time.
+Inside one
 ``engine.backward`` (sentence-transformers' ``CachedMultipleNegativesRankingLoss`` runs its
 replays from a backward hook) ZeRO-2 stops with "Gradient computed twice for this partition" and
 ZeRO-3 with an assertion in its reduce: every parameter's gradient hook fires once per replay.
@@ -37,7 +38,8 @@ __all__ = ["inner_replay_backward"]
 
 def inner_replay_backward(engine, *, scale: Optional[float] = None
                           ) -> Callable[[torch.Tensor], None]:
-    """The ``backward`` for :func:`megaloss.losses.grad_cache.grad_cache_step` under a DeepSpeed engine.
+    """The ``backward`` for :func:`megaloss.losses.grad_cache.grad_cache_step` under a DeepSpeed
+    engine.
 
     Args:
         engine: the ``deepspeed.DeepSpeedEngine`` whose module ``encode`` runs through (call the

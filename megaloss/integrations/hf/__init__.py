@@ -16,8 +16,13 @@
 Importing this package does not import ``transformers``.
 """
 from .causal_lm import CausalLMWithLoss, LinearCrossEntropyHead, causal_shift
-from .embedding import (EmbeddingModelWithMNR, EmbeddingOutput, cached_mnr_forward, mean_pool,
-                        step_loss_weights)
+from .embedding import (
+    EmbeddingModelWithMNR,
+    EmbeddingOutput,
+    cached_mnr_forward,
+    mean_pool,
+    step_loss_weights,
+)
 
 __all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "causal_shift",
            "EmbeddingModelWithMNR", "EmbeddingOutput", "cached_mnr_forward", "mean_pool",

@@ -62,8 +62,12 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ...calibration.weights import (LOSS_REDUCTIONS, compute_loss_weights, loss_weight_dtype,
-                                    raw_token_weights)
+from ...calibration.weights import (
+    LOSS_REDUCTIONS,
+    compute_loss_weights,
+    loss_weight_dtype,
+    raw_token_weights,
+)
 from ...ops.labels import causal_shift
 from ...parallel.groups import SINGLE_RANK
 from ..deepspeed.config import MegalossConfig, load_megaloss_config

@@ -29,9 +29,14 @@ def _fail_on_rank1(rank, world):
 
 
 def _rank0_waits_forever(rank, world):
+    import threading
+
     import torch.distributed as dist
     if rank == 0:
         dist.all_reduce(torch.ones(1))  # rank 1 never joins: a collective mismatch
+    # rank 1 hangs too, outside any collective (had it returned, a fresh rank 1 would exit and
+    # rank 0 fail with gloo's "Connection closed by peer" before the timeout: a race)
+    threading.Event().wait()
     return rank
 
 

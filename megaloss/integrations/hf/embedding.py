@@ -294,6 +294,9 @@ def step_loss_weights(local_sizes: Sequence[int], group: GroupLike, *,
         loss_multiplier = float(len(local_sizes) * world)
     if not loss_multiplier > 0:
         raise ValueError(f"loss_multiplier must be > 0, got {loss_multiplier}")
-    sizes = torch.tensor([float(n) for n in local_sizes], dtype=torch.float64, device=device)
+    # counts all-reduced in float32 (exact below 2**24 rows per micro-batch, and 4 bytes each on
+    # the wire), the weights formed in float64 and returned in the loss's dtype
+    sizes = torch.tensor([float(n) for n in local_sizes], dtype=torch.float32, device=device)
     all_reduce_sum_(sizes, group)
+    sizes = sizes.double()
     return (sizes * (loss_multiplier / world / sizes.sum().clamp_min(1.0))).to(dtype)

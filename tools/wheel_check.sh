@@ -53,8 +53,8 @@ python "$REPO/examples/single_device.py"
 deepspeed --num_gpus 2 "$REPO/examples/hf_causal_lm.py" > hf_causal_lm.log 2>&1 || {
     tail -40 hf_causal_lm.log; exit 1; }
 grep -E "step (1|20):" hf_causal_lm.log
-megaloss-check-layout --help | head -3
-megaloss-comm-model --markdown | head -5
+megaloss-check-layout --help > check_layout_help.txt && head -3 check_layout_help.txt
+megaloss-comm-model --markdown > comm_model.md && head -5 comm_model.md
 # a user's own config, in the user's directory
 python - <<'PY'
 import json
@@ -64,5 +64,7 @@ cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
 cfg["megaloss"]["tensor_parallel_size"] = 1
 json.dump(cfg, open("my_ds.json", "w"), indent=1)
 PY
-megaloss-check-layout --deepspeed_config my_ds.json --num_procs 2 --steps 2 | tail -4
+megaloss-check-layout --deepspeed_config my_ds.json --num_procs 2 --steps 2 > check_layout.txt \
+    || { cat check_layout.txt; exit 1; }
+tail -2 check_layout.txt
 echo "wheel_check: OK"

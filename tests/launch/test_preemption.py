@@ -1,6 +1,8 @@
 """Preemption, end to end under ``deepspeed --num_gpus 2`` on CPU, with real signals:
 
-- the LM job gets a terminal's Ctrl-C (SIGINT to the whole process group: launcher and ranks);
+- the LM job gets SIGINT to the whole process group (launcher and ranks) twice in a row, as a
+  scheduler's signal arrives beside a terminal's Ctrl-C (and the launcher then forwards a
+  SIGTERM to every rank): one stop request, not an abort;
 - the embedding job gets SIGTERM at the launcher's ``launch.py`` only, which forwards it to its
   ranks one after the other (rank 0 first, the next only once rank 0 has exited), so the ranks
   must agree to stop at the same step boundary by themselves.
@@ -150,7 +152,8 @@ def preempted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("preemption")
     runs = {}
 
-    def ctrl_c(job):  # what Ctrl-C in the terminal sends: SIGINT to the whole process group
+    def ctrl_c(job):  # SIGINT to the whole process group, twice (a scheduler, then Ctrl-C)
+        os.killpg(job.proc.pid, signal.SIGINT)
         os.killpg(job.proc.pid, signal.SIGINT)
 
     def sigterm_to_launch_py(job):

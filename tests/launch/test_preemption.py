@@ -154,6 +154,9 @@ def preempted(tmp_path_factory):
 
     def ctrl_c(job):  # SIGINT to the whole process group, twice (a scheduler, then Ctrl-C)
         os.killpg(job.proc.pid, signal.SIGINT)
+        # the second once both ranks have taken the first (two at once would be one signal)
+        wait_until(lambda: job.output.count("SIGINT: stopping at the next step boundary") >= 2,
+                   60, "both ranks' stop message", alive=job.alive)
         os.killpg(job.proc.pid, signal.SIGINT)
 
     def sigterm_to_launch_py(job):

@@ -5,7 +5,9 @@
   SIGTERM to every rank): one stop request, not an abort;
 - the embedding job gets SIGTERM at the launcher's ``launch.py`` only, which forwards it to its
   ranks one after the other (rank 0 first, the next only once rank 0 has exited), so the ranks
-  must agree to stop at the same step boundary by themselves.
+  must agree to stop at the same step boundary by themselves;
+- a second LM run gets SIGUSR1 (``sbatch --signal=USR1``) at rank 1 only: rank 0 learns of it
+  at the step boundary, both save, and the launcher exits 0 (not resumed below).
 
 Both must save a checkpoint at the next step boundary, write ``metrics.csv``, ``summary.json``
 (saying where and why they stopped) and the plot for the steps that ran, and exit; a new
@@ -164,18 +166,28 @@ def preempted(tmp_path_factory):
         assert "deepspeed.launcher.launch" in " ".join(launch_py.cmdline())
         launch_py.send_signal(signal.SIGTERM)
 
+    def sigusr1_to_rank_1(job):
+        launch_py = psutil.Process(job.proc.pid).children()[0]
+        rank1 = [p for p in launch_py.children() if "--local_rank=1" in p.cmdline()]
+        assert len(rank1) == 1, [p.cmdline() for p in launch_py.children()]
+        rank1[0].send_signal(signal.SIGUSR1)
+
     for name, args, monitor_file, stop in (
             ("lm", _lm_args, "Train_megaloss_loss.csv", ctrl_c),
-            ("embed", _embed_args, "Train_megaloss_mnr_loss.csv", sigterm_to_launch_py)):
+            ("embed", _embed_args, "Train_megaloss_mnr_loss.csv", sigterm_to_launch_py),
+            ("lm-usr1", _lm_args, "Train_megaloss_loss.csv", sigusr1_to_rank_1)):
         out = tmp / name
-        job = Launched(REPO / "launch" / f"train_{name}.py",
+        job = Launched(REPO / "launch" / f"train_{name.split('-')[0]}.py",
                        args(out, tmp / "cache") + ["--steps", "100000"])
         try:
             job.wait_for_steps(out / "monitor" / "megaloss" / monitor_file, 2, timeout=240)
             stop(job)
             runs[name] = (out, job.finish(timeout=120))
+            if name == "lm-usr1":
+                runs[name] += (job.proc.returncode,)
         finally:
             job.kill()
+    usr1 = runs.pop("lm-usr1")
 
     resumes = []
     for name, (out, _) in runs.items():
@@ -187,8 +199,10 @@ def preempted(tmp_path_factory):
             resumes.append({"job": f"train_{name}", "argv": args + ["--steps", str(k + 2)]
                             + resume})
     proc = run_jobs_in_one_launch(resumes, tmp / "resume.json", timeout=240)
-    return {name: (out, out.with_name(f"{name}-stopped"), output)
-            for name, (out, output) in runs.items()}, proc.stdout
+    runs = {name: (out, out.with_name(f"{name}-stopped"), output)
+            for name, (out, output) in runs.items()}
+    runs["lm-usr1"] = usr1
+    return runs, proc.stdout
 
 
 @pytest.mark.timeout(420)
@@ -212,3 +226,18 @@ def test_resume_in_a_new_launch_continues(preempted, name, monitor_file):
     assert k is not None, f"{name} did not stop"
     assert f"resumed from {out / 'checkpoints' / f'step_{k}'} at step {k}" in preempted[1]
     _check_continued(out, k, 2, monitor_file)
+
+
+@pytest.mark.timeout(420)
+def test_sigusr1_to_one_rank_saves_on_every_rank(preempted):
+    out, output, returncode = preempted[0]["lm-usr1"]
+    assert returncode == 0, output[-3000:]  # the ranks saved and exited 0: so did the launcher
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"]["signal"] == "a signal on another rank", summary["stopped"]
+    k = summary["stopped"]["step"]
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{k}"
+    for rank in (0, 1):
+        assert (out / "checkpoints" / f"step_{k}" / f"rng_state_rank0000{rank}.pt").exists()
+    assert [int(r["step"]) for r in _rows(out)] == list(range(1, k + 1))
+    assert output.count("SIGUSR1: stopping at the next step boundary") == 1
+    assert f"stopped by a signal on another rank after step {k}" in output

@@ -263,3 +263,51 @@ def test_a_refused_rerun_is_one_message_and_a_clean_exit(tmp_path):
     assert lines[-1].startswith(f"error: {refusal}"), output[-3000:]
     assert "terminate called" not in output and "error on rank 0" not in output, output[-3000:]
     assert not list(tmp_path.glob("megaloss-error*")) and os.listdir(out) == ["summary.json"]
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_killed_rank_is_named_and_the_others_exit(tmp_path):
+    """SIGKILL to rank 1 mid-run: rank 0 exits within a bounded time (its next collective fails)
+    with a last line naming rank 1, and the run's ``latest`` stays on a complete checkpoint."""
+    import signal
+    import threading
+    import time
+
+    import psutil
+    from launch_helpers import wait_until
+
+    from launch.jobs.code_search import stdlib_root
+
+    root, out = stdlib_root(), tmp_path / "out"
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+           str(free_port()), str(REPO / "launch" / "train_lm.py"), "--train_data",
+           str(root / "json"), "--eval_data", str(root / "textwrap.py"), "--model_size", "tiny",
+           "--seq_len", "32", "--vocab_size", "300", "--eval_blocks", "4", "--eval_every", "0",
+           "--steps", "100000", "--save_every", "2", "--no_progress", "--output_dir", str(out),
+           "--cache_dir", str(tmp_path / "cache")]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: (out / "checkpoints" / "latest").exists(), 240, "a checkpoint",
+                   alive=lambda: proc.poll() is None)
+        launch_py = psutil.Process(proc.pid).children()[0]
+        rank1 = [c for c in launch_py.children() if "--local_rank=1" in c.cmdline()]
+        assert len(rank1) == 1
+        rank1[0].kill()
+        t0 = time.monotonic()
+        reader.join(90)
+        assert not reader.is_alive(), "the other rank did not exit within 90 s"
+        assert proc.wait(30) != 0 and time.monotonic() - t0 < 90
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(lines)
+    assert "rank 1 died (its process is gone: killed or crashed); this rank stopped with" \
+        in output, output[-3000:]
+    tag = (out / "checkpoints" / "latest").read_text()
+    assert (out / "checkpoints" / tag / "rng_state_rank00001.pt").exists()

@@ -7,7 +7,9 @@
   ranks one after the other (rank 0 first, the next only once rank 0 has exited), so the ranks
   must agree to stop at the same step boundary by themselves;
 - a second LM run gets SIGUSR1 (``sbatch --signal=USR1``) at rank 1 only: rank 0 learns of it
-  at the step boundary, both save, and the launcher exits 0 (not resumed below).
+  at the step boundary, both save, and the launcher exits 0 (not resumed below);
+- a third gets SIGTERM at every process twice (SLURM's time limit, then ``scancel``): one stop
+  (not resumed below).
 
 Both must save a checkpoint at the next step boundary, write ``metrics.csv``, ``summary.json``
 (saying where and why they stopped) and the plot for the steps that ran, and exit; a new
@@ -172,10 +174,17 @@ def preempted(tmp_path_factory):
         assert len(rank1) == 1, [p.cmdline() for p in launch_py.children()]
         rank1[0].send_signal(signal.SIGUSR1)
 
+    def sigterm_to_all_twice(job):
+        os.killpg(job.proc.pid, signal.SIGTERM)
+        wait_until(lambda: job.output.count("SIGTERM: stopping at the next step boundary") >= 2,
+                   60, "both ranks' stop message", alive=job.alive)
+        os.killpg(job.proc.pid, signal.SIGTERM)
+
     for name, args, monitor_file, stop in (
             ("lm", _lm_args, "Train_megaloss_loss.csv", ctrl_c),
             ("embed", _embed_args, "Train_megaloss_mnr_loss.csv", sigterm_to_launch_py),
-            ("lm-usr1", _lm_args, "Train_megaloss_loss.csv", sigusr1_to_rank_1)):
+            ("lm-usr1", _lm_args, "Train_megaloss_loss.csv", sigusr1_to_rank_1),
+            ("lm-term", _lm_args, "Train_megaloss_loss.csv", sigterm_to_all_twice)):
         out = tmp / name
         job = Launched(REPO / "launch" / f"train_{name.split('-')[0]}.py",
                        args(out, tmp / "cache") + ["--steps", "100000"])
@@ -187,7 +196,7 @@ def preempted(tmp_path_factory):
                 runs[name] += (job.proc.returncode,)
         finally:
             job.kill()
-    usr1 = runs.pop("lm-usr1")
+    extra = {name: runs.pop(name) for name in ("lm-usr1", "lm-term")}
 
     resumes = []
     for name, (out, _) in runs.items():
@@ -201,7 +210,7 @@ def preempted(tmp_path_factory):
     proc = run_jobs_in_one_launch(resumes, tmp / "resume.json", timeout=240)
     runs = {name: (out, out.with_name(f"{name}-stopped"), output)
             for name, (out, output) in runs.items()}
-    runs["lm-usr1"] = usr1
+    runs.update(extra)
     return runs, proc.stdout
 
 
@@ -241,3 +250,9 @@ def test_sigusr1_to_one_rank_saves_on_every_rank(preempted):
     assert [int(r["step"]) for r in _rows(out)] == list(range(1, k + 1))
     assert output.count("SIGUSR1: stopping at the next step boundary") == 1
     assert f"stopped by a signal on another rank after step {k}" in output
+
+
+@pytest.mark.timeout(420)
+def test_sigterm_to_every_process_twice_saves_lm(preempted):
+    out, output = preempted[0]["lm-term"]
+    _check_stopped(out, output, "SIGTERM", "lm")

@@ -23,9 +23,38 @@ MASTER_ADDR="${MASTER_ADDR:-${PET_MASTER_ADDR:-}}"
 MASTER_PORT="${MASTER_PORT:-${PET_MASTER_PORT:-}}"
 HOSTFILE="${HOSTFILE:-}"
 
-run() {
+JOB_ARGS=("$@")
+
+run() {  # run the launcher command "$@" (DRY_RUN: print it)
   if [[ -n "${DRY_RUN:-}" ]]; then printf '%q ' "$@"; echo; exit 0; fi
-  exec "$@"
+  # The job's arguments, checked once before any rank starts (a bad option, a missing data file,
+  # an unreadable --deepspeed_config: the parser's message, exit status 2).
+  python3 -m launch.jobs.check_args "${JOB}" ${JOB_ARGS[@]+"${JOB_ARGS[@]}"} || exit $?
+  for arg in ${JOB_ARGS[@]+"${JOB_ARGS[@]}"}; do
+    if [[ "${arg}" == "-h" || "${arg}" == "--help" ]]; then exit 0; fi
+  done
+  # A failing rank leaves its message in ${MEGALOSS_ERROR_FILE}.rank<r>; it is shown again after
+  # the launcher's closing lines ("Killing subprocess ...") so the cause is what a user reads last.
+  MEGALOSS_ERROR_FILE="$(mktemp "${TMPDIR:-/tmp}/megaloss-error.XXXXXX")"
+  export MEGALOSS_ERROR_FILE
+  # SIGINT (Ctrl-C, a scheduler's signal to the job's process group) reaches the launcher's
+  # launch.py and every rank directly; the `deepspeed` command itself ignores it, so this script
+  # returns once the ranks have saved and exited, not as soon as the signal arrives.
+  trap '' INT
+  set +e
+  "$@"
+  local rc=$?
+  set -e
+  trap - INT
+  if (( rc != 0 )); then
+    local first
+    first="$(ls "${MEGALOSS_ERROR_FILE}".rank* 2>/dev/null | sort | head -n 1)"
+    if [[ -n "${first}" ]]; then
+      echo "error: $(cat "${first}")" >&2
+    fi
+  fi
+  rm -f "${MEGALOSS_ERROR_FILE}" "${MEGALOSS_ERROR_FILE}".rank*
+  exit "${rc}"
 }
 
 slurm_hosts() {  # one host per line from SLURM_JOB_NODELIST (scontrol where present)

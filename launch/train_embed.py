@@ -49,6 +49,7 @@ from launch.jobs.arguments import (
     add_embedding_arguments,
     add_job_arguments,
     add_pair_data_arguments,
+    check_input_files,
     job_parser,
     require_at_least,
 )
@@ -75,6 +76,7 @@ from launch.jobs.runs import (
     quiet_job_environment,
     report_checkpoint_eval,
     resume_job_state,
+    run_job,
     save_run,
     start_process,
 )
@@ -104,6 +106,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     add_run_arguments(p)
     args = p.parse_args(argv)
     check_run_arguments(p, args)
+    check_input_files(p, args)
     require_at_least(p, args, ("mini_batch_size", "steps", "vocab_size", "max_query_len",
                                "max_doc_len", "eval_batch_size", "log_every"))
     return args
@@ -258,13 +261,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     # what a resumed run needs besides the engine's own state
     job_state: Dict = {"rows": [], "before": None, "train_seconds": 0.0, "saves": []}
     if resume_from is not None:
-        resume_job_state(me, resume_from, job_state,
-                         {"data_key": data_key, "vocab_size": args.vocab_size},
-                         "--train_data / --eval_data / --eval_fraction / --max_train / "
-                         "--max_eval / --vocab_size", log)
+        resume_from = resume_job_state(
+            me, resume_from, job_state, {"data_key": data_key, "vocab_size": args.vocab_size},
+            "--train_data / --eval_data / --eval_fraction / --max_train / --max_eval / "
+            "--vocab_size", log)
     start = int(engine.global_steps)
+    saves_before = len(job_state["saves"])  # the resumed run's record; summary: this run's
 
     if args.eval_only:
+        log(f"evaluating checkpoint {resume_from} (step {start})")
         result = evaluate_engine(engine, held_enc, args.eval_batch_size, group)
         return report_checkpoint_eval(out_dir, rank, "code-search embedding", resume_from, start,
                                       result, [(k, f"{v:.4f}") for k, v in result.items()])
@@ -354,7 +359,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                "engine_loss_multiplier": multiplier, "mnr": ml.mnr.model_dump(),
                "data": "stdlib" if args.train_data is None else "user data",
                "peak_memory_mib": max((r["peak_memory_mib"] for r in rows), default=0.0),
-               "checkpoints": checkpoint_stats(saves),
+               "checkpoints": checkpoint_stats(saves, since=saves_before),
                "data_key": data_key,
                "train_seconds": train_seconds, "total_seconds": time.perf_counter() - t_start}
     finish_run(out_dir, rank, lambda: write_outputs(out_dir, rows, summary),
@@ -363,4 +368,4 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_job(main)

@@ -60,6 +60,7 @@ from launch.jobs.arguments import (
     add_job_arguments,
     add_pair_data_arguments,
     add_trainer_arguments,
+    check_input_files,
     job_parser,
     require_at_least,
 )
@@ -79,6 +80,7 @@ from launch.jobs.runs import (
     finish_run,
     open_trainer_run,
     quiet_job_environment,
+    run_job,
     start_trainer_process,
 )
 from launch.jobs.summaries import retrieval_summary_rows
@@ -103,6 +105,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     require_at_least(p, args, ("steps", "batch_size", "gradient_accumulation_steps", "vocab_size",
                                "max_seq_len", "eval_batch_size", "logging_steps",
                                "mini_batch_size"))
+    check_input_files(p, args)
     return args
 
 
@@ -297,4 +300,4 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_job(main)

@@ -40,6 +40,7 @@ from launch.jobs.arguments import (
     add_job_arguments,
     add_llama_arguments,
     add_lm_data_arguments,
+    check_input_files,
     job_parser,
 )
 from launch.jobs.lm_data import eval_batches, load_blocks
@@ -57,6 +58,7 @@ from launch.jobs.runs import (
     quiet_job_environment,
     report_checkpoint_eval,
     resume_job_state,
+    run_job,
     save_run,
     start_process,
 )
@@ -84,6 +86,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.steps < 1:
         p.error("--steps must be >= 1")
     check_run_arguments(p, args)
+    check_input_files(p, args)
     return args
 
 
@@ -151,12 +154,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     # what a resumed run needs besides the engine's own state
     job_state: Dict[str, Any] = {"rows": [], "evals": [], "train_seconds": 0.0, "saves": []}
     if resume_from is not None:
-        resume_job_state(me, resume_from, job_state, {"data_key": data_key},
-                         "--train_data / --eval_data / --eval_fraction / --max_train_bytes / "
-                         "--vocab_size", log)
+        resume_from = resume_job_state(
+            me, resume_from, job_state, {"data_key": data_key},
+            "--train_data / --eval_data / --eval_fraction / --max_train_bytes / --vocab_size",
+            log)
     start = int(engine.global_steps)
+    saves_before = len(job_state["saves"])  # the resumed run's record; summary: this run's
 
     if args.eval_only:
+        log(f"evaluating checkpoint {resume_from} (step {start})")
         result = evaluate(me, held)
         return report_checkpoint_eval(out_dir, rank, "megaloss LM job", resume_from, start,
                                       vars(result), [
@@ -211,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "engine_loss_multiplier": me.engine_scale.loss_multiplier,
         "ce": ml.ce.model_dump(), "data": "stdlib" if not args.train_data else "user files",
         "model": f"Llama {cfg.num_hidden_layers}L x {cfg.hidden_size}",
-        "checkpoints": checkpoint_stats(saves), "data_key": data_key,
+        "checkpoints": checkpoint_stats(saves, since=saves_before), "data_key": data_key,
         "total_seconds": time.perf_counter() - t_start, **info,
     }
     finish_run(out_dir, rank, lambda: write_lm_outputs(
@@ -221,4 +227,4 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_job(main)

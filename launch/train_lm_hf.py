@@ -54,6 +54,7 @@ from launch.jobs.arguments import (
     add_llama_arguments,
     add_lm_data_arguments,
     add_trainer_arguments,
+    check_input_files,
     job_parser,
     require_at_least,
 )
@@ -64,6 +65,7 @@ from launch.jobs.runs import (
     finish_run,
     open_trainer_run,
     quiet_job_environment,
+    run_job,
     start_trainer_process,
 )
 from launch.jobs.summaries import lm_summary_rows, write_lm_outputs
@@ -89,6 +91,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     require_at_least(p, args, ("steps", "batch_size", "gradient_accumulation_steps", "seq_len",
                                "eval_blocks", "eval_batch_size", "logging_steps"))
     require_at_least(p, args, ("eval_every",), minimum=0)
+    check_input_files(p, args)
     return args
 
 
@@ -269,4 +272,4 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_job(main)

@@ -11,13 +11,15 @@ that needs no download, the models, the options and what the jobs write and prin
 - :mod:`launch.jobs.pair_data`: the embedding jobs' cached pairs and tokenizer.
 - :mod:`launch.jobs.models`: the small random-init Llama and BERT the jobs train.
 - :mod:`launch.jobs.retrieval`: MRR@k and recall@1 of held-out retrieval.
-- :mod:`launch.jobs.arguments`: the command-line option groups the jobs share.
+- :mod:`launch.jobs.arguments`: the command-line option groups the jobs share;
+  :mod:`launch.jobs.check_args`: a job's command line checked once before any rank starts.
 - :mod:`launch.jobs.reporting`: metrics CSV, loss-curve PNG, ``summary.json``, summary table,
   rank-0 log.
 - :mod:`launch.jobs.runs`: what the jobs share around the training loop: process start-up, the
   run options (``--save_every``, ``--resume``, ``--eval_only``, ``--overwrite``), one run per
-  output folder, failures every rank reports with their cause, SIGTERM / SIGINT stopping at a
-  step boundary, resume, and the end-of-run tail (outputs, summary table, barrier).
+  output folder, failures reported once with their cause, SIGTERM / SIGINT / SIGUSR1 stopping
+  at a step boundary, resume, the end-of-run tail (outputs, summary table, barrier) and the
+  process's end (``run_job``: exit status, process groups destroyed).
 
 Imported as a package (``from launch.jobs.text_data import ...``): the ``launch/*.sh`` scripts put
 the repository root on ``PYTHONPATH``.

@@ -9,11 +9,16 @@ in every job that takes it:
   tokenizer, encoder size, GradCache mini-batch, learning rate and evaluation batch;
 - :func:`add_trainer_arguments`: ``--deepspeed_config``, ``--logging_steps``, ``--report_to``,
   ``--overwrite`` (the jobs that hand their loop to a Hugging Face trainer);
-- :func:`require_at_least`: ``p.error`` for a number below its minimum.
+- :func:`require_at_least`: ``p.error`` for a number below its minimum;
+- :func:`check_input_files`: ``p.error`` naming a data source or ds_config that cannot be read.
+
+``python -m launch.jobs.check_args`` runs a job's parser once, before the launcher starts any
+rank (``launch/multinode.sh`` does).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import Iterable, Optional
@@ -24,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]  # configs/ lives at the repository r
 
 __all__ = ["job_parser", "add_job_arguments", "add_lm_data_arguments", "add_llama_arguments",
            "add_pair_data_arguments", "add_embedding_arguments", "add_trainer_arguments",
-           "require_at_least"]
+           "require_at_least", "check_input_files"]
 
 
 def job_parser(doc: str) -> argparse.ArgumentParser:
@@ -142,3 +147,29 @@ def require_at_least(p: argparse.ArgumentParser, args: argparse.Namespace,
         value: Optional[int] = getattr(args, name)
         if value is not None and value < minimum:
             p.error(f"--{name} must be >= {minimum}")
+
+
+def check_input_files(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``p.error`` naming the file for an input the job could not read: a ``--train_data`` /
+    ``--eval_data`` source that does not exist, a ``--deepspeed_config`` that cannot be read, is
+    not valid JSON (with the line and column) or is not a JSON object. Options a job lacks, or
+    left at ``None``, pass."""
+    for name in ("train_data", "eval_data"):
+        for src in getattr(args, name, None) or ():
+            if not Path(src).exists():
+                p.error(f"--{name} {src}: no such file or directory")
+    config = getattr(args, "deepspeed_config", None)
+    if not config:
+        return
+    try:
+        text = Path(config).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        p.error(f"--deepspeed_config {config}: cannot read it ({getattr(e, 'strerror', e)})")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        p.error(f"--deepspeed_config {config}: not valid JSON: {e.msg} at line {e.lineno} "
+                f"column {e.colno}")
+    if not isinstance(value, dict):
+        p.error(f"--deepspeed_config {config}: a ds_config is a JSON object, not "
+                f"{type(value).__name__}")

@@ -34,12 +34,18 @@ def split_files(args):
     ``eval_fraction`` (the standard library without data arguments).
 
     Raises:
-        SystemExit: ``--train_data`` files that a crc32 split cannot divide.
+        SystemExit: a ``--train_data`` file is empty; ``--train_data`` files that a crc32 split
+            cannot divide.
     """
     if args.train_data:
         files = text_files(args.train_data)
         if args.eval_data:
             return files, text_files(args.eval_data)
+        # a named file that is empty is the cause, whatever the split would say
+        for name in args.train_data:
+            f = Path(name)
+            if f.is_file() and not f.read_text(encoding="utf-8", errors="replace").strip():
+                raise SystemExit(f"--train_data file {f} is empty")
         train = [f for f in files if not is_held_out(f.as_posix(), args.eval_fraction)]
         held = [f for f in files if is_held_out(f.as_posix(), args.eval_fraction)]
         if not train or not held:

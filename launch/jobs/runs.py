@@ -10,12 +10,15 @@ the command-line options for checkpoints and resume the megaloss-loop jobs share
 - :func:`prepare_output_dir` / :func:`resume_source`: refuse to mix a new run with the one
   already in ``--output_dir`` unless told to replace (``--overwrite``) or continue it
   (``--resume``).
-- :class:`StopRequest`: SIGTERM / SIGINT ask for a stop at the next step boundary, agreed across
-  ranks with one tiny all-reduce per step; a second SIGINT interrupts at once.
+- :class:`StopRequest`: SIGTERM / SIGINT / SIGUSR1 ask for a stop at the next step boundary,
+  agreed across ranks with one tiny all-reduce per step; repeats of the request are merged, and
+  only a SIGINT once the checkpoint is being saved (after a grace) aborts.
 - :func:`start_process` / :func:`start_trainer_process`: a launched process's start-up;
   :func:`open_trainer_run`: a trainer job's ds_config and run folder.
 - :func:`resume_job_state`, :func:`report_checkpoint_eval`, :func:`checkpoint_stats`,
   :func:`finish_run`: resume, ``--eval_only``'s report and the end-of-run tail every job shares.
+- :func:`run_job`: a job's ``__main__``: exit status, its error printed once, and
+  :func:`end_process` (process groups destroyed) on every exit path.
 
 Single-process use (``torch.distributed`` not initialised) works too: nothing to agree with.
 """
@@ -35,7 +38,8 @@ __all__ = ["RUN_OUTPUTS", "CHECKPOINTS", "add_run_arguments", "check_run_argumen
            "prepare_output_dir", "resume_source", "open_run", "open_fresh_run", "step_boundary",
            "save_run", "progress_bar", "StopRequest", "start_process", "start_trainer_process",
            "open_trainer_run", "resume_job_state", "report_checkpoint_eval", "checkpoint_stats",
-           "finish_run", "TrainLoop", "quiet_job_environment"]
+           "finish_run", "TrainLoop", "quiet_job_environment", "AgreedExit", "LineProgress",
+           "follow_branch", "end_process", "run_job", "dead_peers"]
 
 T = TypeVar("T")
 
@@ -119,10 +123,21 @@ def agreed(fn: Callable[[], T], *, everywhere: bool = False, what: str = "set-up
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if not failed:
         return result
-    if error is not None:
-        raise error
     r, m = failed[0]
-    raise SystemExit(f"error on rank {r} ({what}): {m}")
+    if error is not None and r == rank:
+        raise error
+    # Reported by rank r (the first that failed): this rank exits with the same status and no
+    # message of its own, so the cause is printed once and the ranks' lines never interleave.
+    raise AgreedExit(f"error on rank {r} ({what}): {m}")
+
+
+class AgreedExit(SystemExit):
+    """The exit of a rank whose set-up failed on another rank (:func:`agreed`): status 1 and
+    nothing printed (the failing rank prints the cause); ``message`` names the rank and cause."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(1)
+        self.message = message
 
 
 def _existing_outputs(out_dir: Path) -> List[str]:
@@ -190,20 +205,33 @@ def prepare_output_dir(out_dir: Path, *, overwrite: bool, resuming: bool,
 
 
 class StopRequest:
-    """SIGTERM / SIGINT: stop at the next step boundary, save, write what was measured, exit.
+    """SIGTERM / SIGINT / SIGUSR1: stop at the next step boundary, save, write what was measured,
+    exit.
 
-    :meth:`install` sets handlers that only record the signal (a second SIGINT raises
-    ``KeyboardInterrupt`` at once, for a user who insists; repeated SIGTERMs, e.g. the
-    ``deepspeed`` launcher forwarding the terminal's Ctrl-C, are ignored). :meth:`should_stop` is
-    collective: one all-reduce (MAX) of a 1-element tensor per call over the world, so every rank
-    stops after the same step even when only one of them was signalled (the ``deepspeed``
-    launcher signals its ranks one after the other).
+    :meth:`install` sets handlers that only record the request. Schedulers deliver one request
+    several times (SLURM's ``scancel`` and time limit signal every process of the job, then the
+    ``deepspeed`` launcher forwards a SIGTERM to each rank; a terminal's Ctrl-C reaches launcher
+    and ranks alike): every request until the checkpoint's save starts, and for ``grace``
+    seconds after the first, is the same request. Only a SIGINT after that (the save has started
+    and the grace is over: a user who insists) raises ``KeyboardInterrupt``.
+
+    :meth:`should_stop` is collective: one all-reduce (MAX) of a 1-element tensor per call over
+    the world, so every rank stops after the same step even when only one of them was signalled
+    (the ``deepspeed`` launcher signals its ranks one after the other).
+
+    Args:
+        grace: seconds after the first request during which a repeated SIGINT is merged even
+            once the save has started; default ``$MEGALOSS_STOP_GRACE`` or 10.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
-    def __init__(self, log: Callable[[str], None] = lambda msg: None) -> None:
+    def __init__(self, log: Callable[[str], None] = lambda msg: None,
+                 grace: Optional[float] = None) -> None:
         self.received: Optional[str] = None
+        self.saving = False  # set by step_boundary when the stop's checkpoint starts
+        self.grace = float(os.environ.get("MEGALOSS_STOP_GRACE", 10) if grace is None else grace)
+        self._first: Optional[float] = None
         self._old: dict = {}
         self._log = log
 
@@ -218,23 +246,29 @@ class StopRequest:
         self._old = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
+        import time
+
         name = signal.Signals(signum).name
         if self.received is None:
-            self.received = name
+            self.received, self._first = name, time.monotonic()
             print(f"[megaloss] {name}: stopping at the next step boundary (checkpoint, metrics, "
-                  "summary); send SIGINT again to abort at once", file=sys.stderr, flush=True)
-        elif signum == signal.SIGINT and self.received == "SIGINT":
+                  "summary); SIGINT again once the checkpoint is being saved aborts",
+                  file=sys.stderr, flush=True)
+        elif (signum == signal.SIGINT and self.saving
+              and time.monotonic() - (self._first or 0.0) > self.grace):
             raise KeyboardInterrupt
 
     def should_stop(self, device: Any = "cpu") -> bool:
-        """Whether any rank received a signal (collective)."""
+        """Whether any rank received a stop request (collective)."""
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
         d = _dist()
         if d is not None:
             d.all_reduce(flag, op=d.ReduceOp.MAX)
         stop = bool(flag.item() > 0)
         if stop and self.received is None:
-            self.received = "a signal on another rank"
+            import time
+
+            self.received, self._first = "a signal on another rank", time.monotonic()
         return stop
 
 
@@ -252,6 +286,8 @@ def open_run(args: argparse.Namespace, out_dir: Path, ds_config: dict) -> Option
         source = resume_source(args, out_dir)
         prepare_output_dir(out_dir, overwrite=args.overwrite, resuming=source is not None,
                            eval_only=args.eval_only)
+        if source is not None and not args.eval_only:
+            follow_branch(source, out_dir / CHECKPOINTS)
         return None if source is None else str(source)
 
     source = [agreed(run_folder, what=f"--output_dir {out_dir}")]
@@ -261,13 +297,40 @@ def open_run(args: argparse.Namespace, out_dir: Path, ds_config: dict) -> Option
     return source[0]
 
 
+def follow_branch(source: Path, ckpt_dir: Path) -> None:
+    """A run resumed from one of ``ckpt_dir``'s checkpoints other than the one ``latest`` names
+    (a branch: ``--resume .../step_100`` when ``latest`` is ``step_150``) continues from there:
+    ``latest`` is pointed at ``source`` at once, so a later ``--resume`` or ``--eval_only``
+    never takes the abandoned run's checkpoint for this run's. Checkpoint folders are left as
+    they are (the branch's saves replace the abandoned run's of the same step). Call on one
+    rank."""
+    from megaloss.integrations.deepspeed import resolve_checkpoint
+    from megaloss.integrations.deepspeed.checkpoint import latest_tag
+
+    load_dir, tag = resolve_checkpoint(source)
+    if not ckpt_dir.is_dir() or load_dir.resolve() != ckpt_dir.resolve():
+        return
+    before = latest_tag(ckpt_dir)
+    if before not in (None, tag):
+        from .text_data import atomic_write
+
+        atomic_write(ckpt_dir / "latest", tag)
+        print(f"[megaloss] resuming from {ckpt_dir / tag}, not from latest ({before}): "
+              f"{ckpt_dir / 'latest'} now names {tag}", flush=True)
+
+
 def step_boundary(stop: "StopRequest", device: Any, step: int, args: argparse.Namespace,
                   save: Callable[[int], Any], log: Callable[[str], Any]) -> Optional[dict]:
     """What both jobs do after each optimizer step: agree across ranks whether SIGINT/SIGTERM
-    arrived, save a checkpoint when stopping, every ``--save_every`` steps and after the last
-    one. Returns ``{"signal", "step"}`` when the job must stop now, else ``None``."""
+    arrived, save a checkpoint when stopping, every ``--save_every`` steps, and after the last
+    one with ``--save_every`` or ``--resume`` (a resumed run's ``latest`` must name its own last
+    step, not the checkpoint it started from or an abandoned branch's). Returns
+    ``{"signal", "step"}`` when the job must stop now, else ``None``."""
     stopped = ({"signal": stop.received, "step": step} if stop.should_stop(device) else None)
-    if stopped or (args.save_every and (step % args.save_every == 0 or step == args.steps)):
+    last = step == args.steps and (args.save_every or getattr(args, "resume", None) is not None)
+    if stopped or last or (args.save_every and step % args.save_every == 0):
+        if stopped:
+            stop.saving = True
         save(step)
     if stopped:
         log(f"stopped by {stopped['signal']} after step {step}; continue with --resume")
@@ -300,15 +363,51 @@ def save_run(me: Any, ckpt_dir: Path, step: int, job: dict, tokenizer: Any, keep
     return folder
 
 
-def progress_bar(args: argparse.Namespace, start: int) -> Any:
-    """The training progress bar (tqdm) on global rank 0 unless ``--no_progress``, starting at
-    ``start`` steps done (a resumed run); ``None`` elsewhere."""
+class LineProgress:
+    """The progress of a job whose output is not a terminal (a file, a scheduler's log): one
+    line ``train <k>/<total> steps <postfix> <seconds> s`` every ``every`` steps and at the
+    last, instead of tqdm's ``\\r`` updates (which a file keeps as one endless line). The subset
+    of tqdm's interface :class:`TrainLoop` uses."""
+
+    def __init__(self, total: int, initial: int, every: int, stream: Any = None) -> None:
+        import time
+
+        self.total, self.n, self.every = total, initial, max(1, every)
+        self.stream = stream if stream is not None else sys.stderr
+        self._postfix: dict = {}
+        self._t0 = time.perf_counter()
+
+    def set_postfix(self, **postfix: Any) -> None:
+        self._postfix = postfix
+
+    def update(self, n: int = 1) -> None:
+        import time
+
+        self.n += n
+        if self.n % self.every == 0 or self.n >= self.total:
+            figures = " ".join(f"{k}={v}" for k, v in self._postfix.items())
+            print(f"train {self.n}/{self.total} steps {figures} "
+                  f"{time.perf_counter() - self._t0:.1f} s", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(args: argparse.Namespace, start: int, stream: Any = None) -> Any:
+    """The training progress on global rank 0 unless ``--no_progress``, starting at ``start``
+    steps done (a resumed run): tqdm's bar on a terminal, else :class:`LineProgress` (a line
+    every ``--steps / 20`` steps, at most every 50); ``None`` elsewhere. ``stream``: default
+    ``sys.stderr``."""
     dist = _dist()
     if args.no_progress or (dist is not None and dist.get_rank() != 0):
         return None
+    stream = sys.stderr if stream is None else stream
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        return LineProgress(args.steps, min(start, args.steps),
+                            min(50, max(1, args.steps // 20)), stream)
     from tqdm import tqdm
     return tqdm(total=args.steps, initial=min(start, args.steps), desc="train", unit="step",
-                dynamic_ncols=True)
+                dynamic_ncols=True, file=stream)
 
 
 class TrainLoop:
@@ -390,6 +489,36 @@ def quiet_job_environment() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*",
                             category=FutureWarning)
+    _quiet_deepspeed_logger()
+
+
+# DeepSpeed warnings that every run of these jobs prints and that say nothing about it: the CPU
+# accelerator chosen when there is no GPU (the jobs run there by design); ZeRO around torch's
+# AdamW, which the configs allow on purpose ("zero_allow_untested_optimizer"); the LR of a
+# warm-up schedule read before its first step (the engine's start-up, not the job).
+DEEPSPEED_NOISE = ("Setting accelerator to CPU",
+                   "You are using ZeRO with an untested optimizer",
+                   "get learning rate from scheduler before it has started")
+
+
+class _DropMessages:
+    def __init__(self, parts: Sequence[str]) -> None:
+        self.parts = tuple(parts)
+
+    def filter(self, record: Any) -> bool:
+        message = record.getMessage()
+        return not any(part in message for part in self.parts)
+
+
+def _quiet_deepspeed_logger() -> None:
+    """Drop :data:`DEEPSPEED_NOISE` from DeepSpeed's logger ("DeepSpeed"). Set before DeepSpeed is
+    imported (the accelerator warning comes with the import): DeepSpeed's logger is then this
+    one, filter included. Idempotent."""
+    import logging
+
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _DropMessages) for f in logger.filters):
+        logger.addFilter(_DropMessages(DEEPSPEED_NOISE))
 
 
 def start_process(local_rank: int) -> Tuple[int, int]:
@@ -415,7 +544,51 @@ def start_process(local_rank: int) -> Tuple[int, int]:
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     deepspeed.init_distributed()
     get_accelerator().set_device(local_rank)
+    _record_peers()
     return dist.get_rank(), dist.get_world_size()
+
+
+_PEERS: List[Tuple[str, int]] = []  # (host name, pid) of every global rank, from start_process
+
+
+def _record_peers() -> None:
+    """Every rank's host name and pid (one object all-gather at start-up), so a rank whose
+    collective fails can tell which peer died (:func:`dead_peers`)."""
+    import socket
+
+    d = _dist()
+    if d is None:
+        return
+    peers: List[Any] = [None] * d.get_world_size()
+    d.all_gather_object(peers, (socket.gethostname(), os.getpid()))
+    _PEERS[:] = peers
+
+
+def _gone(pid: int) -> bool:
+    try:  # a killed rank stays a zombie until the launcher reaps it (it polls once a second)
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
+def dead_peers() -> List[int]:
+    """The global ranks on this host whose process is gone (killed, crashed), from the pids
+    :func:`start_process` recorded; ranks on other hosts cannot be told from here."""
+    import socket
+
+    host = socket.gethostname()
+    return [r for r, (h, pid) in enumerate(_PEERS)
+            if h == host and pid != os.getpid() and _gone(pid)]
 
 
 def start_trainer_process(local_rank: int, report_to: str, out_dir: Path) -> Tuple[int, int]:
@@ -457,7 +630,7 @@ def open_trainer_run(args: argparse.Namespace, out_dir: Path) -> Tuple[dict, Any
 
 
 def resume_job_state(me: Any, resume_from: str, job_state: dict, expected: Dict[str, Any],
-                     options: str, log: Callable[[str], Any]) -> None:
+                     options: str, log: Callable[[str], Any]) -> str:
     """Load the checkpoint ``resume_from`` into the engine of ``me``
     (:func:`megaloss.integrations.deepspeed.load_checkpoint`) and the job's own record saved with
     it (client state ``"job"``) into ``job_state`` (its keys only). Collective.
@@ -468,12 +641,26 @@ def resume_job_state(me: Any, resume_from: str, job_state: dict, expected: Dict[
         options: the command-line options that decide them, named in the error.
 
     Raises:
-        SystemExit: the checkpoint was trained on other data or another tokenizer.
+        SystemExit: a file of the checkpoint is truncated or corrupted (checked on rank 0,
+            :func:`~megaloss.integrations.deepspeed.checkpoint.check_checkpoint_files`); the
+            checkpoint was trained on other data or another tokenizer.
+
+    Returns:
+        the checkpoint folder loaded (``.../checkpoints/step_<k>``), what ``--eval_only``
+        reports.
     """
     import time
 
     from megaloss.integrations.deepspeed import load_checkpoint
+    from megaloss.integrations.deepspeed.checkpoint import check_checkpoint_files
 
+    def check():
+        try:
+            check_checkpoint_files(resume_from)
+        except ValueError as e:
+            raise SystemExit(f"--resume {resume_from}: {e}") from None
+
+    agreed(check, what=f"--resume {resume_from}")  # damaged files: one message, every rank exits
     t0 = time.perf_counter()
     path, client = load_checkpoint(me, resume_from)
     saved = client.get("job", {})
@@ -486,12 +673,14 @@ def resume_job_state(me: Any, resume_from: str, job_state: dict, expected: Dict[
     engine = me.engine
     log(f"resumed from {path} at step {engine.global_steps} "
         f"({engine.global_samples} samples) in {time.perf_counter() - t0:.2f} s")
+    return str(path)
 
 
 def report_checkpoint_eval(out_dir: Path, rank: int, title: str, resume_from: str, step: int,
                            result: Dict[str, float], rows: Sequence[Tuple[str, str]]) -> dict:
     """``--eval_only``'s report: ``<out_dir>/eval_step<step>.json`` (``{"checkpoint", "step",
-    "eval": result}``) and a ``metric | value`` table of ``rows`` on rank 0, then a barrier.
+    "eval": result}``, ``resume_from`` the checkpoint folder evaluated) and a ``metric | value``
+    table of ``rows`` on rank 0, then a barrier.
 
     Returns:
         the report.
@@ -509,9 +698,11 @@ def report_checkpoint_eval(out_dir: Path, rank: int, title: str, resume_from: st
     return report
 
 
-def checkpoint_stats(saves: List[dict]) -> Optional[Dict[str, Any]]:
-    """``summary.json``'s ``checkpoints``: how many saves, mean seconds and MiB per save, the
-    last folder (``None`` without saves)."""
+def checkpoint_stats(saves: List[dict], since: int = 0) -> Optional[Dict[str, Any]]:
+    """``summary.json``'s ``checkpoints``: this run's saves (``saves[since:]``; the earlier ones
+    are a resumed run's record): how many, mean seconds and MiB per save, the last folder
+    (``None`` when this run saved none)."""
+    saves = saves[since:]
     if not saves:
         return None
     return {"saves": len(saves), "seconds_per_save": sum(x["seconds"] for x in saves) / len(saves),
@@ -539,3 +730,81 @@ def finish_run(out_dir: Path, rank: int, write_outputs: Callable[[], Any],
     dist.barrier()
     if stop is not None:
         stop.restore()
+
+
+def end_process() -> None:
+    """The last thing a launched job does, on every exit path (:func:`run_job`): flush the
+    output and destroy ``torch.distributed``'s process groups. Left alive, their communication
+    threads are torn down with the interpreter, in no set order; a C++ thread still joinable then
+    ends the process in ``std::terminate`` ("terminate called without an active exception",
+    SIGABRT: the rank exits -6 and the launcher 250) even after a finished run or a clean
+    refusal."""
+    import torch.distributed as dist
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a peer already gone: the process is ending anyway
+            pass
+
+
+def _report_error(message: str, show: bool = True) -> None:
+    """Print a rank's error on its own line (``show``) and leave it in
+    ``$MEGALOSS_ERROR_FILE.rank<r>`` (set by ``launch/multinode.sh``, which shows it again after
+    the launcher's closing lines)."""
+    if show:
+        print(message, file=sys.stderr, flush=True)
+    base = os.environ.get("MEGALOSS_ERROR_FILE")
+    if base:
+        try:
+            Path(f"{base}.rank{int(os.environ.get('RANK', 0)):05d}").write_text(
+                message + "\n", encoding="utf-8")
+        except OSError:
+            pass
+
+
+def run_job(main: Callable[[], Any]) -> None:
+    """A job's ``if __name__ == "__main__":``: ``main()``, then :func:`end_process` whatever
+    happened, and the exit status:
+
+    - 0 after a finished run (also one stopped by a signal, which saved);
+    - 1 after a job's own error (a ``SystemExit`` message, printed once, on its own line, by the
+      rank that found it; the ranks told of it by :func:`agreed` exit 1 silently);
+    - 1 after an exception (its traceback, printed by the rank that raised it; when a peer rank
+      on this host has died, a last line naming it: the cause of a failed collective);
+    - 130 after an abort (``KeyboardInterrupt``: SIGINT while the stop's checkpoint was saved).
+    """
+    import traceback
+
+    code: Any = 0
+    try:
+        main()
+    except AgreedExit:
+        code = 1
+    except SystemExit as e:
+        code = e.code
+        if code is not None and not isinstance(code, int):
+            _report_error(str(code))
+            code = 1
+    except KeyboardInterrupt:
+        print("[megaloss] aborted (SIGINT)", file=sys.stderr, flush=True)
+        code = 130
+    except BaseException as e:  # noqa: BLE001 - reported, then the status says it failed
+        traceback.print_exc()  # its last line is the cause, unless a peer died
+        dead = dead_peers()
+        if dead:  # the collective failed because a peer died: that is the cause
+            names = ", ".join(str(r) for r in dead)
+            first = (str(e).splitlines() or [""])[0]
+            _report_error(f"rank {names} died (its process is gone: killed or crashed); this "
+                          f"rank stopped with {type(e).__name__}: {first}")
+        else:
+            _report_error(f"{type(e).__name__}: {e}", show=False)
+        code = 1
+    finally:
+        end_process()
+    sys.exit(code or 0)

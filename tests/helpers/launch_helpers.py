@@ -125,4 +125,6 @@ def _drive() -> None:
 
 
 if __name__ == "__main__":
-    _drive()
+    from launch.jobs.runs import run_job
+
+    run_job(_drive)

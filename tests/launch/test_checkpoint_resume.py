@@ -134,7 +134,19 @@ def runs(tmp_path_factory):
                                                    "--eval_only")},
     ]
     cases.append(("embed", 2, 1, full, part))
-    run_jobs_in_one_launch(jobs, tmp_path / "jobs.json", timeout=560)
+    # a branch: 4 steps saved every 2, then resumed from step_2 to step 3 without --save_every,
+    # then --eval_only --resume (latest)
+    cfg2 = tmp_path / "zero2-tp1.json"
+    branch = tmp_path / "lm-branch"
+    jobs += [
+        {"job": "train_lm", "argv": _lm_args(cfg2, branch, cache, 4, "--save_every", "2")},
+        {"job": "train_lm", "argv": _lm_args(cfg2, branch, cache, 3, "--resume",
+                                             str(branch / "checkpoints" / "step_2"))},
+        {"job": "train_lm", "argv": _lm_args(cfg2, branch, cache, 3, "--resume",
+                                             "--eval_only")},
+    ]
+    proc = run_jobs_in_one_launch(jobs, tmp_path / "jobs.json", timeout=560)
+    (tmp_path / "launch.log").write_text(proc.stdout + proc.stderr)
     return tmp_path, {case[:3]: case[3:] for case in cases}
 
 
@@ -210,3 +222,23 @@ def test_universal_checkpoint_from_tp2_resumes_on_one_process(runs):
     rows = _rows(one)
     assert [int(r["step"]) for r in rows] == list(range(1, 2 * N + 3))
     assert [r["loss"] for r in rows[:2 * N]] == [r["loss"] for r in _rows(tmp_path / "lm22-full")]
+
+
+@pytest.mark.timeout(600)
+def test_a_branch_saves_its_last_step_and_latest_follows_it(runs):
+    """``--resume .../step_2 --steps 3`` in a folder whose latest is step_4, without
+    ``--save_every``: the resumed run saves step 3, ``latest`` names it (not the abandoned
+    step_4), summary.json's ``checkpoints`` are this run's, ``--eval_only`` evaluates step 3 and
+    says so."""
+    tmp_path = runs[0]
+    ckpts = tmp_path / "lm-branch" / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_3"
+    summary = json.loads((tmp_path / "lm-branch" / "summary.json").read_text())
+    assert summary["resumed_at_step"] == 2 and summary["steps"] == 3
+    assert summary["checkpoints"]["saves"] == 1
+    assert summary["checkpoints"]["last"] == str(ckpts / "step_3")
+    report = json.loads((tmp_path / "lm-branch" / "eval_step3.json").read_text())
+    assert report["checkpoint"] == str(ckpts / "step_3") and report["step"] == 3
+    log = (tmp_path / "launch.log").read_text()
+    assert f"not from latest (step_4): {ckpts / 'latest'} now names step_2" in log
+    assert f"evaluating checkpoint {ckpts / 'step_3'} (step 3)" in log

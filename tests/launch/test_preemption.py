@@ -1,9 +1,15 @@
 """Preemption, end to end under ``deepspeed --num_gpus 2`` on CPU, with real signals:
 
-- the LM job gets a terminal's Ctrl-C (SIGINT to the whole process group: launcher and ranks);
+- the LM job gets SIGINT to the whole process group (launcher and ranks) twice in a row, as a
+  scheduler's signal arrives beside a terminal's Ctrl-C (and the launcher then forwards a
+  SIGTERM to every rank): one stop request, not an abort;
 - the embedding job gets SIGTERM at the launcher's ``launch.py`` only, which forwards it to its
   ranks one after the other (rank 0 first, the next only once rank 0 has exited), so the ranks
-  must agree to stop at the same step boundary by themselves.
+  must agree to stop at the same step boundary by themselves;
+- a second LM run gets SIGUSR1 (``sbatch --signal=USR1``) at rank 1 only: rank 0 learns of it
+  at the step boundary, both save, and the launcher exits 0 (not resumed below);
+- a third gets SIGTERM at every process twice (SLURM's time limit, then ``scancel``): one stop
+  (not resumed below).
 
 Both must save a checkpoint at the next step boundary, write ``metrics.csv``, ``summary.json``
 (saying where and why they stopped) and the plot for the steps that ran, and exit; a new
@@ -150,7 +156,11 @@ def preempted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("preemption")
     runs = {}
 
-    def ctrl_c(job):  # what Ctrl-C in the terminal sends: SIGINT to the whole process group
+    def ctrl_c(job):  # SIGINT to the whole process group, twice (a scheduler, then Ctrl-C)
+        os.killpg(job.proc.pid, signal.SIGINT)
+        # the second once both ranks have taken the first (two at once would be one signal)
+        wait_until(lambda: job.output.count("SIGINT: stopping at the next step boundary") >= 2,
+                   60, "both ranks' stop message", alive=job.alive)
         os.killpg(job.proc.pid, signal.SIGINT)
 
     def sigterm_to_launch_py(job):
@@ -158,18 +168,35 @@ def preempted(tmp_path_factory):
         assert "deepspeed.launcher.launch" in " ".join(launch_py.cmdline())
         launch_py.send_signal(signal.SIGTERM)
 
+    def sigusr1_to_rank_1(job):
+        launch_py = psutil.Process(job.proc.pid).children()[0]
+        rank1 = [p for p in launch_py.children() if "--local_rank=1" in p.cmdline()]
+        assert len(rank1) == 1, [p.cmdline() for p in launch_py.children()]
+        rank1[0].send_signal(signal.SIGUSR1)
+
+    def sigterm_to_all_twice(job):
+        os.killpg(job.proc.pid, signal.SIGTERM)
+        wait_until(lambda: job.output.count("SIGTERM: stopping at the next step boundary") >= 2,
+                   60, "both ranks' stop message", alive=job.alive)
+        os.killpg(job.proc.pid, signal.SIGTERM)
+
     for name, args, monitor_file, stop in (
             ("lm", _lm_args, "Train_megaloss_loss.csv", ctrl_c),
-            ("embed", _embed_args, "Train_megaloss_mnr_loss.csv", sigterm_to_launch_py)):
+            ("embed", _embed_args, "Train_megaloss_mnr_loss.csv", sigterm_to_launch_py),
+            ("lm-usr1", _lm_args, "Train_megaloss_loss.csv", sigusr1_to_rank_1),
+            ("lm-term", _lm_args, "Train_megaloss_loss.csv", sigterm_to_all_twice)):
         out = tmp / name
-        job = Launched(REPO / "launch" / f"train_{name}.py",
+        job = Launched(REPO / "launch" / f"train_{name.split('-')[0]}.py",
                        args(out, tmp / "cache") + ["--steps", "100000"])
         try:
             job.wait_for_steps(out / "monitor" / "megaloss" / monitor_file, 2, timeout=240)
             stop(job)
             runs[name] = (out, job.finish(timeout=120))
+            if name == "lm-usr1":
+                runs[name] += (job.proc.returncode,)
         finally:
             job.kill()
+    extra = {name: runs.pop(name) for name in ("lm-usr1", "lm-term")}
 
     resumes = []
     for name, (out, _) in runs.items():
@@ -181,8 +208,10 @@ def preempted(tmp_path_factory):
             resumes.append({"job": f"train_{name}", "argv": args + ["--steps", str(k + 2)]
                             + resume})
     proc = run_jobs_in_one_launch(resumes, tmp / "resume.json", timeout=240)
-    return {name: (out, out.with_name(f"{name}-stopped"), output)
-            for name, (out, output) in runs.items()}, proc.stdout
+    runs = {name: (out, out.with_name(f"{name}-stopped"), output)
+            for name, (out, output) in runs.items()}
+    runs.update(extra)
+    return runs, proc.stdout
 
 
 @pytest.mark.timeout(420)
@@ -206,3 +235,24 @@ def test_resume_in_a_new_launch_continues(preempted, name, monitor_file):
     assert k is not None, f"{name} did not stop"
     assert f"resumed from {out / 'checkpoints' / f'step_{k}'} at step {k}" in preempted[1]
     _check_continued(out, k, 2, monitor_file)
+
+
+@pytest.mark.timeout(420)
+def test_sigusr1_to_one_rank_saves_on_every_rank(preempted):
+    out, output, returncode = preempted[0]["lm-usr1"]
+    assert returncode == 0, output[-3000:]  # the ranks saved and exited 0: so did the launcher
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"]["signal"] == "a signal on another rank", summary["stopped"]
+    k = summary["stopped"]["step"]
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{k}"
+    for rank in (0, 1):
+        assert (out / "checkpoints" / f"step_{k}" / f"rng_state_rank0000{rank}.pt").exists()
+    assert [int(r["step"]) for r in _rows(out)] == list(range(1, k + 1))
+    assert output.count("SIGUSR1: stopping at the next step boundary") == 1
+    assert f"stopped by a signal on another rank after step {k}" in output
+
+
+@pytest.mark.timeout(420)
+def test_sigterm_to_every_process_twice_saves_lm(preempted):
+    out, output = preempted[0]["lm-term"]
+    _check_stopped(out, output, "SIGTERM", "lm")

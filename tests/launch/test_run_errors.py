@@ -11,16 +11,20 @@
 The single-process cases are in the fast tier; the launcher runs are slow.
 The misspelled ``"megalos"`` section is in tests/integrations/test_deepspeed_config.py.
 """
+import json
+import os
 import subprocess
 import sys
 
 import pytest
-from launch_helpers import REPO, launcher_env
+from launch_helpers import REPO, launcher_env, script_env
 
-from launch import train_embed, train_lm
+from launch import train_embed, train_embed_hf, train_lm, train_lm_hf
+from launch.jobs import check_args
 from launch.jobs.lm_data import load_data, make_blocks
 from launch.jobs.pair_data import load_pairs_cached
-from megaloss.testing import free_port
+from launch.jobs.runs import AgreedExit, agreed, run_job
+from megaloss.testing import free_port, run_distributed
 
 
 def _text(path, n=40):
@@ -43,6 +47,104 @@ def test_empty_file_is_named(tmp_path, which):
         load_data(args)
     flag = "--train_data" if which == "train" else "--eval_data"
     assert str(err.value) == f"{flag} file {empty} is empty"
+
+
+def test_an_empty_train_file_is_named_before_the_split(tmp_path):
+    """Without --eval_data the files are split by path; an empty file is still the cause (it
+    used to be "cannot split 1 files into train and held-out")."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(SystemExit) as err:
+        load_data(_lm_args(tmp_path, "--train_data", str(empty)))
+    assert str(err.value) == f"--train_data file {empty} is empty"
+
+
+@pytest.mark.parametrize("job", [train_lm, train_embed, train_lm_hf, train_embed_hf],
+                         ids=lambda j: j.__name__)
+def test_a_bad_deepspeed_config_is_named_once(tmp_path, capsys, job):
+    bad = tmp_path / "ds.json"
+    bad.write_text('{"train_micro_batch_size_per_gpu": 2,\n "zero_optimization": {"stage": 2}')
+    with pytest.raises(SystemExit) as err:
+        job.parse_args(["--deepspeed_config", str(bad)])
+    assert err.value.code == 2
+    msg = capsys.readouterr().err
+    assert f"--deepspeed_config {bad}: not valid JSON: Expecting ',' delimiter at line 2" in msg
+    assert msg.count("not valid JSON") == 1
+    bad.write_text("[1, 2]")
+    with pytest.raises(SystemExit):
+        job.parse_args(["--deepspeed_config", str(bad)])
+    assert "a ds_config is a JSON object, not list" in capsys.readouterr().err
+
+
+def test_a_missing_data_source_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(["--train_data", str(tmp_path / "nowhere.txt")])
+    assert f"--train_data {tmp_path / 'nowhere.txt'}: no such file or directory" in \
+        capsys.readouterr().err
+
+
+def test_check_args_runs_the_jobs_parser_before_any_launch(capsys):
+    """What launch/train_*.sh run before `deepspeed`: the job's own checks, once."""
+    with pytest.raises(SystemExit) as err:
+        check_args.main([str(REPO / "launch" / "train_lm.py"), "--steps", "-5"])
+    assert err.value.code == 2 and "--steps must be >= 1" in capsys.readouterr().err
+    check_args.main(["train_embed_hf", "--steps", "3"])  # fine: returns
+    with pytest.raises(SystemExit, match="usage: python -m launch.jobs.check_args"):
+        check_args.main(["train_nothing"])
+
+
+def _exit_status(fn):
+    with pytest.raises(SystemExit) as err:
+        run_job(fn)
+    return err.value.code
+
+
+def test_run_job_prints_a_jobs_error_once_and_leaves_it_for_the_script(tmp_path, capsys,
+                                                                      monkeypatch):
+    monkeypatch.setenv("MEGALOSS_ERROR_FILE", str(tmp_path / "err"))
+    monkeypatch.setenv("RANK", "1")
+
+    def refused():
+        raise SystemExit("runs/lm already holds a run (metrics.csv)")
+
+    assert _exit_status(refused) == 1
+    assert capsys.readouterr().err == "runs/lm already holds a run (metrics.csv)\n"
+    assert (tmp_path / "err.rank00001").read_text() == "runs/lm already holds a run " \
+                                                       "(metrics.csv)\n"
+
+    def told():  # a rank told of another rank's failure: silent, same status
+        raise AgreedExit("error on rank 0 (set-up): boom")
+
+    assert _exit_status(told) == 1 and capsys.readouterr().err == ""
+    assert _exit_status(lambda: None) == 0
+
+    def broken():
+        raise ValueError("bad value")
+
+    assert _exit_status(broken) == 1
+    assert capsys.readouterr().err.count("ValueError: bad value") == 1  # the traceback's line
+
+
+def _agreed_failure(rank, world_size):
+    def fail():
+        raise SystemExit(f"refused on rank {rank}")
+    try:
+        agreed(fail, everywhere=True)
+    except AgreedExit as e:
+        return "told", e.code, e.message
+    except SystemExit as e:
+        return "own", e.code, str(e.code)
+    return "none", None, None
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_agreed_failure_is_reported_by_one_rank():
+    """Every rank fails: the first reports its own cause, the others exit 1 silently naming it
+    (they used to print "error on rank 0 ..." too, interleaved with rank 0's line)."""
+    results = run_distributed(_agreed_failure, 2)
+    assert results[0] == ("own", "refused on rank 0", "refused on rank 0")
+    assert results[1] == ("told", 1, "error on rank 0 (set-up): refused on rank 0")
 
 
 def test_empty_files_inside_a_folder_are_fine_unless_all_are(tmp_path):
@@ -120,6 +222,92 @@ def test_embed_failure_on_rank0_is_what_the_launcher_shows_last(tmp_path, case):
     # what a user reads last: the ranks' messages (rank 0's may come with its traceback), then
     # the launcher's own three closing lines
     tail = "\n".join(lines[-40:])
-    assert cause in "\n".join(lines[-6:]) or tail.count(cause) >= 2, output[-4000:]
-    if case == "bad_jsonl":  # the rank that did not read the file names rank 0's cause
-        assert "error on rank 0 (extracting the code-search pairs): ValueError: " + cause in tail
+    assert cause in "\n".join(lines[-6:]) or tail.count(cause) >= 1, output[-4000:]
+    if case == "bad_jsonl":  # reported once, by rank 0 (its traceback); rank 1 exits silently
+        assert output.count(cause) == 1 and "error on rank 0" not in output, output[-4000:]
+    assert "terminate called" not in output
+
+
+def _run_script(args, cwd, timeout=280):
+    proc = subprocess.run(["bash", str(REPO / "launch" / "train_lm.sh"), *args], cwd=cwd,
+                          env=script_env(TMPDIR=str(cwd)), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_script_checks_arguments_before_the_launcher_starts(tmp_path):
+    rc, output = _run_script(["--steps", "-5"], tmp_path, timeout=100)
+    assert rc == 2 and output.count("--steps must be >= 1") == 1, output
+    assert "Killing subprocess" not in output and "cmd = " not in output, output
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_refused_rerun_is_one_message_and_a_clean_exit(tmp_path):
+    """A second run into a folder that holds one: status 1, the refusal printed once on its own
+    line by rank 0 and again as the very last line (after the launcher's), no crash at exit
+    (it used to end in rc 250, "terminate called without an active exception")."""
+    out = tmp_path / "runs" / "lm"
+    out.mkdir(parents=True)
+    (out / "summary.json").write_text(json.dumps({"steps": 1}))
+    rc, output = _run_script(["--output_dir", str(out), "--no_progress", "--cache_dir",
+                              str(tmp_path / "cache")], tmp_path)
+    refusal = f"{out} already holds a run (summary.json); pass --resume"
+    lines = output.splitlines()
+    assert rc == 1, output[-3000:]
+    assert [ln for ln in lines if refusal in ln and not ln.startswith("error: ")] \
+        == [ln for ln in lines if ln.startswith(refusal)], output[-3000:]  # own line
+    assert sum(ln.startswith(refusal) for ln in lines) == 1, output[-3000:]
+    assert lines[-1].startswith(f"error: {refusal}"), output[-3000:]
+    assert "terminate called" not in output and "error on rank 0" not in output, output[-3000:]
+    assert not list(tmp_path.glob("megaloss-error*")) and os.listdir(out) == ["summary.json"]
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_killed_rank_is_named_and_the_others_exit(tmp_path):
+    """SIGKILL to rank 1 mid-run: rank 0 exits within a bounded time (its next collective fails)
+    with a last line naming rank 1, and the run's ``latest`` stays on a complete checkpoint."""
+    import signal
+    import threading
+    import time
+
+    import psutil
+    from launch_helpers import wait_until
+
+    from launch.jobs.code_search import stdlib_root
+
+    root, out = stdlib_root(), tmp_path / "out"
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+           str(free_port()), str(REPO / "launch" / "train_lm.py"), "--train_data",
+           str(root / "json"), "--eval_data", str(root / "textwrap.py"), "--model_size", "tiny",
+           "--seq_len", "32", "--vocab_size", "300", "--eval_blocks", "4", "--eval_every", "0",
+           "--steps", "100000", "--save_every", "2", "--no_progress", "--output_dir", str(out),
+           "--cache_dir", str(tmp_path / "cache")]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: (out / "checkpoints" / "latest").exists(), 240, "a checkpoint",
+                   alive=lambda: proc.poll() is None)
+        launch_py = psutil.Process(proc.pid).children()[0]
+        rank1 = [c for c in launch_py.children() if "--local_rank=1" in c.cmdline()]
+        assert len(rank1) == 1
+        rank1[0].kill()
+        t0 = time.monotonic()
+        reader.join(90)
+        assert not reader.is_alive(), "the other rank did not exit within 90 s"
+        assert proc.wait(30) != 0 and time.monotonic() - t0 < 90
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(lines)
+    assert "rank 1 died (its process is gone: killed or crashed); this rank stopped with" \
+        in output, output[-3000:]
+    tag = (out / "checkpoints" / "latest").read_text()
+    assert (out / "checkpoints" / tag / "rng_state_rank00001.pt").exists()

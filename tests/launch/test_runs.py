@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 from itertools import islice
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +18,11 @@ from launch.jobs.runs import (
     agreed,
     check_run_arguments,
     checkpoint_stats,
+    follow_branch,
     prepare_output_dir,
+    progress_bar,
     resume_source,
+    step_boundary,
 )
 from launch.jobs.text_data import StepBatches
 
@@ -94,19 +98,97 @@ def test_stop_request_from_real_signals():
         assert not stop.should_stop()
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.should_stop() and stop.received == "SIGTERM"
-        os.kill(os.getpid(), signal.SIGTERM)  # repeated SIGTERM (a launcher forwarding): ignored
+        os.kill(os.getpid(), signal.SIGTERM)  # repeated SIGTERM (a launcher forwarding): merged
         assert stop.received == "SIGTERM"
     finally:
         stop.restore()
-    stop = StopRequest().install()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
+def test_repeated_requests_are_one_request(first):
+    """A scheduler's signal to the process group, then the launcher's forwarded SIGTERM, then a
+    Ctrl-C: all one stop request until the checkpoint's save starts."""
+    stop = StopRequest(grace=0).install()
+    try:
+        assert signal.getsignal(signal.SIGUSR1) == stop._handler
+        for sig in (first, first, signal.SIGTERM, signal.SIGINT, signal.SIGINT):
+            os.kill(os.getpid(), sig)
+        assert stop.should_stop() and stop.received == signal.Signals(first).name
+    finally:
+        stop.restore()
+
+
+def test_sigint_aborts_only_once_the_save_started_and_the_grace_is_over():
+    stop = StopRequest(grace=3600).install()
     try:
         os.kill(os.getpid(), signal.SIGINT)
-        assert stop.received == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C aborts at once
+        stop.saving = True
+        os.kill(os.getpid(), signal.SIGINT)  # within the grace: merged
+        stop.grace = 0
+        with pytest.raises(KeyboardInterrupt):  # the save started, no grace left: abort
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         stop.restore()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _boundary_saves(steps, save_every=0, resume=None, stop_at=None):
+    """The steps at which step_boundary saves over a run of ``steps``."""
+    args = argparse.Namespace(steps=steps, save_every=save_every, resume=resume)
+    saved, stop = [], StopRequest()
+    for step in range(1, steps + 1):
+        if step == stop_at:
+            stop.received = "SIGTERM"
+        if step_boundary(stop, "cpu", step, args, saved.append, lambda msg: None):
+            assert stop.saving
+            break
+    return saved
+
+
+def test_the_last_step_is_saved_with_save_every_or_resume():
+    assert _boundary_saves(7) == []
+    assert _boundary_saves(7, save_every=3) == [3, 6, 7]
+    assert _boundary_saves(7, resume="runs/lm/checkpoints/step_100") == [7]
+    assert _boundary_saves(7, resume="latest") == [7]
+    assert _boundary_saves(7, stop_at=2) == [2]
+
+
+def _fake_checkpoint(ckpts, tag):
+    (ckpts / tag).mkdir(parents=True)
+    (ckpts / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+
+
+def test_a_branch_moves_latest_to_the_checkpoint_it_continues(tmp_path, capsys):
+    ckpts = tmp_path / "run" / "checkpoints"
+    for tag in ("step_50", "step_100", "step_150"):
+        _fake_checkpoint(ckpts, tag)
+    (ckpts / "latest").write_text("step_150")
+    (tmp_path / "run" / "metrics.csv").write_text("x")
+    follow_branch(ckpts / "step_100", ckpts)
+    assert (ckpts / "latest").read_text() == "step_100"
+    assert "not from latest (step_150)" in capsys.readouterr().out
+    follow_branch(ckpts, ckpts)  # --resume latest: nothing to move
+    assert (ckpts / "latest").read_text() == "step_100"
+    other = tmp_path / "other" / "checkpoints"
+    _fake_checkpoint(other, "step_7")
+    follow_branch(other / "step_7", ckpts)  # another run's checkpoint: this run's latest stays
+    assert (ckpts / "latest").read_text() == "step_100"
+
+
+def test_progress_without_a_terminal_is_a_line_per_n_steps(capsys):
+    import io
+
+    stream = io.StringIO()  # a file, a scheduler's log: not a terminal
+    args = argparse.Namespace(steps=40, no_progress=False)
+    bar = progress_bar(args, 0, stream)
+    for _ in range(40):
+        bar.set_postfix(loss="1.000")
+        bar.update(1)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue() and len(lines) == 20, stream.getvalue()[:300]
+    assert lines[0].startswith("train 2/40 steps loss=1.000 ")
+    assert lines[-1].startswith("train 40/40 steps")
 
 
 @pytest.mark.parametrize("start", [0, 1, 4, 5, 11])
@@ -133,3 +215,92 @@ def test_checkpoint_stats():
              {"step": 4, "seconds": 2.0, "mib": 5.0, "path": "b"}]
     assert checkpoint_stats(saves) == {"saves": 2, "seconds_per_save": 1.5, "mib_per_save": 4.0,
                                        "last": "b"}
+    # a resumed run: only its own saves (the first came with the checkpoint it resumed)
+    assert checkpoint_stats(saves, since=1) == {"saves": 1, "seconds_per_save": 2.0,
+                                                "mib_per_save": 5.0, "last": "b"}
+    assert checkpoint_stats(saves, since=2) is None
+
+
+def test_deepspeed_noise_is_dropped():
+    import logging
+
+    from launch.jobs.runs import quiet_job_environment
+
+    quiet_job_environment()
+    quiet_job_environment()  # idempotent: one filter
+    logger = logging.getLogger("DeepSpeed")
+
+    def shown(msg):
+        return bool(logger.filter(logging.LogRecord("DeepSpeed", logging.WARNING, __file__, 1,
+                                                    msg, None, None)))
+
+    assert not shown("Setting accelerator to CPU. If you have GPU or other accelerator, we were "
+                     "unable to detect it.")
+    assert not shown("**** You are using ZeRO with an untested optimizer, proceed with caution "
+                     "*****")
+    assert not shown("Attempting to get learning rate from scheduler before it has started")
+    assert shown("Overflow detected. Skipping step.")
+    assert len(logger.filters) == 1
+
+
+def test_the_tests_cache_is_not_the_users(_megaloss_cache):
+    from pathlib import Path
+
+    cache = Path(train_lm.parse_args([]).cache_dir)
+    assert cache == Path(_megaloss_cache)
+    assert Path.home() / ".cache" not in cache.parents
+
+
+def _saved_checkpoint(ckpts, tag):
+    (ckpts / tag).mkdir(parents=True)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        torch.save({"w": torch.arange(4096.0)}, ckpts / tag / name)
+    return ckpts / tag
+
+
+def test_a_damaged_checkpoint_file_is_refused_with_its_path(tmp_path):
+    from megaloss.integrations.deepspeed.checkpoint import check_checkpoint_files
+
+    ckpts = tmp_path / "checkpoints"
+    good = _saved_checkpoint(ckpts, "step_2")
+    (ckpts / "latest").write_text("step_2")
+    assert check_checkpoint_files(ckpts) == good
+    cut = good / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = cut.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])  # a save cut short
+    with pytest.raises(ValueError, match=f"checkpoint file {cut} is truncated or corrupted"):
+        check_checkpoint_files(good)
+    cut.write_bytes(data)
+    model = good / "mp_rank_00_model_states.pt"
+    raw = bytearray(model.read_bytes())
+    at = raw.find(torch.arange(4096.0)[100:101].numpy().tobytes())
+    raw[at] ^= 0xFF  # one damaged byte in the tensor data
+    model.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=f"checkpoint file {model} is truncated or corrupted "
+                                         r"\(entry .* fails its CRC-32 check\)"):
+        check_checkpoint_files(ckpts)
+
+
+def test_a_save_that_fails_half_way_leaves_latest_on_the_last_complete_one(tmp_path):
+    from megaloss.integrations.deepspeed import save_checkpoint
+
+    class HalfSaving:  # DeepSpeed's engine, failing after its first file
+        module = torch.nn.Linear(2, 2)
+        global_steps, global_samples = 4, 32
+
+        def zero_optimization_stage(self):
+            return 2
+
+        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+            assert save_latest is False  # megaloss writes latest itself, last
+            folder = Path(save_dir) / tag
+            folder.mkdir(parents=True)
+            (folder / "mp_rank_00_model_states.pt").write_bytes(b"PK\x03\x04 half")
+            raise OSError(28, "No space left on device")
+
+    ckpts = tmp_path / "checkpoints"
+    _saved_checkpoint(ckpts, "step_2")
+    (ckpts / "latest").write_text("step_2")
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(HalfSaving(), ckpts)
+    assert (ckpts / "latest").read_text() == "step_2"

@@ -37,7 +37,7 @@ from ...parallel.param_tags import is_tensor_parallel
 from .monitor import continue_monitors
 
 __all__ = ["CLIENT_KEY", "universal_checkpoint_info", "save_checkpoint", "load_checkpoint",
-           "resolve_checkpoint",
+           "resolve_checkpoint", "check_checkpoint_files",
            "latest_tag", "rng_state", "set_rng_state", "prune_checkpoints", "checkpoint_bytes"]
 
 CLIENT_KEY = "megaloss"  # the part of DeepSpeed's client_state megaloss writes
@@ -120,6 +120,40 @@ def resolve_checkpoint(path: PathLike) -> Tuple[Path, str]:
     raise FileNotFoundError(f"no checkpoint at {path}: expected a folder of checkpoints with a "
                             "'latest' file, or one checkpoint folder holding "
                             "*model_states.pt files")
+
+
+def check_checkpoint_files(path: PathLike) -> Path:
+    """Refuse a checkpoint with a file that is cut short or damaged, naming the file, before
+    DeepSpeed reads it (``torch.load`` would fail inside DeepSpeed with only
+    ``PytorchStreamReader failed reading zip archive``). Every ``*.pt`` file of the checkpoint
+    must be a complete ``torch.save`` archive (a zip whose directory, at the end of the file, is
+    intact) whose entries match their CRC-32 checksums. Reads every file once.
+
+    Args:
+        path: a folder of checkpoints (its ``latest``) or one checkpoint folder.
+
+    Returns:
+        the checkpoint folder.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path`` (:func:`resolve_checkpoint`).
+        ValueError: ``checkpoint file <path> is truncated or corrupted (...)``.
+    """
+    import zipfile
+
+    load_dir, tag = resolve_checkpoint(path)
+    folder = load_dir / tag
+    for f in sorted(folder.rglob("*.pt")):
+        try:
+            with zipfile.ZipFile(f) as z:
+                bad = z.testzip()
+        except (zipfile.BadZipFile, OSError, EOFError) as e:
+            raise ValueError(f"checkpoint file {f} is truncated or corrupted ({e}); resume "
+                             "from another checkpoint") from None
+        if bad is not None:
+            raise ValueError(f"checkpoint file {f} is truncated or corrupted (entry {bad} fails "
+                             "its CRC-32 check); resume from another checkpoint")
+    return folder
 
 
 def _engine(me: Any) -> Any:

@@ -9,6 +9,7 @@ micro-batch means) must NOT match: that is the compensation this test pins down.
 """
 import pytest
 import torch
+from tiny_encoder import TokenEncoder
 
 from megaloss.testing import run_distributed
 
@@ -17,16 +18,8 @@ V, H, T, TEMP = 13, 8, 5, 0.1
 SIZES = {0: [3, 1], 1: [2, 2]}
 
 
-class _Encoder(torch.nn.Module):
-    """Tiny token encoder returning ``[B, T, H]`` hidden states (embedding + tanh(linear))."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(V, H)
-        self.proj = torch.nn.Linear(H, H)
-
-    def forward(self, input_ids, attention_mask):
-        return torch.tanh(self.proj(self.emb(input_ids)))
+def _Encoder():
+    return TokenEncoder(V, H)
 
 
 def _data():

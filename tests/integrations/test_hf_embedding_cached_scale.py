@@ -7,20 +7,15 @@ ValueError from its backward instead of a gradient that weights the mini-batches
 """
 import pytest
 import torch
+from tiny_encoder import TokenEncoder
 
 from megaloss.integrations.hf.embedding import EmbeddingModelWithMNR, cached_mnr_forward
 
 V, H, T, ROWS, MINI, WINDOW = 11, 6, 4, 5, 2, 2
 
 
-class _Encoder(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(V, H)
-        self.proj = torch.nn.Linear(H, H)
-
-    def forward(self, input_ids, attention_mask):
-        return torch.tanh(self.proj(self.emb(input_ids)))
+def _Encoder():
+    return TokenEncoder(V, H)
 
 
 def _setup():

@@ -76,10 +76,11 @@ def add_lm_data_arguments(p: argparse.ArgumentParser) -> None:
                    help="steps between held-out evaluations (0: only before and after)")
 
 
-def add_llama_arguments(p: argparse.ArgumentParser) -> None:
-    """The LM jobs' model (:func:`launch.jobs.models.build_llama`)."""
+def add_llama_arguments(p: argparse.ArgumentParser, default_size: str = "small") -> None:
+    """The LM jobs' model (:func:`launch.jobs.models.build_llama`), ``default_size`` unless
+    ``--model_size`` says otherwise."""
     g = p.add_argument_group("model")
-    g.add_argument("--model_size", choices=sorted(LLAMA_SIZES), default="small")
+    g.add_argument("--model_size", choices=sorted(LLAMA_SIZES), default=default_size)
     g.add_argument("--hidden_size", type=int, default=None, help="overrides --model_size")
     g.add_argument("--num_layers", type=int, default=None, help="overrides --model_size")
     g.add_argument("--num_heads", type=int, default=None, help="overrides --model_size")

@@ -16,6 +16,7 @@ __all__ = ["LLAMA_SIZES", "BERT_SIZES", "build_llama", "build_encoder"]
 # hidden, layers, heads, kv heads, feed-forward
 LLAMA_SIZES: Dict[str, Tuple[int, int, int, int, int]] = {
     "tiny": (32, 1, 2, 1, 64),
+    "mini": (64, 2, 2, 1, 192),  # the distillation job's student
     "small": (128, 4, 4, 2, 352),
     "base": (256, 6, 8, 4, 704),
 }

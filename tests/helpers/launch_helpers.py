@@ -57,7 +57,7 @@ def run_jobs_in_one_launch(jobs: List[dict], spec: Path, *, timeout: float, num_
     (process start-up, i.e. importing torch / deepspeed / transformers, costs more than these
     tiny jobs, and the suite shares 2 cores).
 
-    A job is ``{"job": "train_lm" | "train_embed", "argv": [...]}``, plus optionally
+    A job is ``{"job": "train_lm" | "train_embed" | "distill_lm", "argv": [...]}``, plus optionally
     ``"expect_exit": path`` (it must stop with ``SystemExit``; rank 0 writes the message to
     ``path``) or ``"stop_after": k`` (its stop request fires at the k-th step boundary, as a
     SIGTERM there would). ``spec`` is where the list is written for the launched processes.
@@ -99,6 +99,7 @@ def _stop_after(base, k: int):
 
 def _drive() -> None:
     """Under the launcher (:func:`run_jobs_in_one_launch`): each job's ``main`` in turn."""
+    import launch.distill_lm
     import launch.train_embed
     import launch.train_lm
     from launch.jobs.runs import StopRequest
@@ -107,7 +108,8 @@ def _drive() -> None:
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--jobs", type=str, required=True)
     args = p.parse_args()
-    modules = {"train_lm": launch.train_lm, "train_embed": launch.train_embed}
+    modules = {"train_lm": launch.train_lm, "train_embed": launch.train_embed,
+               "distill_lm": launch.distill_lm}
     for job in json.loads(Path(args.jobs).read_text()):
         module = modules[job["job"]]
         argv = job["argv"] + ["--local_rank", str(args.local_rank)]

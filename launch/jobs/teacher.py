@@ -1,0 +1,152 @@
+"""A distillation teacher from a checkpoint of the main LM job (``launch/train_lm.py
+--save_every N``, or the teacher phase of ``launch/distill_lm.py``): the decoder and the full
+lm_head read back from DeepSpeed's per-TP-rank model files, frozen, with the lm_head split over
+the vocabulary for *this* run's TP group exactly like the student's
+(:class:`megaloss.CausalLMWithLoss` copies this rank's rows, :func:`megaloss.vocab_shard_range`).
+
+DeepSpeed writes one ``mp_rank_<tp rank>_model_states.pt`` per TP rank (ZeRO-0/1/2: the whole
+module of that rank; ``deepspeed/runtime/engine.py``, ``_save_checkpoint``): the decoder is
+replicated, the vocab-parallel lm_head holds ``ceil(V / tp)`` rows per rank (the last padded with
+zeros). The full ``[V, H]`` head is their concatenation cut to ``V`` rows, so a teacher trained
+with one TP size loads under any other. ZeRO-3 checkpoints keep the weights in the optimizer
+partitions instead and are refused with the way out.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+import torch
+
+from .models import build_llama
+
+__all__ = ["load_teacher_state", "build_teacher", "evaluate_teacher"]
+
+_HEAD = "model.lm_head.weight"
+
+
+def load_teacher_state(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], Path]:
+    """The full state dict of a main-job checkpoint and its job record.
+
+    Args:
+        path: a folder of checkpoints (its ``latest``) or one checkpoint folder
+            (``.../checkpoints/step_150``).
+
+    Returns:
+        ``(state dict of the wrapped *ForCausalLM`` (``model.*`` keys, ``lm_head.weight`` the
+        full ``[V, H]`` float32 head), ``the job's client state ("job": data_key, seed, steps)``,
+        ``checkpoint folder)``.
+
+    Raises:
+        SystemExit: no checkpoint at ``path``; a file cut short or damaged; no model files; a
+            ZeRO-3 checkpoint; model files of different TP layouts.
+    """
+    from megaloss.integrations.deepspeed import resolve_checkpoint
+    from megaloss.integrations.deepspeed.checkpoint import check_checkpoint_files
+
+    try:
+        load_dir, tag = resolve_checkpoint(path)
+        folder = check_checkpoint_files(load_dir / tag)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"--teacher {path}: {e}") from None
+    files = sorted(folder.glob("mp_rank_*_model_states.pt"))
+    if not files:
+        raise SystemExit(f"--teacher {path}: {folder} holds no mp_rank_*_model_states.pt file")
+    states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+    layout = states[0].get("megaloss", {}).get("layout", {})
+    if layout.get("zero_stage") == 3 or states[0].get("module") is None:
+        raise SystemExit(f"--teacher {path}: a ZeRO-3 checkpoint keeps its weights in the "
+                         "optimizer partitions; train the teacher with ZeRO-0/1/2 (the default "
+                         "configs/zero2.json), or convert it with DeepSpeed's zero_to_fp32.py")
+    if len(files) != states[0].get("mp_world_size", len(files)):
+        raise SystemExit(f"--teacher {path}: {len(files)} model files in {folder} but the "
+                         f"checkpoint was written by TP={states[0].get('mp_world_size')}")
+    full = dict(states[0]["module"])
+    if _HEAD in full:  # vocab-parallel head: one shard per TP rank
+        full[_HEAD] = torch.cat([s["module"][_HEAD] for s in states])
+    return full, dict(states[0].get("job") or {}), folder
+
+
+def build_teacher(path: str, model_args: argparse.Namespace, vocab_size: int, *,
+                  data_key: str, tp_group: Any, options: Any):
+    """The frozen teacher :class:`megaloss.CausalLMWithLoss` of the checkpoint at ``path``, in
+    eval mode.
+
+    Args:
+        path: see :func:`load_teacher_state`.
+        model_args: the teacher's size (``model_size``, ``hidden_size``, ``num_layers``,
+            ``num_heads``, ``seq_len``, ``seed``), as :func:`launch.jobs.models.build_llama`
+            reads them: the checkpoint's shapes must match.
+        vocab_size: this run's vocabulary ``V``.
+        data_key: this run's data / tokenizer cache key: the teacher must have been trained on
+            the same tokens (its job record holds its key).
+        tp_group: this run's tensor-parallel group (the lm_head is re-split for it).
+        options: the CE options of the teacher's head (its held-out perplexity).
+
+    Returns:
+        ``(teacher, {"checkpoint", "steps", "seed"})``.
+
+    Raises:
+        SystemExit: see :func:`load_teacher_state`; the teacher was trained on other data or
+            another tokenizer; its weights do not fit ``model_args`` (names the first tensor).
+    """
+    from megaloss import CausalLMWithLoss
+
+    state, job, folder = load_teacher_state(path)
+    if job.get("data_key") not in (None, data_key):
+        raise SystemExit(f"--teacher {path}: trained on other data or another tokenizer (data "
+                         f"key {job.get('data_key')}, these options give {data_key}); pass the "
+                         "teacher's --train_data / --eval_data / --eval_fraction / "
+                         "--max_train_bytes / --vocab_size")
+    head = state.get(_HEAD)
+    if head is None or head.shape[0] < vocab_size:
+        raise SystemExit(f"--teacher {path}: no lm_head of {vocab_size} rows in {folder}")
+    state[_HEAD] = head[:vocab_size]  # drop the last shard's padding rows
+    model, _ = build_llama(model_args, vocab_size)
+    prefix = "model."  # CausalLMWithLoss's own attribute in front of the *ForCausalLM's names
+    own = model.state_dict()
+    weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    for name, tensor in own.items():
+        if name not in weights or tuple(weights[name].shape) != tuple(tensor.shape):
+            got = tuple(weights[name].shape) if name in weights else "missing"
+            raise SystemExit(f"--teacher {path}: its weights do not fit --teacher_model_size "
+                             f"{model_args.model_size} ({name}: checkpoint {got}, model "
+                             f"{tuple(tensor.shape)}); pass the teacher's size")
+    model.load_state_dict({k: weights[k] for k in own}, strict=True)
+    teacher = CausalLMWithLoss(model, options=options, tp_group=tp_group)
+    teacher.requires_grad_(False)
+    teacher.eval()
+    return teacher, {"checkpoint": str(folder), "steps": job.get("steps_done"),
+                     "seed": job.get("seed")}
+
+
+@torch.no_grad()
+def evaluate_teacher(teacher: torch.nn.Module, batches, topology: Any,
+                     device: Any) -> Dict[str, float]:
+    """Held-out token-mean CE (nats, z-loss excluded) and perplexity of a teacher that has no
+    engine, global over ``dp x sp`` as :func:`megaloss.integrations.deepspeed.evaluate`
+    computes them (the same batches, one all-reduce). Collective.
+
+    Returns:
+        ``{"loss", "perplexity", "num_tokens"}``.
+    """
+    import math
+
+    from megaloss import causal_shift
+    from megaloss.parallel import all_reduce_sum_
+
+    teacher.to(device)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for mb in batches:
+        ids = mb["input_ids"].to(device)
+        labels = mb.get("shift_labels")
+        labels = (causal_shift(mb["labels"], teacher.ignore_index) if labels is None
+                  else labels).to(device)
+        out = teacher(ids, shift_labels=labels)
+        sums[0] += (out.loss - out.z_loss).to(torch.float64)
+        sums[1] += out.num_valid_tokens.to(torch.float64)
+    all_reduce_sum_(sums, topology.dp_sp_group)
+    n = float(sums[1])
+    loss = float(sums[0]) / n if n > 0 else 0.0
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "num_tokens": n}

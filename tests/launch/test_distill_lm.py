@@ -1,0 +1,94 @@
+"""End to end: ``launch/distill_lm.py`` under ``deepspeed --num_gpus 2`` on CPU with the default
+``configs/zero2.json`` (TP=2: both lm_heads vocab-parallel), shrunk: a tiny teacher, a smaller
+student, 32-token blocks, 200 kB of the built-in stdlib text. One launch runs the job twice:
+first without ``--teacher`` (it trains and saves its teacher), then with ``--teacher`` pointing
+at that checkpoint (another divergence and temperature).
+
+Checks the summary table's fields (not that distillation wins at this size): three rows with
+sizes, parameters, steps and finite held-out perplexity / CE; both students start from the same
+weights (equal held-out CE before training); the teacher loaded back from its checkpoint (its
+lm_head re-split over the TP ranks) scores what it scored when trained; per-phase outputs.
+"""
+import csv
+import json
+import math
+
+import pytest
+from launch_helpers import run_jobs_in_one_launch
+
+pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+
+TEACHER_STEPS, STEPS, REUSE_STEPS = 4, 3, 2
+SHRUNK = ["--seq_len", "32", "--vocab_size", "320", "--max_train_bytes", "200000",
+          "--eval_blocks", "16", "--eval_every", "0", "--no_progress",
+          "--teacher_model_size", "tiny", "--hidden_size", "16", "--num_layers", "1"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("distill_lm")
+    first, second = tmp / "first", tmp / "second"
+    cache = ["--cache_dir", str(tmp / "cache")]
+    run_jobs_in_one_launch([
+        {"job": "distill_lm", "argv": SHRUNK + cache + [
+            "--teacher_steps", str(TEACHER_STEPS), "--steps", str(STEPS),
+            "--output_dir", str(first)]},
+        {"job": "distill_lm", "argv": SHRUNK + cache + [
+            "--teacher", str(first / "teacher" / "checkpoints"), "--steps", str(REUSE_STEPS),
+            "--kind", "jsd", "--temperature", "2", "--alpha", "0.25",
+            "--output_dir", str(second)]},
+    ], tmp / "jobs.json", timeout=280)
+    return first, second
+
+
+def _summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def _check_table(summary, teacher_steps, steps):
+    table = summary["table"]
+    assert [r["model"] for r in table] == ["teacher", "student, CE only", "student, distilled"]
+    assert [r["steps"] for r in table] == [teacher_steps, steps, steps]
+    assert table[0]["size"] == "Llama 1L x 32" and table[1]["size"] == table[2]["size"] \
+        == "Llama 1L x 16"
+    assert table[0]["parameters"] > table[1]["parameters"] == table[2]["parameters"] > 0
+    for r in table:
+        assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1
+        assert r["perplexity"] == pytest.approx(math.exp(r["loss"]), rel=1e-9)
+    assert summary["distillation_beats_ce"] == (table[2]["perplexity"] < table[1]["perplexity"])
+    assert summary["perplexity_ce_minus_distilled"] == pytest.approx(
+        table[1]["perplexity"] - table[2]["perplexity"])
+    assert (summary["dp"], summary["tp"], summary["zero_stage"]) == (1, 2, 2)
+    ce, kd = summary["phases"]["ce"], summary["phases"]["distilled"]
+    assert ce["eval_before"]["loss"] == kd["eval_before"]["loss"]  # the same initial student
+    assert kd["eval_after"]["loss"] != ce["eval_after"]["loss"]  # ... trained differently
+
+
+@pytest.mark.timeout(300)
+def test_distill_lm_trains_its_teacher(runs):
+    first, _ = runs
+    summary = _summary(first)
+    _check_table(summary, TEACHER_STEPS, STEPS)
+    assert summary["teacher"]["trained_here"] is True
+    assert summary["distillation"]["kind"] == "forward_kl"
+    assert (first / "teacher" / "checkpoints" / "latest").read_text().strip() == \
+        f"step_{TEACHER_STEPS}"
+    for phase, steps in (("teacher", TEACHER_STEPS), ("ce", STEPS), ("distilled", STEPS)):
+        with open(first / phase / "metrics.csv") as f:
+            assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, steps + 1))
+    assert (first / "loss_curve.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_distill_lm_reuses_a_teacher_checkpoint(runs):
+    first, second = runs
+    summary = _summary(second)
+    _check_table(summary, TEACHER_STEPS, REUSE_STEPS)
+    assert summary["teacher"]["trained_here"] is False
+    assert summary["teacher"]["checkpoint"].endswith(f"step_{TEACHER_STEPS}")
+    assert not (second / "teacher").exists()
+    # the teacher read back (full lm_head from both TP ranks' files, split again) scores the same
+    trained = _summary(first)["table"][0]
+    assert summary["table"][0]["loss"] == pytest.approx(trained["loss"], rel=1e-6)
+    assert (summary["distillation"]["kind"], summary["distillation"]["temperature"],
+            summary["distillation"]["alpha"]) == ("jsd", 2.0, 0.25)

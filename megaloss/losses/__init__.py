@@ -6,6 +6,9 @@
   ``vocab_parallel_options``), and :class:`LinearCrossEntropyLoss`.
 - :mod:`.vocab_parallel`: the vocab-parallel path (lm_head split over the vocabulary across TP
   ranks): :class:`VocabParallelOptions`, :class:`VocabParallelLMHead`, :func:`vocab_shard_range`.
+- :mod:`.distillation`: knowledge distillation through both lm_heads without logits
+  (:func:`linear_distillation_loss`, :func:`linear_distillation_loss_with_stats`,
+  :class:`LinearDistillationLoss`; one device or vocab-parallel; full or top-k teacher).
 - :mod:`.ce_output`: :class:`CrossEntropyOutput`, what the ``*_with_stats`` forms return.
 - :mod:`.mnr`: gathered Multiple Negatives Ranking / InfoNCE with exact cross-rank gradients
   (:func:`mnr_loss`, :func:`mnr_loss_with_stats`, :class:`MultipleNegativesRankingLoss`).
@@ -21,6 +24,12 @@ from .cross_entropy import (
     LinearCrossEntropyLoss,
     linear_cross_entropy,
     linear_cross_entropy_with_stats,
+)
+from .distillation import (
+    DistillationOutput,
+    LinearDistillationLoss,
+    linear_distillation_loss,
+    linear_distillation_loss_with_stats,
 )
 from .grad_cache import GradCacheStep, grad_cache_step, split_rows
 from .mnr import (
@@ -43,6 +52,8 @@ from .vocab_parallel import (
 __all__ = [
     "linear_cross_entropy", "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss",
     "CrossEntropyOutput", "VocabParallelOptions", "VocabParallelLMHead", "vocab_shard_range",
+    "linear_distillation_loss", "linear_distillation_loss_with_stats", "LinearDistillationLoss",
+    "DistillationOutput",
     "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MNROptions", "MultipleNegativesRankingLoss",
     "SIMILARITIES", "grad_cache_step", "GradCacheStep", "split_rows",
 ]

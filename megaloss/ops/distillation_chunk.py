@@ -1,0 +1,289 @@
+r"""Distillation loss of one chunk of tokens against one slice of the vocabulary, with the
+gradient w.r.t. the student's logits (the teacher gets none).
+
+Notation, per token: student logits ``z`` (soft-capped to ``y``), ``s = y / T``, ``Q = softmax(s)``;
+teacher either full logits (soft-capped, divided by ``T``: ``t``, ``P = softmax(t)``) or its top-k
+token ids ``K`` and log-probs ``log P_k`` (then ``P`` lives on ``k + 1`` outcomes: the ``k``
+tokens and the *tail*, everything else, with ``P_tail = 1 - sum_k P_k``; the student is coarse-
+grained the same way, ``Q_tail = sum_{j not in K} Q_j``, so every divergence is a proper one
+between two distributions over the same ``k + 1`` outcomes, and equals the full-vocabulary one
+when the top-k holds all the teacher's mass).
+
+Divergences ``D(P, Q)`` over outcomes ``o`` (``kind``, see
+:class:`~megaloss.ops.options.DistillationOptions`): forward KL ``sum P (log P - log Q)``,
+reverse KL ``sum Q (log Q - log P)``, and the generalised JSD of Liger-Kernel
+(``src/liger_kernel/ops/jsd.py``) ``beta KL(P||M) + (1 - beta) KL(Q||M)``,
+``M = beta P + (1 - beta) Q``. The gradient w.r.t. the student's scaled logits is, for token
+``j`` in outcome ``o(j)``,
+
+.. math::
+
+    \partial D / \partial s_j = Q_j \,(g_{o(j)} - \textstyle\sum_o Q_o g_o),\qquad
+    g_o = \partial D / \partial Q_o
+
+with ``g = -P/Q`` (forward KL: ``Q_j - P_j`` on single tokens), ``log Q - log P + 1`` (reverse
+KL) and ``(1 - beta)(log Q - log M)`` (JSD). The hard-label part is the cross-entropy of ``y``
+(temperature 1), gradient ``softmax(y) - onehot``. The per-token loss is
+``soft_scale * D + alpha * CE``; the logit gradient ``soft_scale / T * dD/ds + alpha * dCE/dy``,
+times ``1 - tanh^2`` under soft-capping.
+
+Tensor parallelism: the chunk sees its slice ``[vocab_start, vocab_start + V_local)`` of both
+heads; three combines of ``[stats, tokens]`` tensors make every statistic global: (1) MAX of the
+local maxima of ``s`` and ``t``; (2) SUM of the sum-exps (and the target logit, the top-1 match,
+the top-k sums); (3) SUM of the divergence's per-token partial sums (``D`` and ``sum_o Q_o g_o``).
+Statistics are fp32 (fp64 for fp64 inputs).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from .chunk_stats import Reduce, no_reduce, stats_dtype
+from .options import DistillationOptions
+
+__all__ = ["DistillationChunk", "TopKTeacher", "chunk_distillation"]
+
+
+class TopKTeacher(NamedTuple):
+    """A chunk's teacher as offline pipelines store it: ``ids [C, k]`` int64 global vocab ids
+    (distinct per row) and ``log_probs [C, k]`` float, the teacher's log-probabilities of
+    those ids at the distillation temperature (``-inf`` allowed for unused slots)."""
+
+    ids: torch.Tensor
+    log_probs: torch.Tensor
+
+
+class DistillationChunk(NamedTuple):
+    """Per token of the chunk, in the stats dtype: ``loss [C]`` (``soft_scale * D + alpha *
+    CE``, 0 at ignored tokens), ``divergence [C]`` (``D`` alone), ``ce [C]`` (the student's
+    cross-entropy at temperature 1, computed whatever ``alpha``), ``top1_match [C]`` (1 where
+    the student's and the teacher's most likely tokens agree), and ``grad_logits [C, V_local]``
+    (already times ``coef``; ``None`` when not asked for)."""
+
+    loss: torch.Tensor
+    divergence: torch.Tensor
+    ce: torch.Tensor
+    top1_match: torch.Tensor
+    grad_logits: Optional[torch.Tensor]
+
+
+def _softcap(x: torch.Tensor, cap: Optional[float]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    if cap is None:
+        return x, None
+    tanh = torch.tanh(x / cap)
+    return tanh * cap, tanh
+
+
+def _where(cond: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x`` where ``cond`` else 0, also where ``x`` is nan/inf (``0 * log 0`` terms)."""
+    return torch.where(cond, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _terms(kind: str, beta: float, log_p: torch.Tensor, log_q: torch.Tensor
+           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Elementwise ``(d, g)``: the divergence's term per outcome (``D = sum d``) and
+    ``g = dD/dQ`` up to a constant (``None`` for forward KL, whose gradient is formed directly).
+    Zero-probability outcomes contribute 0 (``0 log 0 = 0``)."""
+    p, q = log_p.exp(), log_q.exp()
+    if kind == "forward_kl":
+        return _where(p > 0, p * (log_p - log_q)), None
+    if kind == "reverse_kl":
+        g = log_q - log_p
+        return _where(q > 0, q * g), _where(q > 0, g)
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+    d = beta * _where(p > 0, p * (log_p - log_m)) + (1 - beta) * _where(q > 0, q * (log_q - log_m))
+    return d, _where(q > 0, (1 - beta) * (log_q - log_m))
+
+
+def chunk_distillation(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+    teacher: "torch.Tensor | TopKTeacher", labels: torch.Tensor, coef: Optional[torch.Tensor],
+    opts: DistillationOptions, *, vocab_start: int = 0,
+    reduce_max: Reduce = no_reduce, reduce_sum: Reduce = no_reduce,
+) -> DistillationChunk:
+    """Loss, metrics and (optionally) the student-logit gradient of one chunk.
+
+    Args:
+        hidden: ``[C, H]`` student hidden states (compute dtype).
+        weight / bias: ``[V_local, H]`` / ``[V_local]`` (or ``None``): the real rows of this
+            slice of the student's lm_head.
+        teacher: ``[C, V_local]`` the teacher's logits over the same slice (any float dtype),
+            or a :class:`TopKTeacher` (global ids).
+        labels: ``[C]`` int64 global ids or ``opts.ignore_index``.
+        coef: ``[C]`` gradient coefficient per token (0 at ignored tokens), or ``None``.
+        opts: :class:`~megaloss.ops.options.DistillationOptions` (``reduction``, ``chunk_size``
+            and ``accum_dtype`` are the caller's).
+        vocab_start: global id of this slice's first row.
+        reduce_max / reduce_sum: in-place combiners across vocab slices.
+
+    Returns:
+        :class:`DistillationChunk`.
+    """
+    z = torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
+    sdt = stats_dtype(z.dtype)
+    temp, kind = opts.temperature, opts.divergence
+    y, tanh = _softcap(z.to(sdt), opts.logit_softcapping)
+    s = y / temp if temp != 1.0 else y
+    n_rows, n_local = s.shape
+    valid = labels != opts.ignore_index
+    local_target = labels - vocab_start
+    in_slice = valid & (local_target >= 0) & (local_target < n_local)
+    target_idx = local_target.clamp(0, max(n_local - 1, 0)).unsqueeze(1)
+    neg_inf = torch.full((n_rows,), float("-inf"), dtype=sdt, device=s.device)
+    s_max_local = s.amax(dim=1) if n_local > 0 else neg_inf
+
+    if isinstance(teacher, TopKTeacher):
+        return _topk_chunk(s, y, tanh, teacher, labels, valid, in_slice, target_idx, coef, opts,
+                           vocab_start, s_max_local, reduce_max, reduce_sum)
+
+    t, _ = _softcap(teacher.to(sdt), opts.teacher_logit_softcapping)
+    t = t / temp if temp != 1.0 else t
+    if n_local > 0:
+        t_max_local, t_arg = t.max(dim=1)
+    else:  # a vocab-parallel rank may hold no real vocab rows
+        t_max_local, t_arg = neg_inf, torch.zeros(n_rows, dtype=torch.long, device=s.device)
+    maxes = reduce_max(torch.stack([s_max_local, t_max_local]))          # round 1
+    s_max, t_max = maxes[0], maxes[1]
+    exp_s = (s - s_max.unsqueeze(1)).exp()
+    exp_t = (t - t_max.unsqueeze(1)).exp()
+    # Top-1 match: this slice holds a teacher maximum and the student is maximal there too.
+    s_at_t_arg = s.gather(1, t_arg.unsqueeze(1)).squeeze(1) if n_local > 0 else neg_inf
+    match = ((t_max_local == t_max) & (s_at_t_arg == s_max)).to(sdt)
+    sums, ce_extra = _ce_sums(y, s_max, in_slice, target_idx, temp, opts,
+                              [exp_s.sum(dim=1), exp_t.sum(dim=1), match])
+    sums = reduce_sum(torch.stack(sums))                                  # round 2
+    lse_s = s_max + sums[0].log()
+    lse_t = t_max + sums[1].log()
+    log_q = s - lse_s.unsqueeze(1)
+    log_p = t - lse_t.unsqueeze(1)
+    d, g = _terms(kind, opts.beta, log_p, log_q)
+    parts = [d.sum(dim=1)] + ([] if g is None else [(log_q.exp() * g).sum(dim=1)])
+    parts = reduce_sum(torch.stack(parts))                                # round 3
+    divergence = parts[0]
+    ce, probs_y = _ce_value(y, s_max, sums, ce_extra, temp, opts)
+    loss = _combine(divergence, ce, valid, opts)
+    top1 = _where(valid, sums[2].clamp(max=1.0))
+    if coef is None:
+        return DistillationChunk(loss, _where(valid, divergence), _where(valid, ce), top1, None)
+    q = log_q.exp()
+    if g is None:  # forward KL: dD/ds = Q - P
+        grad_s = q - log_p.exp()
+    else:
+        grad_s = q * (g - parts[1].unsqueeze(1))
+    grad = _logit_gradient(grad_s, probs_y, y, s_max, lse_s, in_slice, target_idx, tanh,
+                           coef.to(sdt), temp, opts)
+    return DistillationChunk(loss, _where(valid, divergence), _where(valid, ce), top1, grad)
+
+
+def _ce_sums(y, s_max, in_slice, target_idx, temp, opts, sums):
+    """Append the hard-label statistics to the round-2 stack: the target logit of ``y`` and,
+    when ``T != 1``, the sum-exp of ``y`` itself (relative to ``T * max(s)``)."""
+    n_local = y.shape[1]
+    target = (y.gather(1, target_idx).squeeze(1) * in_slice if n_local > 0
+              else torch.zeros_like(s_max))
+    sums = sums + [target]
+    exp_y = None
+    if temp != 1.0:
+        exp_y = (y - (temp * s_max).unsqueeze(1)).exp()
+        sums.append(exp_y.sum(dim=1))
+    return sums, exp_y
+
+
+def _ce_value(y, s_max, sums, exp_y, temp, opts):
+    """``(ce [C], softmax(y) [C, V_local] or None)`` from the combined round-2 stack (the
+    softmax of ``y`` is returned only when it is not ``Q`` itself, i.e. ``T != 1``)."""
+    if temp == 1.0:
+        lse_y = s_max + sums[0].log()
+        return lse_y - sums[3], None
+    lse_y = temp * s_max + sums[4].log()
+    return lse_y - sums[3], exp_y / sums[4].unsqueeze(1)
+
+
+def _combine(divergence, ce, valid, opts):
+    loss = opts.soft_scale * divergence
+    if opts.alpha > 0:
+        loss = loss + opts.alpha * ce
+    return _where(valid, loss)
+
+
+def _logit_gradient(grad_s, probs_y, y, s_max, lse_s, in_slice, target_idx, tanh, coef, temp,
+                    opts):
+    """``coef * (soft_scale / T * dD/ds + alpha * (softmax(y) - onehot))`` times the soft-cap
+    chain rule, in place over ``grad_s``."""
+    grad = grad_s.mul_((coef * (opts.soft_scale / temp)).unsqueeze(1))
+    if opts.alpha > 0:
+        p_y = probs_y if probs_y is not None else (y - lse_s.unsqueeze(1)).exp()
+        grad.add_(p_y * (coef * opts.alpha).unsqueeze(1))
+        if grad.shape[1] > 0:
+            grad.scatter_add_(1, target_idx, (-opts.alpha * coef * in_slice).unsqueeze(1)
+                              .to(grad.dtype))
+    if tanh is not None:
+        grad.mul_(1.0 - tanh * tanh)
+    return grad
+
+
+def _topk_chunk(s, y, tanh, teacher: TopKTeacher, labels, valid, in_slice, target_idx, coef,
+                opts: DistillationOptions, vocab_start, s_max_local, reduce_max, reduce_sum):
+    """The top-k teacher form (module docstring): outcomes are the ``k`` ids and the tail."""
+    sdt = s.dtype
+    temp, kind = opts.temperature, opts.divergence
+    n_rows, n_local = s.shape
+    ids, log_p_k = teacher.ids, teacher.log_probs.to(sdt)
+    local = ids - vocab_start
+    held = (local >= 0) & (local < n_local)                               # [C, k] on this slice
+    idx = local.clamp(0, max(n_local - 1, 0))
+    s_max = reduce_max(s_max_local.clone())                               # round 1
+    exp_s = (s - s_max.unsqueeze(1)).exp()
+    if n_local > 0:
+        exp_k = _where(held, exp_s.gather(1, idx))
+        in_k = torch.zeros_like(exp_s).scatter_add_(1, idx, held.to(sdt)) > 0
+        tail = _where(~in_k, exp_s).sum(dim=1)
+        s_k = s.gather(1, idx)
+    else:
+        exp_k = torch.zeros_like(log_p_k)
+        in_k = torch.zeros_like(exp_s, dtype=torch.bool)
+        tail = torch.zeros_like(s_max)
+        s_k = torch.zeros_like(log_p_k)
+    # Top-1 match: the teacher's top id is held here and the student's logit is maximal there.
+    arg = log_p_k.argmax(dim=1, keepdim=True)
+    match = (held.gather(1, arg).squeeze(1) & (s_k.gather(1, arg).squeeze(1) == s_max)).to(sdt)
+    sums, ce_extra = _ce_sums(y, s_max, in_slice, target_idx, temp, opts,
+                              [exp_k.sum(dim=1) + tail, tail, match])
+    sums = reduce_sum(torch.stack(sums))                                  # round 2
+    lse_s = s_max + sums[0].log()
+    log_q_k = s_k - lse_s.unsqueeze(1)
+    log_q_tail = (sums[1].log() - sums[0].log()).unsqueeze(1)
+    # P_tail = 1 - sum_k P_k, as -expm1(logsumexp) for accuracy when it is small.
+    lse_p = torch.logsumexp(log_p_k, dim=1, keepdim=True)
+    p_tail = (-torch.expm1(lse_p.clamp(max=0.0))).clamp_min(0.0)
+    log_p_tail = p_tail.log()
+    d_k, g_k = _terms(kind, opts.beta, log_p_k, log_q_k)
+    d_tail, g_tail = _terms(kind, opts.beta, log_p_tail, log_q_tail)
+    parts = [_where(held, d_k).sum(dim=1)]
+    if g_k is not None:
+        parts.append(_where(held, log_q_k.exp() * g_k).sum(dim=1))
+    parts = reduce_sum(torch.stack(parts))                                # round 3
+    divergence = parts[0] + d_tail.squeeze(1)
+    ce, probs_y = _ce_value(y, s_max, sums, ce_extra, temp, opts)
+    loss = _combine(divergence, ce, valid, opts)
+    top1 = _where(valid, sums[2].clamp(max=1.0))
+    if coef is None:
+        return DistillationChunk(loss, _where(valid, divergence), _where(valid, ce), top1, None)
+    q = exp_s / sums[0].unsqueeze(1)
+    if g_k is None:  # forward KL: Q_j - P_j on the top-k, Q_j (1 - P_tail / Q_tail) in the tail
+        grad_s = q.clone()
+        if n_local > 0:
+            grad_s.scatter_add_(1, idx, _where(held, -log_p_k.exp()))
+        tail_ratio = p_tail / sums[1].clamp_min(torch.finfo(sdt).tiny).unsqueeze(1)
+        grad_s.sub_(_where(~in_k, exp_s * tail_ratio))
+    else:
+        g_bar = (parts[1] + _where(log_q_tail.isfinite(), log_q_tail.exp() * g_tail).squeeze(1))
+        g_full = torch.where(in_k, torch.zeros((), dtype=sdt, device=s.device), g_tail)
+        if n_local > 0:
+            g_full = g_full.scatter_add(1, idx, _where(held, g_k))
+        grad_s = q.mul_(g_full - g_bar.unsqueeze(1))
+    grad = _logit_gradient(grad_s, probs_y, y, s_max, lse_s, in_slice, target_idx, tanh,
+                           coef.to(sdt), temp, opts)
+    return DistillationChunk(loss, _where(valid, divergence), _where(valid, ce), top1, grad)

@@ -77,6 +77,8 @@ quiet_job_environment()
 REPO = Path(__file__).resolve().parent.parent
 PHASES = ("teacher", "ce", "distilled")
 KINDS = ("forward_kl", "reverse_kl", "jsd")
+# The distillation options without a ds_config "distillation" section or a flag.
+KD_DEFAULTS = {"kind": "forward_kl", "temperature": 1.0, "alpha": 0.5, "beta": 0.5}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -97,22 +99,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--teacher_steps", type=int, default=150,
                    help="optimizer steps of the teacher trained here (the main job's default)")
     g = p.add_argument_group("distillation")
-    g.add_argument("--kind", choices=KINDS, default="forward_kl", help="divergence")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--alpha", type=float, default=0.5,
-                   help="weight of the hard-label cross-entropy (0: distillation only)")
-    g.add_argument("--beta", type=float, default=0.5, help="JSD's beta (--kind jsd)")
+    g.add_argument("--kind", choices=KINDS, default=None,
+                   help=f"divergence (default {KD_DEFAULTS['kind']})")
+    g.add_argument("--temperature", type=float, default=None,
+                   help=f"default {KD_DEFAULTS['temperature']}")
+    g.add_argument("--alpha", type=float, default=None,
+                   help="weight of the hard-label cross-entropy (0: distillation only; default "
+                        f"{KD_DEFAULTS['alpha']})")
+    g.add_argument("--beta", type=float, default=None,
+                   help=f"JSD's beta (--kind jsd; default {KD_DEFAULTS['beta']})")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --output_dir (a --teacher inside it is kept)")
     args = p.parse_args(argv)
     for name in ("steps", "teacher_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
-    if not 0.0 <= args.alpha <= 1.0:
-        p.error(f"--alpha must be in [0, 1], got {args.alpha}")
-    if not 0.0 <= args.beta <= 1.0:
-        p.error(f"--beta must be in [0, 1], got {args.beta}")
-    if not args.temperature > 0:
+    for name in ("alpha", "beta"):
+        value = getattr(args, name)
+        if value is not None and not 0.0 <= value <= 1.0:
+            p.error(f"--{name} must be in [0, 1], got {value}")
+    if args.temperature is not None and not args.temperature > 0:
         p.error(f"--temperature must be > 0, got {args.temperature}")
     if args.teacher is not None and not Path(args.teacher).exists():
         p.error(f"--teacher {args.teacher}: no such file or directory")
@@ -240,15 +246,23 @@ def n_parameters(model: Any, vocab: int, hidden: int) -> int:
     return sum(p.numel() for p in model.base_model.parameters()) + vocab * hidden
 
 
-def distillation_options(args: argparse.Namespace, ce: Any) -> Any:
-    """:class:`megaloss.DistillationOptions` of the command line, with the CE section's chunk
-    size and soft-capping, ``reduction="sum"`` (the calibrated step weights tokens itself)."""
+def distillation_options(args: argparse.Namespace, ml: Any) -> Any:
+    """:class:`megaloss.DistillationOptions` of the distilled phase: the ds_config's
+    ``megaloss.distillation`` section when it has one, else :data:`KD_DEFAULTS` with the CE
+    section's chunk size and soft-capping; ``--kind`` / ``--temperature`` / ``--alpha`` /
+    ``--beta`` override either. ``reduction="sum"`` (the calibrated step weights tokens)."""
     from megaloss import DistillationOptions
 
-    return DistillationOptions(kind=args.kind, beta=args.beta, temperature=args.temperature,
-                               alpha=args.alpha, reduction="sum", chunk_size=ce.chunk_size,
-                               logit_softcapping=ce.logit_softcapping,
-                               teacher_logit_softcapping=ce.logit_softcapping)
+    section = getattr(ml, "distillation", None)
+    if section is not None:
+        base = section.options()
+    else:
+        base = DistillationOptions(reduction="sum", chunk_size=ml.ce.chunk_size,
+                                   logit_softcapping=ml.ce.logit_softcapping,
+                                   teacher_logit_softcapping=ml.ce.logit_softcapping,
+                                   **KD_DEFAULTS)
+    given = {k: getattr(args, k) for k in KD_DEFAULTS if getattr(args, k) is not None}
+    return base.replace(**given)
 
 
 def table_rows(table: List[Dict[str, Any]]) -> List[tuple]:
@@ -318,7 +332,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                                                       tp_group=topo.tp_group),
                                args.steps, describe + ", cross-entropy")
     phases["ce"].pop("engine")
-    kd = distillation_options(args, ml.ce)
+    kd = distillation_options(args, ml)
     student, _ = build_llama(s_args, vocab)  # the same initial weights (build_llama seeds)
     module = DistilledCausalLM(CausalLMWithLoss(student, options=options,
                                                 tp_group=topo.tp_group),

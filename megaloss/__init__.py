@@ -71,10 +71,12 @@ _LAZY = {
     "MegalossConfig": "megaloss.integrations.deepspeed.config",
     "CEConfig": "megaloss.integrations.deepspeed.config",
     "MNRConfig": "megaloss.integrations.deepspeed.config",
+    "DistillationConfig": "megaloss.integrations.deepspeed.config",
     "load_megaloss_config": "megaloss.integrations.deepspeed.config",
     "DeepSpeedMPU": "megaloss.integrations.deepspeed.mpu",
     "probe_deepspeed": "megaloss.integrations.deepspeed.probe",
     "CausalLMWithLoss": "megaloss.integrations.hf.causal_lm",
+    "CausalLMWithDistillation": "megaloss.integrations.hf.distillation",
     "EmbeddingModelWithMNR": "megaloss.integrations.hf.embedding",
 }
 

@@ -23,8 +23,10 @@ the same tokenizer and cache, :mod:`launch.jobs.lm_data`) and layout (the ds_con
    calibrated cross-entropy for ``--steps``;
 3. **distilled**: the same student, from the same initial weights, seed and batches, trained
    for the same steps with :func:`megaloss.linear_distillation_loss` against the teacher
-   (vocab-parallel over the TP group for both heads; :mod:`launch.jobs.distill`): ``--kind``,
-   ``--temperature``, ``--alpha`` (weight of the hard-label CE), ``--beta`` (JSD).
+   (:class:`megaloss.CausalLMWithDistillation`: the teacher's decoder without gradients, both
+   lm_heads split over the TP group the same way, no logits of either model): ``--kind``,
+   ``--temperature``, ``--alpha`` (weight of the hard-label CE), ``--beta`` (JSD); without
+   them the ds_config's ``megaloss.distillation`` section, else :data:`KD_DEFAULTS`.
 
 Held-out perplexity of the teacher and of both students goes into a table printed on rank 0 and
 ``summary.json`` (``"table"``); each phase writes ``metrics.csv``, ``summary.json`` and
@@ -274,9 +276,8 @@ def table_rows(table: List[Dict[str, Any]]) -> List[tuple]:
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    from launch.jobs.distill import DistilledCausalLM
     from launch.jobs.teacher import build_teacher, evaluate_teacher
-    from megaloss import CausalLMWithLoss, Topology
+    from megaloss import CausalLMWithDistillation, CausalLMWithLoss, Topology
     from megaloss.integrations.deepspeed import load_ds_config
 
     rank, _ = start_process(args.local_rank)
@@ -288,8 +289,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         raise SystemExit("the distillation job runs without sequence parallelism "
                          "(megaloss.sequence_parallel_size must be 1)")
     if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
-        raise SystemExit("the distillation job runs with ZeRO-0/1/2: under ZeRO-3 the student's "
-                         "lm_head is only gathered inside its own forward")
+        raise SystemExit("the distillation job runs with ZeRO-0/1/2: it reads its teacher back "
+                         "from a checkpoint's model files, which ZeRO-3 leaves empty")
     agreed(lambda: open_distill_run(args, out_dir), what=f"--output_dir {out_dir}")
     topo = Topology.build(ml.tensor_parallel_size)
     tok, train_blocks, held_blocks, info, data_key = load_blocks(args, log)
@@ -300,28 +301,27 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     options = ml.ce.options()
     phases: Dict[str, Any] = {}
 
-    # 1. the teacher: the main job's model, trained here or loaded from its checkpoint
+    # 1. the teacher: the main job's model, trained here (and saved) or loaded from its
+    # checkpoint; the distilled phase reads it back from the checkpoint either way
     t_args = model_args(args, args.teacher_model_size, overrides=False)
-    if args.teacher is None:
+    teacher_from = args.teacher
+    if teacher_from is None:
         model, t_cfg = build_llama(t_args, vocab)
-        t_params = n_parameters(model, vocab, t_cfg.hidden_size)
         wrapper = CausalLMWithLoss(model, options=options, tp_group=topo.tp_group)
-        phases["teacher"] = phase.train("teacher", wrapper, args.teacher_steps,
-                                        f"{args.teacher_model_size} Llama, "
-                                        f"{t_params / 1e6:.2f} M parameters", save=True)
-        teacher = phases["teacher"].pop("engine").engine.module
-        teacher_eval = phases["teacher"]["eval_after"]
-        teacher_steps = args.teacher_steps
+        phases["teacher"] = phase.train(
+            "teacher", wrapper, args.teacher_steps, f"{args.teacher_model_size} Llama, "
+            f"{n_parameters(model, vocab, t_cfg.hidden_size) / 1e6:.2f} M parameters", save=True)
+        phases["teacher"].pop("engine")
         teacher_from = phases["teacher"]["checkpoints"]["last"]
+    teacher, t_cfg, t_info = build_teacher(teacher_from, t_args, vocab, data_key=data_key)
+    t_params = n_parameters(teacher, vocab, t_cfg.hidden_size)
+    if args.teacher is None:
+        teacher_eval = phases["teacher"]["eval_after"]
     else:
-        teacher, t_info = build_teacher(args.teacher, t_args, vocab, data_key=data_key,
-                                        tp_group=topo.tp_group, options=options)
-        t_cfg = teacher.config
-        t_params = n_parameters(teacher.model, vocab, t_cfg.hidden_size)
-        teacher_eval = evaluate_teacher(teacher, held, topo, _device())
-        teacher_steps, teacher_from = t_info["steps"], t_info["checkpoint"]
-        log(f"teacher: {teacher_from} (step {teacher_steps}), held-out perplexity "
+        teacher_eval = evaluate_teacher(teacher, held, topo, _device(), options)
+        log(f"teacher: {t_info['checkpoint']} (step {t_info['steps']}), held-out perplexity "
             f"{teacher_eval['perplexity']:.1f}")
+    teacher_steps, teacher_from = t_info["steps"], t_info["checkpoint"]
 
     # 2. / 3. the student: CE alone, then distilled, from the same initial weights and batches
     s_args = model_args(args, args.model_size, overrides=True)
@@ -334,9 +334,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     phases["ce"].pop("engine")
     kd = distillation_options(args, ml)
     student, _ = build_llama(s_args, vocab)  # the same initial weights (build_llama seeds)
-    module = DistilledCausalLM(CausalLMWithLoss(student, options=options,
-                                                tp_group=topo.tp_group),
-                               teacher.requires_grad_(False), kd, tp_group=topo.tp_group)
+    module = CausalLMWithDistillation(student, teacher.to(_device()), options=kd,
+                                      tp_group=topo.tp_group)
     phases["distilled"] = phase.train("distilled", module, args.steps,
                                       describe + f", {kd.kind} T={kd.temperature:g} "
                                       f"alpha={kd.alpha:g}")

@@ -1,8 +1,9 @@
 """A distillation teacher from a checkpoint of the main LM job (``launch/train_lm.py
 --save_every N``, or the teacher phase of ``launch/distill_lm.py``): the decoder and the full
-lm_head read back from DeepSpeed's per-TP-rank model files, frozen, with the lm_head split over
-the vocabulary for *this* run's TP group exactly like the student's
-(:class:`megaloss.CausalLMWithLoss` copies this rank's rows, :func:`megaloss.vocab_shard_range`).
+lm_head read back from DeepSpeed's per-TP-rank model files into a frozen ``LlamaForCausalLM``
+with the whole ``[V, H]`` head, which :class:`megaloss.CausalLMWithDistillation` splits over the
+vocabulary for *this* run's TP group exactly like the student's (the same rows,
+:func:`megaloss.vocab_shard_range`).
 
 DeepSpeed writes one ``mp_rank_<tp rank>_model_states.pt`` per TP rank (ZeRO-0/1/2: the whole
 module of that rank; ``deepspeed/runtime/engine.py``, ``_save_checkpoint``): the decoder is
@@ -69,8 +70,8 @@ def load_teacher_state(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, An
 
 
 def build_teacher(path: str, model_args: argparse.Namespace, vocab_size: int, *,
-                  data_key: str, tp_group: Any, options: Any):
-    """The frozen teacher :class:`megaloss.CausalLMWithLoss` of the checkpoint at ``path``, in
+                  data_key: str):
+    """The frozen teacher ``LlamaForCausalLM`` of the checkpoint at ``path`` (full lm_head), in
     eval mode.
 
     Args:
@@ -81,18 +82,14 @@ def build_teacher(path: str, model_args: argparse.Namespace, vocab_size: int, *,
         vocab_size: this run's vocabulary ``V``.
         data_key: this run's data / tokenizer cache key: the teacher must have been trained on
             the same tokens (its job record holds its key).
-        tp_group: this run's tensor-parallel group (the lm_head is re-split for it).
-        options: the CE options of the teacher's head (its held-out perplexity).
 
     Returns:
-        ``(teacher, {"checkpoint", "steps", "seed"})``.
+        ``(teacher, its LlamaConfig, {"checkpoint", "steps", "seed"})``.
 
     Raises:
         SystemExit: see :func:`load_teacher_state`; the teacher was trained on other data or
             another tokenizer; its weights do not fit ``model_args`` (names the first tensor).
     """
-    from megaloss import CausalLMWithLoss
-
     state, job, folder = load_teacher_state(path)
     if job.get("data_key") not in (None, data_key):
         raise SystemExit(f"--teacher {path}: trained on other data or another tokenizer (data "
@@ -103,7 +100,7 @@ def build_teacher(path: str, model_args: argparse.Namespace, vocab_size: int, *,
     if head is None or head.shape[0] < vocab_size:
         raise SystemExit(f"--teacher {path}: no lm_head of {vocab_size} rows in {folder}")
     state[_HEAD] = head[:vocab_size]  # drop the last shard's padding rows
-    model, _ = build_llama(model_args, vocab_size)
+    model, cfg = build_llama(model_args, vocab_size)
     prefix = "model."  # CausalLMWithLoss's own attribute in front of the *ForCausalLM's names
     own = model.state_dict()
     weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
@@ -114,36 +111,35 @@ def build_teacher(path: str, model_args: argparse.Namespace, vocab_size: int, *,
                              f"{model_args.model_size} ({name}: checkpoint {got}, model "
                              f"{tuple(tensor.shape)}); pass the teacher's size")
     model.load_state_dict({k: weights[k] for k in own}, strict=True)
-    teacher = CausalLMWithLoss(model, options=options, tp_group=tp_group)
-    teacher.requires_grad_(False)
-    teacher.eval()
-    return teacher, {"checkpoint": str(folder), "steps": job.get("steps_done"),
-                     "seed": job.get("seed")}
+    model.requires_grad_(False)
+    model.eval()
+    return model, cfg, {"checkpoint": str(folder), "steps": job.get("steps_done"),
+                        "seed": job.get("seed")}
 
 
 @torch.no_grad()
-def evaluate_teacher(teacher: torch.nn.Module, batches, topology: Any,
-                     device: Any) -> Dict[str, float]:
+def evaluate_teacher(teacher: torch.nn.Module, batches, topology: Any, device: Any,
+                     options: Any) -> Dict[str, float]:
     """Held-out token-mean CE (nats, z-loss excluded) and perplexity of a teacher that has no
     engine, global over ``dp x sp`` as :func:`megaloss.integrations.deepspeed.evaluate`
-    computes them (the same batches, one all-reduce). Collective.
+    computes them (the same batches, one all-reduce; a copy of the teacher in a
+    :class:`megaloss.CausalLMWithLoss` of ``options``, vocab-parallel over this run's TP
+    group). Collective.
 
     Returns:
         ``{"loss", "perplexity", "num_tokens"}``.
     """
+    import copy
     import math
 
-    from megaloss import causal_shift
+    from megaloss import CausalLMWithLoss
     from megaloss.parallel import all_reduce_sum_
 
-    teacher.to(device)
+    scorer = CausalLMWithLoss(copy.deepcopy(teacher), options=options,
+                              tp_group=topology.tp_group).to(device).eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for mb in batches:
-        ids = mb["input_ids"].to(device)
-        labels = mb.get("shift_labels")
-        labels = (causal_shift(mb["labels"], teacher.ignore_index) if labels is None
-                  else labels).to(device)
-        out = teacher(ids, shift_labels=labels)
+        out = scorer(mb["input_ids"].to(device), shift_labels=mb["shift_labels"].to(device))
         sums[0] += (out.loss - out.z_loss).to(torch.float64)
         sums[1] += out.num_valid_tokens.to(torch.float64)
     all_reduce_sum_(sums, topology.dp_sp_group)

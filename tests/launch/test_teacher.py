@@ -44,7 +44,6 @@ def test_refusals_name_the_cause(tmp_path):
         load_teacher_state(str(tmp_path / "nothing"))
     with pytest.raises(SystemExit, match="other data or another tokenizer.*--vocab_size"):
         build_teacher(str(_write(tmp_path / "other", head, data_key="old")), None, V,
-                      data_key="new", tp_group=None, options=None)
+                      data_key="new")
     with pytest.raises(SystemExit, match="no lm_head of 12 rows"):
-        build_teacher(str(tmp_path / "other"), None, 12, data_key="old", tp_group=None,
-                      options=None)
+        build_teacher(str(tmp_path / "other"), None, 12, data_key="old")

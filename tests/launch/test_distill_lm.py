@@ -60,8 +60,9 @@ def _check_table(summary, teacher_steps, steps):
         table[1]["perplexity"] - table[2]["perplexity"])
     assert (summary["dp"], summary["tp"], summary["zero_stage"]) == (1, 2, 2)
     ce, kd = summary["phases"]["ce"], summary["phases"]["distilled"]
-    assert ce["eval_before"]["loss"] == kd["eval_before"]["loss"]  # the same initial student
-    assert kd["eval_after"]["loss"] != ce["eval_after"]["loss"]  # ... trained differently
+    # the same initial student (scored by the CE head and by the distillation head's CE part)
+    assert ce["eval_before"]["loss"] == pytest.approx(kd["eval_before"]["loss"], rel=1e-6)
+    assert kd["eval_after"]["loss"] != pytest.approx(ce["eval_after"]["loss"], rel=1e-6)
 
 
 @pytest.mark.timeout(300)

@@ -1,8 +1,10 @@
 """The distillation loss through the whole DeepSpeed path against single-process float64
 training: a tiny Llama student (vocab 37, padded under TP=2) distilled from a tiny Llama teacher
-(other hidden size) for 2 optimizer steps under DP {1, 2} x TP {1, 2} x GAS {1, 2} x ZeRO
-{0, 2, 3}, each layout with another kind / teacher form (module or stored top-k) /
-loss_reduction, all in ONE spawn of 4 processes (a smaller layout runs as independent replicas).
+(other hidden size) for one optimizer step under four layouts that cover DP {1, 2}, TP {1, 2},
+GAS {1, 2} and ZeRO {0, 2, 3} (not their full product: the suite's budget), each with another
+kind / teacher form (module or stored top-k) / loss_reduction, all in ONE spawn of 4 processes
+(a smaller layout runs as independent replicas). Multi-step training under these layouts is
+test_deepspeed_equivalence's (the same engine path with the CE).
 
 The reference: one process, no engine, float64, the calibrated loss written out (token: global
 token mean; sample: mean of per-row means; square: weights 1/sqrt(n_s) over sum_s sqrt(n_s)),
@@ -20,17 +22,17 @@ from megaloss.testing import run_distributed
 pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow]
 
 VOCAB, HIDDEN, T_HIDDEN, SEQ, K = 37, 16, 12, 10, 6
-STEPS, GLOBAL_ROWS = 2, 8
+STEPS, GLOBAL_ROWS = 1, 8
 LR, CLIP = 0.5, 0.03
 REL_TOL = 1e-5
 WORLD = 4
 # (dp, tp, gas, ZeRO stage, distillation section, top-k teacher)
 LAYOUTS = [
     (2, 1, 2, 2, dict(kind="forward_kl", temperature=2.0, alpha=0.3), False),
-    (1, 2, 1, 3, dict(kind="jsd", beta=0.5, loss_reduction="sample"), True),
+    (1, 2, 1, 3, dict(kind="jsd", beta=0.5, temperature=2.0, alpha=0.2,
+                      loss_reduction="sample"), True),
     (2, 2, 2, 3, dict(kind="reverse_kl", logit_softcapping=6.0, loss_reduction="square"), False),
     (2, 2, 1, 0, dict(kind="jsd", beta=0.3, temperature=2.0, chunk_size=7), False),
-    (1, 1, 2, 0, dict(kind="forward_kl", alpha=0.5, temperature=2.0), True),
 ]
 
 

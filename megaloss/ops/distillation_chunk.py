@@ -123,58 +123,93 @@ def chunk_distillation(
     """
     z = torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
     sdt = stats_dtype(z.dtype)
-    temp, kind = opts.temperature, opts.divergence
     y, tanh = _softcap(z.to(sdt), opts.logit_softcapping)
-    s = y / temp if temp != 1.0 else y
-    n_rows, n_local = s.shape
+    del z  # the fp32 copy (or the soft-capped values) is what is kept
     valid = labels != opts.ignore_index
     local_target = labels - vocab_start
-    in_slice = valid & (local_target >= 0) & (local_target < n_local)
-    target_idx = local_target.clamp(0, max(n_local - 1, 0)).unsqueeze(1)
-    neg_inf = torch.full((n_rows,), float("-inf"), dtype=sdt, device=s.device)
-    s_max_local = s.amax(dim=1) if n_local > 0 else neg_inf
-
+    in_slice = valid & (local_target >= 0) & (local_target < y.shape[1])
+    target_idx = local_target.clamp(0, max(y.shape[1] - 1, 0)).unsqueeze(1)
     if isinstance(teacher, TopKTeacher):
+        temp = opts.temperature
+        s = y / temp if temp != 1.0 else y
+        s_max_local = (s.amax(dim=1) if s.shape[1] > 0
+                       else s.new_full((s.shape[0],), float("-inf")))
         return _topk_chunk(s, y, tanh, teacher, labels, valid, in_slice, target_idx, coef, opts,
                            vocab_start, s_max_local, reduce_max, reduce_sum)
-
     t, _ = _softcap(teacher.to(sdt), opts.teacher_logit_softcapping)
-    t = t / temp if temp != 1.0 else t
+    del teacher
+    return _full_chunk(y, tanh, t, valid, in_slice, target_idx, coef, opts, reduce_max,
+                       reduce_sum)
+
+
+def _full_chunk(y, tanh, t, valid, in_slice, target_idx, coef, opts: DistillationOptions,
+                reduce_max, reduce_sum) -> DistillationChunk:
+    """The full-teacher form on ``y`` (student, soft-capped) and ``t`` (teacher, soft-capped),
+    both ``[C, V_local]`` in the stats dtype and owned here: worked on in place, so that at most
+    five ``[C, V_local]`` buffers are alive (``log Q``, ``log P``, ``Q``, ``P``, one term)."""
+    sdt, temp, kind, beta = y.dtype, opts.temperature, opts.divergence, opts.beta
+    n_rows, n_local = y.shape
     if n_local > 0:
+        y_max_local = y.amax(dim=1)
         t_max_local, t_arg = t.max(dim=1)
+        # Top-1 match: this slice holds a teacher maximum and the student is maximal there.
+        y_at_t_arg = y.gather(1, t_arg.unsqueeze(1)).squeeze(1)
+        target = y.gather(1, target_idx).squeeze(1) * in_slice
     else:  # a vocab-parallel rank may hold no real vocab rows
-        t_max_local, t_arg = neg_inf, torch.zeros(n_rows, dtype=torch.long, device=s.device)
-    maxes = reduce_max(torch.stack([s_max_local, t_max_local]))          # round 1
-    s_max, t_max = maxes[0], maxes[1]
-    exp_s = (s - s_max.unsqueeze(1)).exp()
-    exp_t = (t - t_max.unsqueeze(1)).exp()
-    # Top-1 match: this slice holds a teacher maximum and the student is maximal there too.
-    s_at_t_arg = s.gather(1, t_arg.unsqueeze(1)).squeeze(1) if n_local > 0 else neg_inf
-    match = ((t_max_local == t_max) & (s_at_t_arg == s_max)).to(sdt)
-    sums, ce_extra = _ce_sums(y, s_max, in_slice, target_idx, temp, opts,
-                              [exp_s.sum(dim=1), exp_t.sum(dim=1), match])
-    sums = reduce_sum(torch.stack(sums))                                  # round 2
+        y_max_local = t_max_local = y_at_t_arg = y.new_full((n_rows,), float("-inf"))
+        target = y.new_zeros(n_rows)
+    maxes = reduce_max(torch.stack([y_max_local, t_max_local]))          # round 1
+    y_max, t_max = maxes[0], maxes[1]
+    match = ((t_max_local == t_max) & (y_at_t_arg == y_max)).to(sdt)
+    sums = [match, target]
+    if temp != 1.0:  # the hard-label CE's own sum-exp, at temperature 1
+        sums.append((y - y_max.unsqueeze(1)).exp_().sum(dim=1))
+        y.div_(temp)
+        t.div_(temp)
+    s_max, t_max = y_max / temp, t_max / temp  # max(y / T) = max(y) / T: division is monotone
+    q = (y - s_max.unsqueeze(1)).exp_()
+    p = (t - t_max.unsqueeze(1)).exp_()
+    sums = reduce_sum(torch.stack([q.sum(dim=1), p.sum(dim=1)] + sums))  # round 2
     lse_s = s_max + sums[0].log()
-    lse_t = t_max + sums[1].log()
-    log_q = s - lse_s.unsqueeze(1)
-    log_p = t - lse_t.unsqueeze(1)
-    d, g = _terms(kind, opts.beta, log_p, log_q)
-    parts = [d.sum(dim=1)] + ([] if g is None else [(log_q.exp() * g).sum(dim=1)])
-    parts = reduce_sum(torch.stack(parts))                                # round 3
-    divergence = parts[0]
-    ce, probs_y = _ce_value(y, s_max, sums, ce_extra, temp, opts)
-    loss = _combine(divergence, ce, valid, opts)
+    log_q = y.sub_(lse_s.unsqueeze(1))
+    log_p = t.sub_((t_max + sums[1].log()).unsqueeze(1))
+    q.div_(sums[0].unsqueeze(1))
+    p.div_(sums[1].unsqueeze(1))
+    lse_y = lse_s if temp == 1.0 else y_max + sums[4].log()
+    ce = lse_y - sums[3]
     top1 = _where(valid, sums[2].clamp(max=1.0))
-    if coef is None:
-        return DistillationChunk(loss, _where(valid, divergence), _where(valid, ce), top1, None)
-    q = log_q.exp()
-    if g is None:  # forward KL: dD/ds = Q - P
-        grad_s = q - log_p.exp()
+    need_grad = coef is not None
+    if kind == "forward_kl":
+        divergence = reduce_sum(_row_dot(p, log_p - log_q).unsqueeze(0))[0]  # round 3
+        grad_s = q.sub_(p) if need_grad else None                           # Q - P
+    elif kind == "reverse_kl":
+        g = log_q - log_p
+        divergence = reduce_sum((q * g).sum(dim=1).unsqueeze(0))[0]         # round 3
+        grad_s = g.sub_(divergence.unsqueeze(1)).mul_(q) if need_grad else None
     else:
-        grad_s = q * (g - parts[1].unsqueeze(1))
-    grad = _logit_gradient(grad_s, probs_y, y, s_max, lse_s, in_slice, target_idx, tanh,
-                           coef.to(sdt), temp, opts)
+        # log M, M = beta P + (1 - beta) Q (clamped: where both underflow the terms are 0)
+        log_m = p.mul(beta).add_(q, alpha=1.0 - beta).clamp_min_(torch.finfo(sdt).tiny).log_()
+        d_p = _row_dot(p, log_p - log_m)
+        g = log_m.neg_().add_(log_q)                                        # log Q - log M
+        parts = reduce_sum(torch.stack([d_p, (q * g).sum(dim=1)]))          # round 3
+        divergence = beta * parts[0] + (1.0 - beta) * parts[1]
+        grad_s = (g.mul_(1.0 - beta).sub_(((1.0 - beta) * parts[1]).unsqueeze(1)).mul_(q)
+                  if need_grad else None)
+    loss = _combine(divergence, ce, valid, opts)
+    if not need_grad:
+        return DistillationChunk(loss, _where(valid, divergence), _where(valid, ce), top1, None)
+
+    def probs_y():  # softmax(y) = exp(T (log Q + lse_s) - lse_y), formed only when alpha > 0
+        return (log_q + lse_s.unsqueeze(1)).mul_(temp).sub_(lse_y.unsqueeze(1)).exp_()
+
+    grad = _logit_gradient(grad_s, probs_y, in_slice, target_idx, tanh, coef.to(sdt), temp,
+                           opts)
     return DistillationChunk(loss, _where(valid, divergence), _where(valid, ce), top1, grad)
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(1)`` over ``b``'s buffer (a temporary the caller does not keep)."""
+    return b.mul_(a).sum(dim=1)
 
 
 def _ce_sums(y, s_max, in_slice, target_idx, temp, opts, sums):
@@ -208,14 +243,13 @@ def _combine(divergence, ce, valid, opts):
     return _where(valid, loss)
 
 
-def _logit_gradient(grad_s, probs_y, y, s_max, lse_s, in_slice, target_idx, tanh, coef, temp,
-                    opts):
+def _logit_gradient(grad_s, probs_y, in_slice, target_idx, tanh, coef, temp, opts):
     """``coef * (soft_scale / T * dD/ds + alpha * (softmax(y) - onehot))`` times the soft-cap
-    chain rule, in place over ``grad_s``."""
+    chain rule, in place over ``grad_s``; ``probs_y()`` gives ``softmax(y)`` (called only when
+    ``alpha > 0``)."""
     grad = grad_s.mul_((coef * (opts.soft_scale / temp)).unsqueeze(1))
     if opts.alpha > 0:
-        p_y = probs_y if probs_y is not None else (y - lse_s.unsqueeze(1)).exp()
-        grad.add_(p_y * (coef * opts.alpha).unsqueeze(1))
+        grad.add_(probs_y().mul_((coef * opts.alpha).unsqueeze(1)))
         if grad.shape[1] > 0:
             grad.scatter_add_(1, target_idx, (-opts.alpha * coef * in_slice).unsqueeze(1)
                               .to(grad.dtype))
@@ -284,6 +318,7 @@ def _topk_chunk(s, y, tanh, teacher: TopKTeacher, labels, valid, in_slice, targe
         if n_local > 0:
             g_full = g_full.scatter_add(1, idx, _where(held, g_k))
         grad_s = q.mul_(g_full - g_bar.unsqueeze(1))
-    grad = _logit_gradient(grad_s, probs_y, y, s_max, lse_s, in_slice, target_idx, tanh,
-                           coef.to(sdt), temp, opts)
+    grad = _logit_gradient(
+        grad_s, lambda: probs_y if probs_y is not None else (y - lse_s.unsqueeze(1)).exp(),
+        in_slice, target_idx, tanh, coef.to(sdt), temp, opts)
     return DistillationChunk(loss, _where(valid, divergence), _where(valid, ce), top1, grad)

@@ -283,7 +283,7 @@ def resolve_options(cls: Type[Options], options: Optional[Options],
     """The options of a call that takes ``options=`` *or* the option fields as keywords.
 
     Args:
-        cls: :class:`CrossEntropyOptions` or :class:`MNROptions`.
+        cls: :class:`CrossEntropyOptions`, :class:`MNROptions` or :class:`DistillationOptions`.
         options: the ``options=`` argument (``None``: build the options from ``keywords``).
         keywords: every option keyword of the call, ``{field name: value}``.
 

@@ -1,8 +1,8 @@
 """End to end: ``launch/distill_lm.py`` under ``deepspeed --num_gpus 2`` on CPU with the default
-``configs/zero2.json`` (TP=2: both lm_heads vocab-parallel), shrunk: a tiny teacher, a smaller
-student, 32-token blocks, 200 kB of the built-in stdlib text. One launch runs the job twice:
-first without ``--teacher`` (it trains and saves its teacher), then with ``--teacher`` pointing
-at that checkpoint (another divergence and temperature).
+``configs/zero2.json`` (TP=2: both lm_heads vocab-parallel; no warm-up, 48-token chunks), shrunk:
+a tiny teacher, a smaller student, 32-token blocks, 200 kB of the built-in stdlib text. One
+launch runs the job twice: first without ``--teacher`` (it trains and saves its teacher), then
+with ``--teacher`` pointing at that checkpoint (another divergence and temperature).
 
 Checks the summary table's fields (not that distillation wins at this size): three rows with
 sizes, parameters, steps and finite held-out perplexity / CE; both students start from the same
@@ -14,7 +14,7 @@ import json
 import math
 
 import pytest
-from launch_helpers import run_jobs_in_one_launch
+from launch_helpers import REPO, run_jobs_in_one_launch
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
 
@@ -28,7 +28,14 @@ SHRUNK = ["--seq_len", "32", "--vocab_size", "320", "--max_train_bytes", "200000
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distill_lm")
     first, second = tmp / "first", tmp / "second"
-    cache = ["--cache_dir", str(tmp / "cache")]
+    # the default config without its warm-up (the loss must move within a few steps), and
+    # several chunks per micro-batch
+    cfg = json.loads((REPO / "configs" / "zero2.json").read_text())
+    cfg.pop("scheduler")
+    cfg["optimizer"]["params"]["lr"] = 1e-2
+    cfg["megaloss"]["ce"]["chunk_size"] = 48
+    (tmp / "zero2.json").write_text(json.dumps(cfg))
+    cache = ["--cache_dir", str(tmp / "cache"), "--deepspeed_config", str(tmp / "zero2.json")]
     run_jobs_in_one_launch([
         {"job": "distill_lm", "argv": SHRUNK + cache + [
             "--teacher_steps", str(TEACHER_STEPS), "--steps", str(STEPS),
@@ -37,7 +44,7 @@ def runs(tmp_path_factory):
             "--teacher", str(first / "teacher" / "checkpoints"), "--steps", str(REUSE_STEPS),
             "--kind", "jsd", "--temperature", "2", "--alpha", "0.25",
             "--output_dir", str(second)]},
-    ], tmp / "jobs.json", timeout=280)
+    ], tmp / "jobs.json", timeout=560)
     return first, second
 
 
@@ -62,10 +69,13 @@ def _check_table(summary, teacher_steps, steps):
     ce, kd = summary["phases"]["ce"], summary["phases"]["distilled"]
     # the same initial student (scored by the CE head and by the distillation head's CE part)
     assert ce["eval_before"]["loss"] == pytest.approx(kd["eval_before"]["loss"], rel=1e-6)
-    assert kd["eval_after"]["loss"] != pytest.approx(ce["eval_after"]["loss"], rel=1e-6)
+    for p in (ce, kd):  # both train ...
+        assert p["eval_after"]["loss"] < p["eval_before"]["loss"] - 0.01, p
+    # ... and differently
+    assert kd["eval_after"]["loss"] != pytest.approx(ce["eval_after"]["loss"], rel=1e-4)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_distill_lm_trains_its_teacher(runs):
     first, _ = runs
     summary = _summary(first)
@@ -80,7 +90,7 @@ def test_distill_lm_trains_its_teacher(runs):
     assert (first / "loss_curve.png").stat().st_size > 0
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_distill_lm_reuses_a_teacher_checkpoint(runs):
     first, second = runs
     summary = _summary(second)

@@ -118,18 +118,24 @@ def _check_teacher(hidden_states, weight, labels, teacher_hidden_states, teacher
 
 
 def _check_topk_values(ids: torch.Tensor, log_probs: torch.Tensor, vocab_size: int) -> None:
-    flat = ids.reshape(-1, ids.shape[-1])
-    if bool(((flat < 0) | (flat >= vocab_size)).any()):
-        bad = int(flat[(flat < 0) | (flat >= vocab_size)][0])
-        raise ValueError(f"teacher_topk_ids must be in [0, {vocab_size}), found {bad}")
-    srt = flat.sort(dim=1).values
-    if flat.shape[1] > 1 and bool((srt[:, 1:] == srt[:, :-1]).any()):
-        raise ValueError("teacher_topk_ids must be distinct within each position")
-    lp = log_probs.to(torch.float32)
+    """Used slots (finite log-prob): ids in range and distinct; log-probs <= 0, no NaN, summing
+    to at most 1 (1% slack for rounding of stored half-precision values)."""
+    lp = log_probs.to(torch.float32).reshape(-1, log_probs.shape[-1])
     if bool(torch.isnan(lp).any()) or bool((lp > 0).any()):
         raise ValueError("teacher_topk_log_probs must be log-probabilities (<= 0, -inf for an "
                          "unused slot, no NaN)")
-    total = torch.logsumexp(lp.reshape(-1, lp.shape[-1]), dim=1).exp()
+    used = torch.isfinite(lp)
+    flat = ids.reshape(-1, ids.shape[-1]).long()
+    bad = used & ((flat < 0) | (flat >= vocab_size))
+    if bool(bad.any()):
+        raise ValueError(f"teacher_topk_ids must be in [0, {vocab_size}) (in the slots whose "
+                         f"log-prob is finite), found {int(flat[bad][0])}")
+    if flat.shape[1] > 1:
+        unused_marks = -1 - torch.arange(flat.shape[1], device=flat.device)
+        srt = torch.where(used, flat, unused_marks).sort(dim=1).values
+        if bool((srt[:, 1:] == srt[:, :-1]).any()):
+            raise ValueError("teacher_topk_ids must be distinct within each position")
+    total = torch.logsumexp(lp, dim=1).exp()
     if bool((total > 1.0 + 1e-2).any()):
         raise ValueError(f"teacher_topk_log_probs must sum to at most 1 per position (as "
                          f"probabilities), found {float(total.max()):.4f}")
@@ -269,7 +275,7 @@ def _distill(hidden_states, weight, labels, bias, loss_weights, teacher_hidden_s
                       reduce_sum=lambda t: all_reduce_sum_(t, group))
     loss, divergence, ce, match = chunked_linear_distillation(
         hidden, weight[:n_real], None if bias is None else bias[:n_real], teacher, flat_labels,
-        weights, opts, vocab_start=vocab_start, **kwargs)
+        weights, opts, vocab_size=vocab_size, vocab_start=vocab_start, **kwargs)
     if opts.reduction == "none" and not gathered:
         loss, divergence, ce = (x.view(labels.shape) for x in (loss, divergence, ce))
     valid = flat_labels != opts.ignore_index
@@ -328,7 +334,9 @@ def linear_distillation_loss(
       ``k + 1`` outcomes (the k ids, and "any other token", whose student probability is the
       student's total mass outside the k ids); it is the full-vocabulary divergence when the
       top-k holds all the teacher's mass, and a lower bound otherwise. A zero tail (e.g. ``k =
-      V``) against a student tail > 0 makes ``reverse_kl`` infinite, as the formula says.
+      V``, up to rounding) is taken as the smallest normal number (so ``reverse_kl`` stays
+      finite), or as 0 when the used slots hold all ``V`` ids; a slot of
+      log-prob ``-inf`` is unused (its id is ignored, any value) and belongs to the tail.
 
     The teacher gets no gradient (its tensors are detached, whatever their ``requires_grad``).
 

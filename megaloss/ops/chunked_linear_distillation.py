@@ -53,9 +53,10 @@ class Teacher:
 
 
 class _Plan:
-    def __init__(self, opts: DistillationOptions, teacher: Teacher, vocab_start: int,
-                 reduce_max: Reduce, reduce_sum: Reduce):
+    def __init__(self, opts: DistillationOptions, teacher: Teacher, vocab_size: int,
+                 vocab_start: int, reduce_max: Reduce, reduce_sum: Reduce):
         self.opts, self.teacher, self.vocab_start = opts, teacher, vocab_start
+        self.vocab_size = vocab_size
         self.reduce_max, self.reduce_sum = reduce_max, reduce_sum
 
 
@@ -78,7 +79,8 @@ def _run_chunks(plan: _Plan, hidden, weight, bias, labels, coef, need):
         h = hidden[start:stop].to(compute_dtype)
         res = chunk_distillation(
             h, w, b, plan.teacher.chunk(start, stop), labels[start:stop],
-            None if coef is None else coef[start:stop], opts, vocab_start=plan.vocab_start,
+            None if coef is None else coef[start:stop], opts, vocab_size=plan.vocab_size,
+            vocab_start=plan.vocab_start,
             reduce_max=plan.reduce_max, reduce_sum=plan.reduce_sum)
         rows.append(torch.stack([res.loss, res.divergence, res.ce, res.top1_match]))
         if res.grad_logits is None:
@@ -150,7 +152,7 @@ class _ChunkedLinearDistillation(torch.autograd.Function):
 def chunked_linear_distillation(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     teacher: Teacher, labels: torch.Tensor, token_weights: Optional[torch.Tensor],
-    opts: DistillationOptions, *, vocab_start: int = 0,
+    opts: DistillationOptions, *, vocab_size: int, vocab_start: int = 0,
     reduce_max: Reduce = no_reduce, reduce_sum: Reduce = no_reduce,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validated-input core of the single-device and vocab-parallel distillation losses.
@@ -163,6 +165,7 @@ def chunked_linear_distillation(
         labels: ``[N]`` int64 global ids or ``opts.ignore_index``.
         token_weights: ``[N]`` float or ``None``.
         opts: the options.
+        vocab_size: the real, global ``V``.
         vocab_start: this slice's first global id.
         reduce_max / reduce_sum: in-place combiners of the ``[stats, tokens]`` statistics
             across vocab slices.
@@ -174,7 +177,7 @@ def chunked_linear_distillation(
         ``alpha`` (no gradient); ``top1_match [N]`` 0/1 per token (0 at ignored tokens). fp32
         (fp64 for fp64 inputs).
     """
-    plan = _Plan(opts, teacher, vocab_start, reduce_max, reduce_sum)
+    plan = _Plan(opts, teacher, vocab_size, vocab_start, reduce_max, reduce_sum)
     loss, parts, match = _ChunkedLinearDistillation.apply(hidden, weight, bias, labels,
                                                           token_weights, plan)
     return loss, parts[0].detach(), parts[1].detach(), match.detach()

@@ -4,7 +4,8 @@ gradient w.r.t. the student's logits (the teacher gets none).
 Notation, per token: student logits ``z`` (soft-capped to ``y``), ``s = y / T``, ``Q = softmax(s)``;
 teacher either full logits (soft-capped, divided by ``T``: ``t``, ``P = softmax(t)``) or its top-k
 token ids ``K`` and log-probs ``log P_k`` (then ``P`` lives on ``k + 1`` outcomes: the ``k``
-tokens and the *tail*, everything else, with ``P_tail = 1 - sum_k P_k``; the student is coarse-
+tokens and the *tail*, everything else, with ``P_tail = 1 - sum_k P_k``, at least the smallest
+normal number, and slots of log-prob ``-inf`` counted in the tail; the student is coarse-
 grained the same way, ``Q_tail = sum_{j not in K} Q_j``, so every divergence is a proper one
 between two distributions over the same ``k + 1`` outcomes, and equals the full-vocabulary one
 when the top-k holds all the teacher's mass).
@@ -48,8 +49,9 @@ __all__ = ["DistillationChunk", "TopKTeacher", "chunk_distillation"]
 
 class TopKTeacher(NamedTuple):
     """A chunk's teacher as offline pipelines store it: ``ids [C, k]`` int64 global vocab ids
-    (distinct per row) and ``log_probs [C, k]`` float, the teacher's log-probabilities of
-    those ids at the distillation temperature (``-inf`` allowed for unused slots)."""
+    (distinct per row among the used slots) and ``log_probs [C, k]`` float, the teacher's
+    log-probabilities of those ids at the distillation temperature (``-inf``: an unused slot,
+    whose id is ignored)."""
 
     ids: torch.Tensor
     log_probs: torch.Tensor
@@ -100,7 +102,7 @@ def _terms(kind: str, beta: float, log_p: torch.Tensor, log_q: torch.Tensor
 def chunk_distillation(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     teacher: "torch.Tensor | TopKTeacher", labels: torch.Tensor, coef: Optional[torch.Tensor],
-    opts: DistillationOptions, *, vocab_start: int = 0,
+    opts: DistillationOptions, *, vocab_size: int, vocab_start: int = 0,
     reduce_max: Reduce = no_reduce, reduce_sum: Reduce = no_reduce,
 ) -> DistillationChunk:
     """Loss, metrics and (optionally) the student-logit gradient of one chunk.
@@ -115,6 +117,7 @@ def chunk_distillation(
         coef: ``[C]`` gradient coefficient per token (0 at ignored tokens), or ``None``.
         opts: :class:`~megaloss.ops.options.DistillationOptions` (``reduction``, ``chunk_size``
             and ``accum_dtype`` are the caller's).
+        vocab_size: the real, global ``V`` (a top-k of all ``V`` ids leaves no tail).
         vocab_start: global id of this slice's first row.
         reduce_max / reduce_sum: in-place combiners across vocab slices.
 
@@ -135,7 +138,7 @@ def chunk_distillation(
         s_max_local = (s.amax(dim=1) if s.shape[1] > 0
                        else s.new_full((s.shape[0],), float("-inf")))
         return _topk_chunk(s, y, tanh, teacher, labels, valid, in_slice, target_idx, coef, opts,
-                           vocab_start, s_max_local, reduce_max, reduce_sum)
+                           vocab_start, vocab_size, s_max_local, reduce_max, reduce_sum)
     t, _ = _softcap(teacher.to(sdt), opts.teacher_logit_softcapping)
     del teacher
     return _full_chunk(y, tanh, t, valid, in_slice, target_idx, coef, opts, reduce_max,
@@ -259,14 +262,17 @@ def _logit_gradient(grad_s, probs_y, in_slice, target_idx, tanh, coef, temp, opt
 
 
 def _topk_chunk(s, y, tanh, teacher: TopKTeacher, labels, valid, in_slice, target_idx, coef,
-                opts: DistillationOptions, vocab_start, s_max_local, reduce_max, reduce_sum):
+                opts: DistillationOptions, vocab_start, vocab_size, s_max_local, reduce_max,
+                reduce_sum):
     """The top-k teacher form (module docstring): outcomes are the ``k`` ids and the tail."""
     sdt = s.dtype
     temp, kind = opts.temperature, opts.divergence
     n_rows, n_local = s.shape
     ids, log_p_k = teacher.ids, teacher.log_probs.to(sdt)
     local = ids - vocab_start
-    held = (local >= 0) & (local < n_local)                               # [C, k] on this slice
+    # Held on this slice; an unused slot (log-prob -inf) is no outcome of its own: its id, if
+    # any, stays in the tail.
+    held = (local >= 0) & (local < n_local) & torch.isfinite(log_p_k)
     idx = local.clamp(0, max(n_local - 1, 0))
     s_max = reduce_max(s_max_local.clone())                               # round 1
     exp_s = (s - s_max.unsqueeze(1)).exp()
@@ -291,7 +297,12 @@ def _topk_chunk(s, y, tanh, teacher: TopKTeacher, labels, valid, in_slice, targe
     log_q_tail = (sums[1].log() - sums[0].log()).unsqueeze(1)
     # P_tail = 1 - sum_k P_k, as -expm1(logsumexp) for accuracy when it is small.
     lse_p = torch.logsumexp(log_p_k, dim=1, keepdim=True)
-    p_tail = (-torch.expm1(lse_p.clamp(max=0.0))).clamp_min(0.0)
+    # Clamped to the smallest normal number: a top-k that sums to 1 up to rounding keeps reverse
+    # KL and the JSD finite (the exact value is infinite when the student's tail is not empty).
+    # A tail without tokens (all V ids used) has no mass at all.
+    p_tail = (-torch.expm1(lse_p.clamp(max=0.0))).clamp_min(torch.finfo(sdt).tiny)
+    no_tail = torch.isfinite(log_p_k).sum(dim=1, keepdim=True) >= vocab_size
+    p_tail = _where(~no_tail, p_tail)
     log_p_tail = p_tail.log()
     d_k, g_k = _terms(kind, opts.beta, log_p_k, log_q_k)
     d_tail, g_tail = _terms(kind, opts.beta, log_p_tail, log_q_tail)

@@ -53,11 +53,16 @@ def reference_distillation(hidden, weight, labels, *, teacher_hidden_states=None
         teacher_top = yt.argmax(-1)
     else:
         ids, lp = teacher_topk_ids.long(), teacher_topk_log_probs.to(log_q.dtype)
-        in_k = torch.zeros(*ids.shape[:-1], v, dtype=torch.bool).scatter(-1, ids, True)
+        used = torch.isfinite(lp)  # an unused slot is no outcome: its id stays in the tail
+        ids = torch.where(used, ids, 0)
+        in_k = torch.zeros(*ids.shape[:-1], v, dtype=torch.float64).scatter_add(
+            -1, ids, used.double()) > 0
         q_tail = torch.logsumexp(log_q.masked_fill(in_k, float("-inf")), -1, keepdim=True)
-        p_tail = torch.log((1 - lp.exp().sum(-1, keepdim=True)).clamp_min(0))
+        tiny = torch.finfo(log_q.dtype).tiny
+        p_tail = torch.log((1 - lp.exp().sum(-1, keepdim=True)).clamp_min(tiny))
+        p_tail = p_tail.masked_fill(used.sum(-1, keepdim=True) >= v, float("-inf"))
         log_p = torch.cat([lp, p_tail], -1)
-        log_q = torch.cat([log_q.gather(-1, ids), q_tail], -1)
+        log_q = torch.cat([torch.where(used, log_q.gather(-1, ids), float("-inf")), q_tail], -1)
         teacher_top = ids.gather(-1, lp.argmax(-1, keepdim=True)).squeeze(-1)
     d = _divergence(kind, beta, log_p, log_q)
     valid = labels != ignore_index

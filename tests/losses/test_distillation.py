@@ -214,3 +214,29 @@ def test_bad_topk_teacher():
         f(ids, lp, teacher_logit_softcapping=2.0)
     with pytest.raises(TypeError, match="not both"):
         f(ids, lp, options=megaloss.DistillationOptions(), kind="jsd")
+
+
+def test_topk_unused_slots_and_a_full_top_k():
+    """A slot of log-prob -inf is no outcome (its id, whatever it is, stays in the tail); a top-k
+    holding all the mass (k = V) gives the full-teacher loss, reverse KL included."""
+    inp = make_inputs(seed=4)
+    ids, lp = teacher_topk(inp["teacher_hidden_states"], inp["teacher_weight"], K)
+    ids, lp = ids.clone(), lp.clone()
+    lp[:, -1] = float("-inf")
+    ids[:, -1] = ids[:, 0]  # a repeated id in an unused slot is allowed
+    for kind in ("forward_kl", "reverse_kl", "jsd"):
+        tk = dict(teacher_topk_ids=ids, teacher_topk_log_probs=lp)
+        loss, grads = run(megaloss.linear_distillation_loss, inp, chunk_size=6, kind=kind, **tk)
+        ref, ref_grads = run(reference_distillation, inp, kind=kind, **tk)
+        torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-10)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    all_k = teacher_kwargs(inp, False, 1.0)
+    ids_v, lp_v = teacher_topk(inp["teacher_hidden_states"], inp["teacher_weight"], V)
+    for kind in ("forward_kl", "reverse_kl"):
+        full = megaloss.linear_distillation_loss(inp["hidden"], inp["weight"], inp["labels"],
+                                                 kind=kind, **all_k)
+        topk = megaloss.linear_distillation_loss(inp["hidden"], inp["weight"], inp["labels"],
+                                                 kind=kind, teacher_topk_ids=ids_v,
+                                                 teacher_topk_log_probs=lp_v)
+        torch.testing.assert_close(topk, full, rtol=1e-9, atol=1e-9)

@@ -10,6 +10,8 @@ that needs no download, the models, the options and what the jobs write and prin
   evaluation shards.
 - :mod:`launch.jobs.pair_data`: the embedding jobs' cached pairs and tokenizer.
 - :mod:`launch.jobs.models`: the small random-init Llama and BERT the jobs train.
+- :mod:`launch.jobs.teacher`: the distillation job's teacher read back from a main-job checkpoint
+  (the full lm_head from every TP rank's model file) and its held-out perplexity.
 - :mod:`launch.jobs.retrieval`: MRR@k and recall@1 of held-out retrieval.
 - :mod:`launch.jobs.arguments`: the command-line option groups the jobs share;
   :mod:`launch.jobs.check_args`: a job's command line checked once before any rank starts.

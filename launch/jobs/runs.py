@@ -521,6 +521,23 @@ def _quiet_deepspeed_logger() -> None:
         logger.addFilter(_DropMessages(DEEPSPEED_NOISE))
 
 
+# accelerate's "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1,
+# DeepSpeed config has N. Using DeepSpeed's value." in every Trainer job with GAS > 1: the
+# Trainer sets accelerate's own accumulation to 1 on purpose (transformers' trainer.py
+# create_accelerator_and_postprocess: it accumulates itself) and DeepSpeed's engine takes the
+# ds_config's value, which is what the jobs ask for (the MegalossTrainer measures the engine's
+# scaling at its first micro-batch).
+ACCELERATE_NOISE = ("Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1,",)
+
+
+def _quiet_accelerate_logger() -> None:
+    import logging
+
+    logger = logging.getLogger("accelerate.accelerator")
+    if not any(isinstance(f, _DropMessages) for f in logger.filters):
+        logger.addFilter(_DropMessages(ACCELERATE_NOISE))
+
+
 def start_process(local_rank: int) -> Tuple[int, int]:
     """Process start-up of a job under the ``deepspeed`` launcher (or plain ``python``: then one
     process): quiet DeepSpeed, threads per process on CPU, no JIT build
@@ -602,11 +619,15 @@ def start_trainer_process(local_rank: int, report_to: str, out_dir: Path) -> Tup
         ``(rank, world_size)``.
     """
     rank, world = start_process(local_rank)
+    _quiet_accelerate_logger()
     if not torch.cuda.is_available():
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     if report_to != "none":
         os.environ.setdefault("WANDB_DIR", str(out_dir.resolve()))  # <output_dir>/wandb
         os.environ.setdefault("WANDB_PROJECT", "megaloss")
+        from megaloss.integrations.deepspeed import keep_wandb_cache_in_run_dir
+
+        keep_wandb_cache_in_run_dir()  # wandb-core's debug log too
     return rank, world
 
 

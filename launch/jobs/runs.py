@@ -334,7 +334,21 @@ def step_boundary(stop: "StopRequest", device: Any, step: int, args: argparse.Na
         save(step)
     if stopped:
         log(f"stopped by {stopped['signal']} after step {step}; continue with --resume")
+        _note_stopped(stopped)
     return stopped
+
+
+def _note_stopped(stopped: dict) -> None:
+    """Leave ``$MEGALOSS_ERROR_FILE.stopped<r>`` once this rank has saved on a stop request:
+    ``launch/multinode.sh`` then exits with status 75 however the request was delivered (the
+    ``deepspeed`` launcher's own status depends on whether it was signalled itself)."""
+    base = os.environ.get("MEGALOSS_ERROR_FILE")
+    if base:
+        try:
+            Path(f"{base}.stopped{int(os.environ.get('RANK', 0)):05d}").write_text(
+                f"{stopped['signal']} {stopped['step']}\n", encoding="utf-8")
+        except OSError:
+            pass
 
 
 def save_run(me: Any, ckpt_dir: Path, step: int, job: dict, tokenizer: Any, keep: int,

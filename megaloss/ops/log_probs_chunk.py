@@ -163,7 +163,7 @@ def chunk_log_probs_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.
         grad = y.sub_(lse.unsqueeze(1)).exp_().mul_(-a.unsqueeze(1))
     else:
         b = grad_entropy.to(y.dtype)
-        probs = torch.exp(y - lse.unsqueeze(1))
+        probs = torch.sub(y, lse.unsqueeze(1)).exp_()  # one [C, V] temporary, not two
         # -p * (a + b (y - mu)), in place over y
         grad = y.sub_(mean_logit.unsqueeze(1)).mul_(b.unsqueeze(1)).add_(a.unsqueeze(1))
         grad.mul_(probs).neg_()

@@ -7,7 +7,8 @@ The package is a stack; each layer imports only the layers above it in this list
 - :mod:`megaloss.parallel`: process groups (:class:`Topology`; ``group=None`` is torch's default
   group everywhere) and collectives;
 - :mod:`megaloss.losses`: the linear CE (one entry point, :func:`linear_cross_entropy`, on one
-  device or vocab-parallel), gathered MNR, GradCache (functional + module);
+  device or vocab-parallel), gathered MNR, GradCache (functional + module), the policy-gradient
+  losses (:func:`policy_loss`) and DPO / IPO (:func:`dpo_loss`);
 - :mod:`megaloss.calibration`: global loss calibration and the engine-factor probes;
 - :mod:`megaloss.integrations`: DeepSpeed (:mod:`~megaloss.integrations.deepspeed`) and Hugging
   Face (:mod:`~megaloss.integrations.hf`) adapters.
@@ -45,6 +46,9 @@ from .losses import (  # noqa: F401
     MNROptions,
     MNROutput,
     MultipleNegativesRankingLoss,
+    PolicyLossOptions,
+    PolicyLossOutput,
+    PolicyLossWeights,
     VocabParallelLMHead,
     VocabParallelOptions,
     grad_cache_step,
@@ -53,6 +57,11 @@ from .losses import (  # noqa: F401
     mnr_loss,
     mnr_loss_with_metrics,
     mnr_loss_with_stats,
+    completion_labels,
+    policy_calibrator,
+    policy_loss,
+    policy_loss_weights,
+    policy_metrics,
     split_rows,
     vocab_parallel_linear_cross_entropy,
     vocab_parallel_linear_cross_entropy_with_stats,
@@ -83,6 +92,9 @@ __all__ = [
     # contrastive
     "MNROptions", "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MultipleNegativesRankingLoss",
     "grad_cache_step", "GradCacheStep", "split_rows",
+    # policy gradient and preference
+    "PolicyLossOptions", "PolicyLossOutput", "PolicyLossWeights", "policy_loss",
+    "policy_loss_weights", "policy_calibrator", "policy_metrics", "completion_labels",
     # calibration
     "LossCalibrator", "StepCalibration", "compute_loss_weights", "EngineScale",
     "EngineScaleError", "probe_no_engine", "probe_ddp",

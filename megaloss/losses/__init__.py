@@ -9,6 +9,10 @@
 - :mod:`.ce_output`: :class:`CrossEntropyOutput`, what the ``*_with_stats`` forms return.
 - :mod:`.mnr`: gathered Multiple Negatives Ranking / InfoNCE with exact cross-rank gradients
   (:func:`mnr_loss`, :func:`mnr_loss_with_stats`, :class:`MultipleNegativesRankingLoss`).
+- :mod:`.policy`: policy-gradient losses (GRPO, BNPO / DAPO, Dr. GRPO, CISPO; PPO clipping, KL,
+  entropy bonus, GSPO's sequence ratio) on per-token log-probs, normalised over the global
+  batch by the calibrator (:func:`policy_loss`).
+- :mod:`.dpo`: preference losses (DPO sigmoid, IPO) on sequence log-probs (:func:`dpo_loss`).
 - :mod:`.grad_cache`: GradCache, a contrastive loss over a batch embedded a mini-batch at a time
   (:func:`grad_cache_step`, :func:`split_rows`).
 
@@ -32,6 +36,18 @@ from .mnr import (
     mnr_loss_with_metrics,  # noqa: F401 (deprecated name, kept one release)
     mnr_loss_with_stats,
 )
+from .policy import (
+    POLICY_METRICS,
+    PolicyLossOptions,
+    PolicyLossOutput,
+    PolicyLossWeights,
+    completion_labels,
+    policy_calibrator,
+    policy_loss,
+    policy_loss_reduction,
+    policy_loss_weights,
+    policy_metrics,
+)
 from .vocab_parallel import (
     VocabParallelLMHead,
     VocabParallelOptions,
@@ -45,4 +61,7 @@ __all__ = [
     "CrossEntropyOutput", "VocabParallelOptions", "VocabParallelLMHead", "vocab_shard_range",
     "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MNROptions", "MultipleNegativesRankingLoss",
     "SIMILARITIES", "grad_cache_step", "GradCacheStep", "split_rows",
+    "policy_loss", "policy_loss_weights", "policy_loss_reduction", "policy_calibrator",
+    "policy_metrics", "completion_labels", "PolicyLossOptions", "PolicyLossOutput",
+    "PolicyLossWeights", "POLICY_METRICS",
 ]

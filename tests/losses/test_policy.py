@@ -90,7 +90,7 @@ CASES = [
 
 @pytest.mark.slow  # importing TRL's trainer (transformers, datasets, accelerate) takes ~7 s
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{v}" for v in c.values()))
-def test_matches_trl_compute_loss(case):  # slow: importing TRL takes ~10 s
+def test_matches_trl_compute_loss(case):
     opts = PolicyLossOptions(**case)
     lp, old, ref, ent, adv, mask = _batch()
     ours_in = [lp.clone().requires_grad_(), ent.clone().requires_grad_()]
@@ -98,7 +98,8 @@ def test_matches_trl_compute_loss(case):  # slow: importing TRL takes ~10 s
     out = policy_loss(ours_in[0], old, adv, mask, ref_log_probs=ref, entropy=ours_in[1],
                       options=opts)
     ref_loss, ref_metrics = _trl_loss(opts, trl_in[0], old, ref, trl_in[1], adv, mask)
-    assert abs(float(out.loss.detach()) - float(ref_loss.detach())) <= TOL * max(1.0, abs(float(ref_loss.detach())))
+    value, expected = float(out.loss.detach()), float(ref_loss.detach())
+    assert abs(value - expected) <= TOL * max(1.0, abs(expected))
     out.loss.backward()
     ref_loss.backward()
     for ours, theirs in zip(ours_in, trl_in):

@@ -41,6 +41,8 @@ from .calibration import (
 # deprecated aliases (one release; they warn when called), kept out of __all__
 from .losses import (  # noqa: F401
     CrossEntropyOutput,
+    DPOOptions,
+    DPOOutput,
     GradCacheStep,
     LinearCrossEntropyLoss,
     MNROptions,
@@ -52,6 +54,9 @@ from .losses import (  # noqa: F401
     VocabParallelLMHead,
     VocabParallelOptions,
     completion_labels,
+    dpo_loss,
+    dpo_metrics,
+    dpo_pair_weights,
     grad_cache_step,
     linear_cross_entropy,
     linear_cross_entropy_with_stats,
@@ -62,6 +67,7 @@ from .losses import (  # noqa: F401
     policy_loss,
     policy_loss_weights,
     policy_metrics,
+    sequence_log_probs,
     split_rows,
     vocab_parallel_linear_cross_entropy,
     vocab_parallel_linear_cross_entropy_with_stats,
@@ -95,6 +101,7 @@ __all__ = [
     # policy gradient and preference
     "PolicyLossOptions", "PolicyLossOutput", "PolicyLossWeights", "policy_loss",
     "policy_loss_weights", "policy_calibrator", "policy_metrics", "completion_labels",
+    "DPOOptions", "DPOOutput", "dpo_loss", "dpo_pair_weights", "dpo_metrics", "sequence_log_probs",
     # calibration
     "LossCalibrator", "StepCalibration", "compute_loss_weights", "EngineScale",
     "EngineScaleError", "probe_no_engine", "probe_ddp",

@@ -26,6 +26,15 @@ from .cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_with_stats,
 )
+from .dpo import (
+    DPO_METRICS,
+    DPOOptions,
+    DPOOutput,
+    dpo_loss,
+    dpo_metrics,
+    dpo_pair_weights,
+    sequence_log_probs,
+)
 from .grad_cache import GradCacheStep, grad_cache_step, split_rows
 from .mnr import (
     SIMILARITIES,
@@ -63,5 +72,6 @@ __all__ = [
     "SIMILARITIES", "grad_cache_step", "GradCacheStep", "split_rows",
     "policy_loss", "policy_loss_weights", "policy_loss_reduction", "policy_calibrator",
     "policy_metrics", "completion_labels", "PolicyLossOptions", "PolicyLossOutput",
-    "PolicyLossWeights", "POLICY_METRICS",
+    "PolicyLossWeights", "POLICY_METRICS", "dpo_loss", "dpo_pair_weights", "dpo_metrics",
+    "sequence_log_probs", "DPOOptions", "DPOOutput", "DPO_METRICS",
 ]

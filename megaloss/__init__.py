@@ -7,8 +7,9 @@ The package is a stack; each layer imports only the layers above it in this list
 - :mod:`megaloss.parallel`: process groups (:class:`Topology`; ``group=None`` is torch's default
   group everywhere) and collectives;
 - :mod:`megaloss.losses`: the linear CE (one entry point, :func:`linear_cross_entropy`, on one
-  device or vocab-parallel), gathered MNR, GradCache (functional + module), the policy-gradient
-  losses (:func:`policy_loss`) and DPO / IPO (:func:`dpo_loss`);
+  device or vocab-parallel), the per-token log-probabilities (:func:`linear_log_probs`),
+  gathered MNR, GradCache (functional + module), the policy-gradient losses
+  (:func:`policy_loss`) and DPO / IPO (:func:`dpo_loss`);
 - :mod:`megaloss.calibration`: global loss calibration and the engine-factor probes;
 - :mod:`megaloss.integrations`: DeepSpeed (:mod:`~megaloss.integrations.deepspeed`) and Hugging
   Face (:mod:`~megaloss.integrations.hf`) adapters.
@@ -45,6 +46,8 @@ from .losses import (  # noqa: F401
     DPOOutput,
     GradCacheStep,
     LinearCrossEntropyLoss,
+    LinearLogProbs,
+    LogProbsOutput,
     MNROptions,
     MNROutput,
     MultipleNegativesRankingLoss,
@@ -60,6 +63,7 @@ from .losses import (  # noqa: F401
     grad_cache_step,
     linear_cross_entropy,
     linear_cross_entropy_with_stats,
+    linear_log_probs,
     mnr_loss,
     mnr_loss_with_metrics,
     mnr_loss_with_stats,
@@ -73,7 +77,7 @@ from .losses import (  # noqa: F401
     vocab_parallel_linear_cross_entropy_with_stats,
 )
 from .losses.grad_cache import grad_cache  # noqa: F401
-from .ops import CrossEntropyOptions
+from .ops import CrossEntropyOptions, LogProbsOptions
 from .ops.labels import causal_shift
 from .parallel import SINGLE_RANK, Topology, init_dp_tp_mesh, mark_tensor_parallel
 
@@ -95,6 +99,8 @@ __all__ = [
     "CrossEntropyOptions", "VocabParallelOptions", "linear_cross_entropy",
     "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss", "CrossEntropyOutput",
     "VocabParallelLMHead", "causal_shift",
+    # per-token log-probabilities (policy / preference losses)
+    "LogProbsOptions", "linear_log_probs", "LinearLogProbs", "LogProbsOutput",
     # contrastive
     "MNROptions", "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MultipleNegativesRankingLoss",
     "grad_cache_step", "GradCacheStep", "split_rows",

@@ -7,6 +7,9 @@
 - :mod:`.vocab_parallel`: the vocab-parallel path (lm_head split over the vocabulary across TP
   ranks): :class:`VocabParallelOptions`, :class:`VocabParallelLMHead`, :func:`vocab_shard_range`.
 - :mod:`.ce_output`: :class:`CrossEntropyOutput`, what the ``*_with_stats`` forms return.
+- :mod:`.log_probs`: per-token log-probabilities (and entropy, log-sum-exp, greedy match) of
+  the labels under the lm_head, chunked, on one device or vocab-parallel
+  (:func:`linear_log_probs`, :class:`LinearLogProbs`, :class:`LogProbsOutput`).
 - :mod:`.mnr`: gathered Multiple Negatives Ranking / InfoNCE with exact cross-rank gradients
   (:func:`mnr_loss`, :func:`mnr_loss_with_stats`, :class:`MultipleNegativesRankingLoss`).
 - :mod:`.policy`: policy-gradient losses (GRPO, BNPO / DAPO, Dr. GRPO, CISPO; PPO clipping, KL,
@@ -36,6 +39,7 @@ from .dpo import (
     sequence_log_probs,
 )
 from .grad_cache import GradCacheStep, grad_cache_step, split_rows
+from .log_probs import LinearLogProbs, LogProbsOutput, linear_log_probs
 from .mnr import (
     SIMILARITIES,
     MNROptions,
@@ -74,4 +78,5 @@ __all__ = [
     "policy_metrics", "completion_labels", "PolicyLossOptions", "PolicyLossOutput",
     "PolicyLossWeights", "POLICY_METRICS", "dpo_loss", "dpo_pair_weights", "dpo_metrics",
     "sequence_log_probs", "DPOOptions", "DPOOutput", "DPO_METRICS",
+    "linear_log_probs", "LinearLogProbs", "LogProbsOutput",
 ]

@@ -85,6 +85,8 @@ _LAZY = {
     "MegalossConfig": "megaloss.integrations.deepspeed.config",
     "CEConfig": "megaloss.integrations.deepspeed.config",
     "MNRConfig": "megaloss.integrations.deepspeed.config",
+    "PolicyConfig": "megaloss.integrations.deepspeed.config",
+    "DPOConfig": "megaloss.integrations.deepspeed.config",
     "load_megaloss_config": "megaloss.integrations.deepspeed.config",
     "DeepSpeedMPU": "megaloss.integrations.deepspeed.mpu",
     "probe_deepspeed": "megaloss.integrations.deepspeed.probe",

@@ -41,7 +41,7 @@ def _args(loss_type, **kw):
 
 def _generation_batch():
     g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([7, 1, 2, 6, 3, 5])
+    lengths = torch.tensor([7, 1, 2, 6, 0, 5])  # a row without completion: uneven counts
     mask = (torch.arange(T)[None] < lengths[:, None]).long()
     lp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
     return lp, {

@@ -12,6 +12,10 @@
   (:func:`linear_log_probs`, :class:`LinearLogProbs`, :class:`LogProbsOutput`).
 - :mod:`.mnr`: gathered Multiple Negatives Ranking / InfoNCE with exact cross-rank gradients
   (:func:`mnr_loss`, :func:`mnr_loss_with_stats`, :class:`MultipleNegativesRankingLoss`).
+- :mod:`.policy`: policy-gradient losses (GRPO, BNPO / DAPO, Dr. GRPO, CISPO; PPO clipping, KL,
+  entropy bonus, GSPO's sequence ratio) on per-token log-probs, normalised over the global
+  batch by the calibrator (:func:`policy_loss`).
+- :mod:`.dpo`: preference losses (DPO sigmoid, IPO) on sequence log-probs (:func:`dpo_loss`).
 - :mod:`.grad_cache`: GradCache, a contrastive loss over a batch embedded a mini-batch at a time
   (:func:`grad_cache_step`, :func:`split_rows`).
 
@@ -25,6 +29,15 @@ from .cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_with_stats,
 )
+from .dpo import (
+    DPO_METRICS,
+    DPOOptions,
+    DPOOutput,
+    dpo_loss,
+    dpo_metrics,
+    dpo_pair_weights,
+    sequence_log_probs,
+)
 from .grad_cache import GradCacheStep, grad_cache_step, split_rows
 from .log_probs import LinearLogProbs, LogProbsOutput, linear_log_probs
 from .mnr import (
@@ -35,6 +48,18 @@ from .mnr import (
     mnr_loss,
     mnr_loss_with_metrics,  # noqa: F401 (deprecated name, kept one release)
     mnr_loss_with_stats,
+)
+from .policy import (
+    POLICY_METRICS,
+    PolicyLossOptions,
+    PolicyLossOutput,
+    PolicyLossWeights,
+    completion_labels,
+    policy_calibrator,
+    policy_loss,
+    policy_loss_reduction,
+    policy_loss_weights,
+    policy_metrics,
 )
 from .vocab_parallel import (
     VocabParallelLMHead,
@@ -49,5 +74,9 @@ __all__ = [
     "CrossEntropyOutput", "VocabParallelOptions", "VocabParallelLMHead", "vocab_shard_range",
     "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MNROptions", "MultipleNegativesRankingLoss",
     "SIMILARITIES", "grad_cache_step", "GradCacheStep", "split_rows",
+    "policy_loss", "policy_loss_weights", "policy_loss_reduction", "policy_calibrator",
+    "policy_metrics", "completion_labels", "PolicyLossOptions", "PolicyLossOutput",
+    "PolicyLossWeights", "POLICY_METRICS", "dpo_loss", "dpo_pair_weights", "dpo_metrics",
+    "sequence_log_probs", "DPOOptions", "DPOOutput", "DPO_METRICS",
     "linear_log_probs", "LinearLogProbs", "LogProbsOutput",
 ]

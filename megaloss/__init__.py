@@ -45,6 +45,7 @@ from .losses import (  # noqa: F401
     MNROptions,
     MNROutput,
     MultipleNegativesRankingLoss,
+    VocabParallelEmbedding,
     VocabParallelLMHead,
     VocabParallelOptions,
     grad_cache_step,
@@ -79,7 +80,7 @@ __all__ = [
     # cross-entropy
     "CrossEntropyOptions", "VocabParallelOptions", "linear_cross_entropy",
     "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss", "CrossEntropyOutput",
-    "VocabParallelLMHead", "causal_shift",
+    "VocabParallelLMHead", "VocabParallelEmbedding", "causal_shift",
     # contrastive
     "MNROptions", "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MultipleNegativesRankingLoss",
     "grad_cache_step", "GradCacheStep", "split_rows",

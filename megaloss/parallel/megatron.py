@@ -1,6 +1,9 @@
 """Process groups from Megatron-core's ``parallel_state`` (or NVIDIA apex's), for code bases
 that already built them with ``initialize_model_parallel``: Megatron-LM, Megatron-DeepSpeed,
-NeMo and older apex-based trainers.
+NeMo and older apex-based trainers. :meth:`megaloss.Topology.from_megatron` makes them a
+Topology (give it to the losses, the calibrator and
+:func:`megaloss.integrations.deepspeed.initialize` as any other); :func:`megatron_groups` also
+has the pipeline group.
 
 What is taken (Megatron-core ``megatron/core/parallel_state.py``; apex
 ``apex/transformer/parallel_state.py`` has the same function names, without context
@@ -32,16 +35,13 @@ is imported by megaloss except here, on request.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 from typing import Any, Dict, Optional
 
 from .groups import SINGLE_RANK
-from .topology import Topology
 
-__all__ = ["PARALLEL_STATE_MODULES", "import_parallel_state", "megatron_groups",
-           "topology_from_megatron"]
+__all__ = ["PARALLEL_STATE_MODULES", "import_parallel_state", "megatron_groups"]
 
 PARALLEL_STATE_MODULES = ("megatron.core.parallel_state", "apex.transformer.parallel_state")
 """Where :func:`import_parallel_state` looks, in this order."""
@@ -108,21 +108,3 @@ def megatron_groups(parallel_state: Optional[Any] = None) -> Dict[str, Any]:
     else:  # apex and Megatron before context parallelism: the tokens of a sample stay together
         groups["dp_sp"] = groups["dp"]
     return groups
-
-
-def topology_from_megatron(parallel_state: Optional[Any] = None) -> Topology:
-    """A :class:`~megaloss.Topology` of :func:`megatron_groups` (also
-    :meth:`Topology.from_megatron`): give it to the losses, the calibrator and
-    :func:`megaloss.integrations.deepspeed.initialize` as with any Topology. The pipeline group
-    goes into the Topology where it has a ``pp_group`` field; it is always in
-    :func:`megatron_groups`.
-
-    Raises:
-        ImportError / TypeError / RuntimeError: as :func:`megatron_groups`.
-    """
-    groups = megatron_groups(parallel_state)
-    kwargs = dict(dp_group=groups["dp"], sp_group=groups["sp"], tp_group=groups["tp"],
-                  dp_sp_group=groups["dp_sp"])
-    if "pp_group" in {f.name for f in dataclasses.fields(Topology)}:
-        kwargs["pp_group"] = groups["pp"]
-    return Topology(**kwargs)

@@ -221,16 +221,19 @@ class Topology:
     @classmethod
     def from_megatron(cls, parallel_state: Any = None) -> "Topology":
         """From Megatron-core's initialised ``parallel_state`` (or NVIDIA apex's): TP, DP,
-        context parallel as ``sp``, ``dp x cp`` as ``dp_sp``; see
-        :func:`megaloss.parallel.megatron.topology_from_megatron` (``parallel_state=None``
-        imports the module).
+        context parallel as ``sp``, ``dp x cp`` as ``dp_sp``
+        (:func:`megaloss.parallel.megatron.megatron_groups`, which has the pipeline group too);
+        ``parallel_state=None`` imports the module.
 
         Raises:
             ImportError / TypeError / RuntimeError: see
                 :func:`megaloss.parallel.megatron.megatron_groups`.
         """
-        from .megatron import topology_from_megatron  # it builds on this class
-        return topology_from_megatron(parallel_state)
+        from .megatron import megatron_groups  # Megatron / apex only on request
+
+        groups = megatron_groups(parallel_state)
+        return cls(dp_group=groups["dp"], sp_group=groups["sp"], tp_group=groups["tp"],
+                   dp_sp_group=groups["dp_sp"])
 
     def __repr__(self) -> str:
         return (f"Topology(dp={self.dp_size}, sp={self.sp_size}, tp={self.tp_size}, "

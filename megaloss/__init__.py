@@ -7,7 +7,8 @@ The package is a stack; each layer imports only the layers above it in this list
 - :mod:`megaloss.parallel`: process groups (:class:`Topology`; ``group=None`` is torch's default
   group everywhere) and collectives;
 - :mod:`megaloss.losses`: the linear CE (one entry point, :func:`linear_cross_entropy`, on one
-  device or vocab-parallel), gathered MNR, GradCache (functional + module);
+  device or vocab-parallel), the per-token log-probabilities (:func:`linear_log_probs`),
+  gathered MNR, GradCache (functional + module);
 - :mod:`megaloss.calibration`: global loss calibration and the engine-factor probes;
 - :mod:`megaloss.integrations`: DeepSpeed (:mod:`~megaloss.integrations.deepspeed`) and Hugging
   Face (:mod:`~megaloss.integrations.hf`) adapters.
@@ -42,6 +43,8 @@ from .losses import (  # noqa: F401
     CrossEntropyOutput,
     GradCacheStep,
     LinearCrossEntropyLoss,
+    LinearLogProbs,
+    LogProbsOutput,
     MNROptions,
     MNROutput,
     MultipleNegativesRankingLoss,
@@ -51,6 +54,7 @@ from .losses import (  # noqa: F401
     grad_cache_step,
     linear_cross_entropy,
     linear_cross_entropy_with_stats,
+    linear_log_probs,
     mnr_loss,
     mnr_loss_with_metrics,
     mnr_loss_with_stats,
@@ -59,7 +63,7 @@ from .losses import (  # noqa: F401
     vocab_parallel_linear_cross_entropy_with_stats,
 )
 from .losses.grad_cache import grad_cache  # noqa: F401
-from .ops import CrossEntropyOptions
+from .ops import CrossEntropyOptions, LogProbsOptions
 from .ops.labels import causal_shift
 from .parallel import SINGLE_RANK, Topology, init_dp_tp_mesh, mark_tensor_parallel
 
@@ -81,6 +85,8 @@ __all__ = [
     "CrossEntropyOptions", "VocabParallelOptions", "linear_cross_entropy",
     "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss", "CrossEntropyOutput",
     "VocabParallelLMHead", "VocabParallelEmbedding", "causal_shift",
+    # per-token log-probabilities (policy / preference losses)
+    "LogProbsOptions", "linear_log_probs", "LinearLogProbs", "LogProbsOutput",
     # contrastive
     "MNROptions", "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MultipleNegativesRankingLoss",
     "grad_cache_step", "GradCacheStep", "split_rows",

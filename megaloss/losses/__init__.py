@@ -9,6 +9,9 @@
 - :mod:`.vocab_parallel_embedding`: :class:`VocabParallelEmbedding`, the input embedding split
   the same way, which can share the head's shard (tied embeddings under TP).
 - :mod:`.ce_output`: :class:`CrossEntropyOutput`, what the ``*_with_stats`` forms return.
+- :mod:`.log_probs`: per-token log-probabilities (and entropy, log-sum-exp, greedy match) of
+  the labels under the lm_head, chunked, on one device or vocab-parallel
+  (:func:`linear_log_probs`, :class:`LinearLogProbs`, :class:`LogProbsOutput`).
 - :mod:`.mnr`: gathered Multiple Negatives Ranking / InfoNCE with exact cross-rank gradients
   (:func:`mnr_loss`, :func:`mnr_loss_with_stats`, :class:`MultipleNegativesRankingLoss`).
 - :mod:`.grad_cache`: GradCache, a contrastive loss over a batch embedded a mini-batch at a time
@@ -25,6 +28,7 @@ from .cross_entropy import (
     linear_cross_entropy_with_stats,
 )
 from .grad_cache import GradCacheStep, grad_cache_step, split_rows
+from .log_probs import LinearLogProbs, LogProbsOutput, linear_log_probs
 from .mnr import (
     SIMILARITIES,
     MNROptions,
@@ -49,4 +53,5 @@ __all__ = [
     "VocabParallelEmbedding",
     "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MNROptions", "MultipleNegativesRankingLoss",
     "SIMILARITIES", "grad_cache_step", "GradCacheStep", "split_rows",
+    "linear_log_probs", "LinearLogProbs", "LogProbsOutput",
 ]

@@ -4,6 +4,7 @@ are built from these dataclasses) or the functional API's keyword arguments down
 
 - :class:`CrossEntropyOptions`: the linear cross-entropy (single-device and vocab-parallel).
 - :class:`MNROptions`: the gathered Multiple Negatives Ranking (InfoNCE) loss.
+- :class:`LogProbsOptions`: the per-token log-probabilities of :func:`megaloss.linear_log_probs`.
 - :func:`resolve_options`: ``options=`` or the option keywords of an entry point, not both.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Dict, Optional, Type, TypeVar
 import torch
 
 __all__ = ["CrossEntropyOptions", "CE_REDUCTIONS", "CE_IMPLS", "MNROptions", "SIMILARITIES",
-           "mnr_option_error", "resolve_options"]
+           "LogProbsOptions", "mnr_option_error", "resolve_options"]
 
 CE_REDUCTIONS = ("mean", "sum", "none")
 CE_IMPLS = ("auto", "torch", "triton")
@@ -170,7 +171,71 @@ def mnr_option_error(name: str, value: Any) -> Optional[Exception]:
     return None
 
 
-Options = TypeVar("Options", CrossEntropyOptions, MNROptions)
+@dataclass(frozen=True)
+class LogProbsOptions:
+    """Options of :func:`megaloss.linear_log_probs` and :class:`megaloss.LinearLogProbs`.
+
+    The scaled logits are ``y = softcap(z) / temperature``: soft-capping acts on the raw lm_head
+    logits (as Gemma 2's ``final_logit_softcapping`` does inside the model,
+    ``transformers``' ``Gemma2ForCausalLM.forward``), and the temperature divides what the model
+    returns (as TRL's trainers do, ``logits / temperature`` before ``selective_log_softmax``).
+
+    Attributes:
+        ignore_index: label value whose token gets ``log_probs = 0``, ``entropy = 0``,
+            ``greedy_match = False`` and no gradient (int).
+        temperature: ``T > 0`` (finite), the divisor of the (soft-capped) logits.
+        logit_softcapping: ``c`` in Gemma 2's ``c * tanh(logits / c)`` (arXiv:2408.00118);
+            ``None`` disables it, else ``> 0``.
+        return_entropy: also compute the per-token entropy of ``softmax(y)`` (one more
+            ``[tokens]`` statistic in the vocab-parallel all-reduce, one more pass per chunk).
+        chunk_size: tokens per chunk (``>= 1``); the working set is a few ``chunk_size x V``
+            fp32 buffers (``x V/tp`` under tensor parallelism).
+        accum_dtype: floating dtype of the weight/bias gradient accumulation across chunks.
+        impl: the chunk epilogue, as :class:`CrossEntropyOptions`'s: ``"torch"``, ``"triton"``
+            or ``"auto"``.
+
+    Raises:
+        ValueError / TypeError: an option out of range or of the wrong type, naming it.
+    """
+
+    ignore_index: int = -100
+    temperature: float = 1.0
+    logit_softcapping: Optional[float] = None
+    return_entropy: bool = False
+    chunk_size: int = 1024
+    accum_dtype: torch.dtype = torch.float32
+    impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or math.isinf(t):
+            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+        if self.logit_softcapping is not None:
+            _check_float("logit_softcapping", self.logit_softcapping, 0.0, float("inf"),
+                         open_low=True, none_ok=True)
+        if not isinstance(self.return_entropy, bool):
+            raise TypeError(f"return_entropy must be a bool, got {self.return_entropy!r}")
+        if not isinstance(self.impl, str) or self.impl not in CE_IMPLS:
+            raise ValueError(f"impl must be one of {CE_IMPLS}, got {self.impl!r}")
+        if _bad_chunk_size(self.chunk_size):
+            raise ValueError(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
+        if not isinstance(self.accum_dtype, torch.dtype) or not self.accum_dtype.is_floating_point:
+            raise TypeError(f"accum_dtype must be a floating torch.dtype, got {self.accum_dtype!r}")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        if self.logit_softcapping is not None:
+            object.__setattr__(self, "logit_softcapping", float(self.logit_softcapping))
+
+    def replace(self, **changes: Any) -> "LogProbsOptions":
+        """A copy with ``changes`` applied (validated)."""
+        return replace(self, **changes)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+Options = TypeVar("Options", CrossEntropyOptions, MNROptions, LogProbsOptions)
 
 
 def resolve_options(cls: Type[Options], options: Optional[Options],
@@ -178,7 +243,7 @@ def resolve_options(cls: Type[Options], options: Optional[Options],
     """The options of a call that takes ``options=`` *or* the option fields as keywords.
 
     Args:
-        cls: :class:`CrossEntropyOptions` or :class:`MNROptions`.
+        cls: :class:`CrossEntropyOptions`, :class:`MNROptions` or :class:`LogProbsOptions`.
         options: the ``options=`` argument (``None``: build the options from ``keywords``).
         keywords: every option keyword of the call, ``{field name: value}``.
 

@@ -20,7 +20,7 @@ Importing this package does not import ``deepspeed``; the functions import it wh
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from .compat import configure_launched_process, skip_cpu_shm_comm_build
 from .config import CEConfig, MegalossConfig, MNRConfig, check_top_level_keys, load_megaloss_config
-from .engine import MegalossEngine, initialize, load_ds_config
+from .engine import MegalossEngine, initialize, keep_wandb_cache_in_run_dir, load_ds_config
 from .monitor import (
     MONITOR_SECTIONS,
     close_monitors,
@@ -38,5 +38,5 @@ __all__ = [
     "StepMetrics", "EvalResult", "peak_memory_mib", "write_metrics", "MONITOR_SECTIONS",
     "skip_cpu_shm_comm_build", "configure_launched_process", "check_top_level_keys",
     "monitor_step", "continue_monitors", "close_monitors", "save_checkpoint", "load_checkpoint",
-    "resolve_checkpoint",
+    "resolve_checkpoint", "keep_wandb_cache_in_run_dir",
 ]

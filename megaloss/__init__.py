@@ -54,6 +54,7 @@ from .losses import (  # noqa: F401
     PolicyLossOptions,
     PolicyLossOutput,
     PolicyLossWeights,
+    VocabParallelEmbedding,
     VocabParallelLMHead,
     VocabParallelOptions,
     completion_labels,
@@ -100,7 +101,7 @@ __all__ = [
     # cross-entropy
     "CrossEntropyOptions", "VocabParallelOptions", "linear_cross_entropy",
     "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss", "CrossEntropyOutput",
-    "VocabParallelLMHead", "causal_shift",
+    "VocabParallelLMHead", "VocabParallelEmbedding", "causal_shift",
     # per-token log-probabilities (policy / preference losses)
     "LogProbsOptions", "linear_log_probs", "LinearLogProbs", "LogProbsOutput",
     # contrastive

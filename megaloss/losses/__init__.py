@@ -6,6 +6,8 @@
   ``vocab_parallel_options``), and :class:`LinearCrossEntropyLoss`.
 - :mod:`.vocab_parallel`: the vocab-parallel path (lm_head split over the vocabulary across TP
   ranks): :class:`VocabParallelOptions`, :class:`VocabParallelLMHead`, :func:`vocab_shard_range`.
+- :mod:`.vocab_parallel_embedding`: :class:`VocabParallelEmbedding`, the input embedding split
+  the same way, which can share the head's shard (tied embeddings under TP).
 - :mod:`.ce_output`: :class:`CrossEntropyOutput`, what the ``*_with_stats`` forms return.
 - :mod:`.log_probs`: per-token log-probabilities (and entropy, log-sum-exp, greedy match) of
   the labels under the lm_head, chunked, on one device or vocab-parallel
@@ -68,10 +70,12 @@ from .vocab_parallel import (
     vocab_parallel_linear_cross_entropy_with_stats,  # noqa: F401 (deprecated)
     vocab_shard_range,
 )
+from .vocab_parallel_embedding import VocabParallelEmbedding
 
 __all__ = [
     "linear_cross_entropy", "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss",
     "CrossEntropyOutput", "VocabParallelOptions", "VocabParallelLMHead", "vocab_shard_range",
+    "VocabParallelEmbedding",
     "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MNROptions", "MultipleNegativesRankingLoss",
     "SIMILARITIES", "grad_cache_step", "GradCacheStep", "split_rows",
     "policy_loss", "policy_loss_weights", "policy_loss_reduction", "policy_calibrator",

@@ -9,7 +9,8 @@ The package is a stack; each layer imports only the layers above it in this list
 - :mod:`megaloss.losses`: the linear CE (one entry point, :func:`linear_cross_entropy`, on one
   device or vocab-parallel), the per-token log-probabilities (:func:`linear_log_probs`),
   gathered MNR, GradCache (functional + module), the policy-gradient losses
-  (:func:`policy_loss`) and DPO / IPO (:func:`dpo_loss`);
+  (:func:`policy_loss`), DPO / IPO (:func:`dpo_loss`) and the linear distillation loss
+  (:func:`linear_distillation_loss`);
 - :mod:`megaloss.calibration`: global loss calibration and the engine-factor probes;
 - :mod:`megaloss.integrations`: DeepSpeed (:mod:`~megaloss.integrations.deepspeed`) and Hugging
   Face (:mod:`~megaloss.integrations.hf`) adapters.
@@ -42,10 +43,12 @@ from .calibration import (
 # deprecated aliases (one release; they warn when called), kept out of __all__
 from .losses import (  # noqa: F401
     CrossEntropyOutput,
+    DistillationOutput,
     DPOOptions,
     DPOOutput,
     GradCacheStep,
     LinearCrossEntropyLoss,
+    LinearDistillationLoss,
     LinearLogProbs,
     LogProbsOutput,
     MNROptions,
@@ -64,6 +67,8 @@ from .losses import (  # noqa: F401
     grad_cache_step,
     linear_cross_entropy,
     linear_cross_entropy_with_stats,
+    linear_distillation_loss,
+    linear_distillation_loss_with_stats,
     linear_log_probs,
     mnr_loss,
     mnr_loss_with_metrics,
@@ -78,7 +83,7 @@ from .losses import (  # noqa: F401
     vocab_parallel_linear_cross_entropy_with_stats,
 )
 from .losses.grad_cache import grad_cache  # noqa: F401
-from .ops import CrossEntropyOptions, LogProbsOptions
+from .ops import CrossEntropyOptions, DistillationOptions, LogProbsOptions
 from .ops.labels import causal_shift
 from .parallel import SINGLE_RANK, Topology, init_dp_tp_mesh, mark_tensor_parallel
 
@@ -88,10 +93,12 @@ _LAZY = {
     "MNRConfig": "megaloss.integrations.deepspeed.config",
     "PolicyConfig": "megaloss.integrations.deepspeed.config",
     "DPOConfig": "megaloss.integrations.deepspeed.config",
+    "DistillationConfig": "megaloss.integrations.deepspeed.config",
     "load_megaloss_config": "megaloss.integrations.deepspeed.config",
     "DeepSpeedMPU": "megaloss.integrations.deepspeed.mpu",
     "probe_deepspeed": "megaloss.integrations.deepspeed.probe",
     "CausalLMWithLoss": "megaloss.integrations.hf.causal_lm",
+    "CausalLMWithDistillation": "megaloss.integrations.hf.distillation",
     "EmbeddingModelWithMNR": "megaloss.integrations.hf.embedding",
 }
 
@@ -104,6 +111,10 @@ __all__ = [
     "VocabParallelLMHead", "VocabParallelEmbedding", "causal_shift",
     # per-token log-probabilities (policy / preference losses)
     "LogProbsOptions", "linear_log_probs", "LinearLogProbs", "LogProbsOutput",
+    "VocabParallelLMHead", "causal_shift",
+    # distillation
+    "DistillationOptions", "linear_distillation_loss", "linear_distillation_loss_with_stats",
+    "LinearDistillationLoss", "DistillationOutput",
     # contrastive
     "MNROptions", "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MultipleNegativesRankingLoss",
     "grad_cache_step", "GradCacheStep", "split_rows",

@@ -8,6 +8,9 @@
   ranks): :class:`VocabParallelOptions`, :class:`VocabParallelLMHead`, :func:`vocab_shard_range`.
 - :mod:`.vocab_parallel_embedding`: :class:`VocabParallelEmbedding`, the input embedding split
   the same way, which can share the head's shard (tied embeddings under TP).
+- :mod:`.distillation`: knowledge distillation through both lm_heads without logits
+  (:func:`linear_distillation_loss`, :func:`linear_distillation_loss_with_stats`,
+  :class:`LinearDistillationLoss`; one device or vocab-parallel; full or top-k teacher).
 - :mod:`.ce_output`: :class:`CrossEntropyOutput`, what the ``*_with_stats`` forms return.
 - :mod:`.log_probs`: per-token log-probabilities (and entropy, log-sum-exp, greedy match) of
   the labels under the lm_head, chunked, on one device or vocab-parallel
@@ -30,6 +33,12 @@ from .cross_entropy import (
     LinearCrossEntropyLoss,
     linear_cross_entropy,
     linear_cross_entropy_with_stats,
+)
+from .distillation import (
+    DistillationOutput,
+    LinearDistillationLoss,
+    linear_distillation_loss,
+    linear_distillation_loss_with_stats,
 )
 from .dpo import (
     DPO_METRICS,
@@ -76,6 +85,8 @@ __all__ = [
     "linear_cross_entropy", "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss",
     "CrossEntropyOutput", "VocabParallelOptions", "VocabParallelLMHead", "vocab_shard_range",
     "VocabParallelEmbedding",
+    "linear_distillation_loss", "linear_distillation_loss_with_stats", "LinearDistillationLoss",
+    "DistillationOutput",
     "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MNROptions", "MultipleNegativesRankingLoss",
     "SIMILARITIES", "grad_cache_step", "GradCacheStep", "split_rows",
     "policy_loss", "policy_loss_weights", "policy_loss_reduction", "policy_calibrator",

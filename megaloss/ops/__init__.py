@@ -2,8 +2,8 @@
 groups: cross-rank combination comes in as ``reduce_max`` / ``reduce_sum`` callables.
 
 - :mod:`.options`: :class:`CrossEntropyOptions`, :class:`MNROptions`, :class:`LogProbsOptions`,
-  the validated options of the losses, and :func:`~.options.resolve_options` (``options=`` or
-  keywords).
+  :class:`DistillationOptions` (and the policy / DPO options), the validated options of the
+  losses, and :func:`~.options.resolve_options` (``options=`` or keywords).
 - :mod:`.chunk_stats`: the per-token statistics of a CE chunk and the loss from them (the leaf
   both epilogues import): :class:`ChunkResult`, :func:`~.chunk_stats.loss_from_stats`.
 - :mod:`.cross_entropy_chunk`: loss, log-sum-exp and logit gradient of one chunk of tokens: the
@@ -16,6 +16,9 @@ groups: cross-rank combination comes in as ``reduce_max`` / ``reduce_sum`` calla
 - :mod:`.triton_log_probs`: that epilogue as two fused Triton kernels (imports ``triton``; imported
   only when selected).
 - :mod:`.chunked_log_probs`: their chunk loop and autograd Function (recompute in backward).
+- :mod:`.distillation_chunk`: distillation loss (forward / reverse KL, generalised JSD, hard-label
+  CE) of one chunk against one vocab slice, full or top-k teacher, with the student's gradient.
+- :mod:`.chunked_linear_distillation`: its chunk loop and autograd Function.
 - :mod:`.infonce_rows`: InfoNCE rows against a set of columns, chunked, gradients in forward.
 - :mod:`.labels`: :func:`~.labels.causal_shift`, Hugging Face's unshifted labels to targets.
 - :mod:`.validation`: tensor checks that raise ValueError/TypeError naming the argument.
@@ -26,11 +29,14 @@ from .cross_entropy_chunk import chunk_cross_entropy
 from .options import (
     CE_IMPLS,
     CE_REDUCTIONS,
+    DISTILLATION_KINDS,
     SIMILARITIES,
     CrossEntropyOptions,
+    DistillationOptions,
     LogProbsOptions,
     MNROptions,
 )
 
 __all__ = ["CrossEntropyOptions", "MNROptions", "LogProbsOptions", "CE_REDUCTIONS", "CE_IMPLS",
-           "SIMILARITIES", "ChunkResult", "chunk_cross_entropy", "chunked_linear_cross_entropy"]
+           "SIMILARITIES", "ChunkResult", "chunk_cross_entropy", "chunked_linear_cross_entropy",
+           "DistillationOptions", "DISTILLATION_KINDS"]

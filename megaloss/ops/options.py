@@ -8,6 +8,7 @@ are built from these dataclasses) or the functional API's keyword arguments down
 - :class:`PolicyLossOptions`: the policy-gradient losses (GRPO family, CISPO) of
   :func:`megaloss.policy_loss`.
 - :class:`DPOOptions`: the preference losses (DPO sigmoid, IPO) of :func:`megaloss.dpo_loss`.
+- :class:`DistillationOptions`: the linear distillation loss (single-device and vocab-parallel).
 - :func:`resolve_options`: ``options=`` or the option keywords of an entry point, not both.
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 
 __all__ = ["CrossEntropyOptions", "CE_REDUCTIONS", "CE_IMPLS", "MNROptions", "SIMILARITIES",
            "LogProbsOptions", "mnr_option_error", "resolve_options", "PolicyLossOptions",
-           "POLICY_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "DPOOptions", "DPO_LOSS_TYPES"]
+           "POLICY_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "DPOOptions", "DPO_LOSS_TYPES",
+           "DistillationOptions", "DISTILLATION_KINDS"]
 
 CE_REDUCTIONS = ("mean", "sum", "none")
 CE_IMPLS = ("auto", "torch", "triton")
@@ -366,7 +368,112 @@ class DPOOptions:
 # --- end of policy-gradient and preference losses --------------------------------------------
 
 
-Options = TypeVar("Options", CrossEntropyOptions, MNROptions, LogProbsOptions)
+# --- distillation ------------------------------------------------------------------------------
+DISTILLATION_KINDS = ("forward_kl", "reverse_kl", "jsd")
+
+
+@dataclass(frozen=True)
+class DistillationOptions:
+    """Options of :func:`megaloss.linear_distillation_loss` and its vocab-parallel form.
+
+    With ``P`` the teacher's and ``Q`` the student's distribution at ``temperature`` (softmax of
+    the soft-capped logits divided by ``T``), per valid token (label != ``ignore_index``)::
+
+        loss = (1 - alpha) * T2 * D(P, Q) + alpha * CE(student logits at T=1, label)
+
+    with ``T2 = T**2`` when ``temperature_squared`` (Hinton et al. 2015, arXiv:1503.02531: it
+    keeps the soft term's gradient scale independent of ``T``), else 1.
+
+    Attributes:
+        kind: ``D``: ``"forward_kl"`` ``KL(P || Q)``, ``"reverse_kl"`` ``KL(Q || P)``, or
+            ``"jsd"``, the generalised Jensen-Shannon divergence of Liger-Kernel
+            (linkedin/Liger-Kernel, ``src/liger_kernel/ops/jsd.py``):
+            ``beta * KL(P || M) + (1 - beta) * KL(Q || M)``, ``M = beta * P + (1 - beta) * Q``,
+            where, as there, ``beta = 0`` is forward KL and ``beta = 1`` reverse KL (the
+            formula itself is 0 at both ends; Liger switches to the KLs there, and so does this).
+        beta: the JSD's ``beta`` in ``[0, 1]`` (read only for ``kind="jsd"``).
+        temperature: ``T > 0`` (finite), applied to both models' (soft-capped) logits; with a
+            top-k teacher the stored log-probs are taken as the teacher's distribution at ``T``.
+        temperature_squared: multiply the divergence by ``T**2`` (bool).
+        alpha: weight of the hard-label cross-entropy in ``[0, 1]``; 0 (default) is pure
+            distillation.
+        ignore_index: label of positions with neither loss nor gradient (int).
+        reduction: ``"mean"`` over valid tokens (with ``loss_weights``: ``sum(w*l)/sum(w)``),
+            ``"sum"`` (of ``w*l``) or ``"none"`` (per token, 0 at ignored positions).
+        logit_softcapping: Gemma 2's ``c * tanh(z / c)`` on the student's logits
+            (arXiv:2408.00118), ``None`` or ``> 0``.
+        teacher_logit_softcapping: the same for the teacher's logits.
+        chunk_size: tokens per chunk (``>= 1``); the working set is a few ``chunk_size x V``
+            fp32 buffers (``x V/tp`` under tensor parallelism).
+        accum_dtype: floating dtype of the student weight/bias gradient accumulation.
+
+    Raises:
+        ValueError / TypeError: an option out of range or of the wrong type, naming it.
+    """
+
+    kind: str = "forward_kl"
+    beta: float = 0.5
+    temperature: float = 1.0
+    temperature_squared: bool = True
+    alpha: float = 0.0
+    ignore_index: int = -100
+    reduction: str = "mean"
+    logit_softcapping: Optional[float] = None
+    teacher_logit_softcapping: Optional[float] = None
+    chunk_size: int = 1024
+    accum_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, str) or self.kind not in DISTILLATION_KINDS:
+            raise ValueError(f"kind must be one of {DISTILLATION_KINDS}, got {self.kind!r}")
+        if self.reduction not in CE_REDUCTIONS:
+            raise ValueError(f"reduction must be one of {CE_REDUCTIONS}, got {self.reduction!r}")
+        _check_float("beta", self.beta, 0.0, 1.0)
+        _check_float("alpha", self.alpha, 0.0, 1.0)
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or math.isinf(t):
+            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+        if not isinstance(self.temperature_squared, bool):
+            raise TypeError(f"temperature_squared must be a bool, got {self.temperature_squared!r}")
+        for name in ("logit_softcapping", "teacher_logit_softcapping"):
+            if getattr(self, name) is not None:
+                _check_float(name, getattr(self, name), 0.0, float("inf"), open_low=True,
+                             none_ok=True)
+                object.__setattr__(self, name, float(getattr(self, name)))
+        if _bad_chunk_size(self.chunk_size):
+            raise ValueError(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
+        if not isinstance(self.accum_dtype, torch.dtype) or not self.accum_dtype.is_floating_point:
+            raise TypeError(f"accum_dtype must be a floating torch.dtype, got {self.accum_dtype!r}")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        for name in ("beta", "alpha", "temperature"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+    @property
+    def divergence(self) -> str:
+        """The divergence computed: ``kind``, with ``"jsd"`` at ``beta`` 0 / 1 resolved to
+        ``"forward_kl"`` / ``"reverse_kl"`` (Liger-Kernel's convention)."""
+        if self.kind == "jsd" and self.beta in (0.0, 1.0):
+            return "forward_kl" if self.beta == 0.0 else "reverse_kl"
+        return self.kind
+
+    @property
+    def soft_scale(self) -> float:
+        """``(1 - alpha) * T2``: the divergence's factor in the loss."""
+        t2 = self.temperature ** 2 if self.temperature_squared else 1.0
+        return (1.0 - self.alpha) * t2
+
+    def replace(self, **changes: Any) -> "DistillationOptions":
+        """A copy with ``changes`` applied (validated)."""
+        return replace(self, **changes)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+# --- end distillation --------------------------------------------------------------------------
+
+
+Options = TypeVar("Options", CrossEntropyOptions, MNROptions, LogProbsOptions,
+                  DistillationOptions)
 
 
 def resolve_options(cls: Type[Options], options: Optional[Options],
@@ -374,7 +481,8 @@ def resolve_options(cls: Type[Options], options: Optional[Options],
     """The options of a call that takes ``options=`` *or* the option fields as keywords.
 
     Args:
-        cls: :class:`CrossEntropyOptions`, :class:`MNROptions` or :class:`LogProbsOptions`.
+        cls: :class:`CrossEntropyOptions`, :class:`MNROptions`, :class:`LogProbsOptions` or
+            :class:`DistillationOptions`.
         options: the ``options=`` argument (``None``: build the options from ``keywords``).
         keywords: every option keyword of the call, ``{field name: value}``.
 

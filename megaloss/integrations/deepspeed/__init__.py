@@ -23,6 +23,7 @@ from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from .compat import configure_launched_process, skip_cpu_shm_comm_build
 from .config import (
     CEConfig,
+    DistillationConfig,
     DPOConfig,
     MegalossConfig,
     MNRConfig,
@@ -44,7 +45,8 @@ from .probe import probe_deepspeed
 from .train_step import EvalResult, StepMetrics, evaluate, peak_memory_mib, train_step
 
 __all__ = [
-    "MegalossConfig", "CEConfig", "MNRConfig", "load_megaloss_config", "load_ds_config",
+    "MegalossConfig", "CEConfig", "MNRConfig", "DistillationConfig", "load_megaloss_config",
+    "load_ds_config",
     "DeepSpeedMPU", "probe_deepspeed", "initialize", "MegalossEngine", "train_step", "evaluate",
     "StepMetrics", "EvalResult", "peak_memory_mib", "write_metrics", "MONITOR_SECTIONS",
     "skip_cpu_shm_comm_build", "configure_launched_process", "check_top_level_keys",

@@ -12,7 +12,12 @@ file drives both the engine and megaloss::
 
 The ``ce`` and ``mnr`` sections are built from the options dataclasses
 (:class:`~megaloss.ops.options.CrossEntropyOptions`, :class:`~megaloss.ops.options.MNROptions`):
-every option is settable here, with the dataclass's defaults, bounds and messages.
+every option is settable here, with the dataclass's defaults, bounds and messages. A
+``distillation`` section (:class:`DistillationConfig`, from
+:class:`~megaloss.ops.options.DistillationOptions`) selects the distillation loss instead of the
+cross-entropy: ``"distillation": {"kind": "jsd", "beta": 0.5, "temperature": 2.0,
+"loss_reduction": "token"}``; the ``ce`` section must then be left out (its keys would have no
+effect).
 
 Every model forbids unknown keys, so a typo (``"chunksize"``) is an error instead of a silently
 ignored option. Errors are re-raised as :class:`ValueError` whose message names the full key path
@@ -48,9 +53,16 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ...ops.options import CrossEntropyOptions, DPOOptions, MNROptions, PolicyLossOptions
+from ...ops.options import (
+    CrossEntropyOptions,
+    DistillationOptions,
+    DPOOptions,
+    MNROptions,
+    PolicyLossOptions,
+)
 
-__all__ = ["CEConfig", "MNRConfig", "PolicyConfig", "DPOConfig", "MegalossConfig",
+__all__ = ["CEConfig", "MNRConfig", "PolicyConfig", "DPOConfig", "DistillationConfig",
+           "MegalossConfig",
            "load_megaloss_config", "SECTION", "DEEPSPEED_TOP_LEVEL_KEYS", "check_top_level_keys"]
 
 SECTION = "megaloss"
@@ -297,6 +309,41 @@ DPOConfig = create_model(
     **_config_fields(DPOOptions))
 
 
+class _DistillationSection(_OptionsSection):
+    _options_cls: ClassVar[type] = DistillationOptions
+
+    loss_reduction: Literal["token", "sample", "square"] = "token"
+
+    def options(self, ignore_index: Optional[int] = None) -> DistillationOptions:
+        """The per-call distillation options (``reduction="sum"``: the calibration weights the
+        tokens); ``ignore_index`` overrides the section's."""
+        fields = self._option_fields()
+        if ignore_index is not None:
+            fields["ignore_index"] = ignore_index
+        return DistillationOptions(reduction="sum", **fields)
+
+
+DistillationConfig = create_model(
+    "DistillationConfig", __base__=_DistillationSection, __module__=__name__,
+    __doc__="""Options of the linear distillation loss (:func:`megaloss.linear_distillation_loss`);
+    its presence in the ``"megaloss"`` section selects distillation instead of the
+    cross-entropy.
+
+    Fields: every field of :class:`~megaloss.ops.options.DistillationOptions` (``kind``,
+    ``beta``, ``temperature``, ``temperature_squared``, ``alpha``, ``ignore_index``,
+    ``logit_softcapping``, ``teacher_logit_softcapping``, ``chunk_size``, ``accum_dtype`` by
+    name; same defaults, validated by the dataclass) except ``reduction``, which the calibration
+    fixes to ``"sum"``; plus
+
+    Attributes:
+        loss_reduction: the global calibration across DP x SP x gradient accumulation, as in
+            :class:`CEConfig`: ``"token"``, ``"sample"`` or ``"square"``.
+
+    :meth:`options` gives the :class:`~megaloss.ops.options.DistillationOptions` of a call.
+    """,
+    **_config_fields(DistillationOptions, skip=("reduction",)))
+
+
 class MegalossConfig(_Strict):
     """The whole ``"megaloss"`` section.
 
@@ -311,6 +358,9 @@ class MegalossConfig(_Strict):
         mnr: :class:`MNRConfig`.
         policy: :class:`PolicyConfig` (the policy-gradient losses).
         dpo: :class:`DPOConfig` (DPO / IPO).
+        distillation: :class:`DistillationConfig`, or ``None`` (default): the causal-LM loss
+            is the cross-entropy. Given, the loss is the distillation loss and ``ce`` must not
+            be given (refused: its keys would be ignored).
     """
 
     tensor_parallel_size: int = Field(1, ge=1, strict=True)
@@ -319,6 +369,22 @@ class MegalossConfig(_Strict):
     mnr: MNRConfig = Field(default_factory=MNRConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    distillation: Optional[DistillationConfig] = None
+
+    @model_validator(mode="after")
+    def _one_causal_lm_loss(self) -> "MegalossConfig":
+        if self.distillation is not None and "ce" in self.model_fields_set:
+            raise ValueError("give either 'ce' (cross-entropy) or 'distillation', not both: with "
+                             "'distillation' the ce keys would have no effect (the hard-label "
+                             "part is distillation.alpha)")
+        return self
+
+    @property
+    def loss_reduction(self) -> str:
+        """The calibration of the causal-LM loss: ``distillation.loss_reduction`` when
+        distilling, else ``ce.loss_reduction``."""
+        section = self.distillation if self.distillation is not None else self.ce
+        return section.loss_reduction
 
 
 def _format_errors(err: ValidationError) -> str:

@@ -223,7 +223,7 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
     engine, opt, _, sched = deepspeed.initialize(
         model=module, model_parameters=params if optimizer is None else None,
         optimizer=optimizer, lr_scheduler=lr_scheduler, config=cfg, mpu=mpu)
-    calibrator = LossCalibrator(topology, loss_reduction=ml.ce.loss_reduction,
+    calibrator = LossCalibrator(topology, loss_reduction=ml.loss_reduction,
                                 engine_scale=scale, ignore_index=ignore_index,
                                 weight_dtype=loss_weight_dtype(module))
     return MegalossEngine(engine, opt, sched, calibrator, ml, cfg, topology, mpu)

@@ -15,6 +15,12 @@ One optimizer step (:func:`train_step`) over ``G`` micro-batches (``G`` = the ds
    gradient norm, tokens/s and peak memory, written through ``engine.monitor`` at the engine's
    global sample count, the x-axis DeepSpeed's own events use (:mod:`.monitor`).
 
+The module may instead return a :class:`megaloss.DistillationOutput` (e.g.
+:class:`~megaloss.integrations.hf.distillation.CausalLMWithDistillation`): the same calibrated
+step, and the metrics add the global calibrated divergence, the hard-label CE and the
+teacher-student top-1 agreement. Micro-batches may carry a stored top-k teacher
+(``teacher_topk_ids`` / ``teacher_topk_log_probs``, ``[B, T, k]``), passed to the module.
+
 The only host syncs are at the boundary, for logging.
 """
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
 import torch
 
 from ...calibration.weights import split_for_sequence_parallel
+from ...losses.distillation import DistillationOutput
 from ...ops.labels import causal_shift
 from ...parallel.comm import all_reduce_sum_
 from ...parallel.param_tags import is_tensor_parallel
@@ -48,6 +55,10 @@ class StepMetrics:
     compute it); ``tokens_per_s``: global valid tokens / step wall time; ``peak_memory_mib``:
     this process's peak (CUDA allocator, or max RSS on CPU); ``step``: optimizer steps done;
     ``samples``: the engine's global sample count after the step (the monitors' x value).
+    With a distillation module (its forward returns a :class:`megaloss.DistillationOutput`):
+    ``divergence`` and ``ce_loss``, the global calibrated divergence and hard-label CE (the
+    loss's two parts before their factors), and ``top1_agreement``, the fraction of valid
+    tokens whose student and teacher top-1 tokens agree; ``None`` otherwise.
     """
 
     step: int
@@ -60,6 +71,9 @@ class StepMetrics:
     peak_memory_mib: float
     step_time_s: float
     samples: int = 0
+    divergence: Optional[float] = None
+    ce_loss: Optional[float] = None
+    top1_agreement: Optional[float] = None
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -127,9 +141,13 @@ def _model_inputs(mb: Mapping[str, Any], topology: Topology) -> Dict[str, Any]:
     the calibration cuts the labels, with the *global* ``position_ids`` Ulysses needs; the
     attention mask is dropped (Ulysses attends causally over the gathered sequence)."""
     out = {"input_ids": mb["input_ids"]}
-    out.update({k: mb[k] for k in ("attention_mask", "position_ids") if mb.get(k) is not None})
+    out.update({k: mb[k] for k in ("attention_mask", "position_ids") + _TOPK_KEYS
+                if mb.get(k) is not None})
     if topology.sp_size == 1:
         return out
+    if any(k in out for k in _TOPK_KEYS):
+        raise ValueError("a top-k teacher (teacher_topk_ids / teacher_topk_log_probs) with "
+                         "sequence parallelism (sp > 1) is not supported")
     ids = out["input_ids"]
     pos = out.get("position_ids")
     if pos is None:
@@ -137,6 +155,17 @@ def _model_inputs(mb: Mapping[str, Any], topology: Topology) -> Dict[str, Any]:
     sp, rank = topology.sp_size, topology.sp_rank
     return {"input_ids": split_for_sequence_parallel(ids, rank, sp, 0),
             "position_ids": split_for_sequence_parallel(pos, rank, sp, 0)}
+
+
+_TOPK_KEYS = ("teacher_topk_ids", "teacher_topk_log_probs")
+
+
+def _distillation_sums(out: DistillationOutput) -> torch.Tensor:
+    """``[divergence, ce_loss, top-1 matches, valid tokens]`` of one micro-batch, float64."""
+    return torch.stack([out.divergence.detach().to(torch.float64),
+                        out.ce_loss.detach().to(torch.float64),
+                        out.num_top1_matches.to(torch.float64),
+                        out.num_valid_tokens.to(torch.float64)])
 
 
 def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Tensor]], *,
@@ -160,7 +189,9 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
         :class:`StepMetrics`.
 
     Raises:
-        ValueError: the number of micro-batches differs from the engine's accumulation steps.
+        ValueError: the number of micro-batches differs from the engine's accumulation steps;
+            a distillation module under sequence parallelism (its teacher would see only this
+            rank's slice of each sequence).
     """
     engine = me.engine
     gas = int(engine.gradient_accumulation_steps())
@@ -174,18 +205,27 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
     step = me.calibrator.begin_step([_shift_labels(mb, ignore) for mb in mbs],
                                     **_sample_boundaries(mbs))
     z_local = torch.zeros((), dtype=torch.float64, device=device)
+    kd_local: Optional[torch.Tensor] = None
     own_norm = None
     for i, mb in enumerate(mbs):
         inputs = _model_inputs(mb, me.topology)
         out = engine(inputs.pop("input_ids"), shift_labels=step.local_labels(i),
                      loss_weights=step.weights(i), **inputs)
+        if isinstance(out, DistillationOutput):
+            if me.topology.sp_size > 1:  # same module on every rank: all raise here
+                raise ValueError("distillation under sequence parallelism (sp > 1) is not "
+                                 "supported: the teacher would see only this rank's slice")
+            sums = _distillation_sums(out)
+            kd_local = sums if kd_local is None else kd_local + sums
+        else:
+            z_local += out.z_loss.detach().to(torch.float64)
         engine.backward(step.loss_for_backward(out.loss))
-        z_local += out.z_loss.detach().to(torch.float64)
         if i == gas - 1 and engine.zero_optimization_stage() == 0:
             own_norm = _reduced_grad_norm(engine.module, me.topology)
         engine.step()
     loss = step.global_loss()
     z = all_reduce_sum_(z_local, me.topology.dp_sp_group)
+    kd = None if kd_local is None else all_reduce_sum_(kd_local, me.topology.dp_sp_group)
     elapsed = time.perf_counter() - t0
     grad_norm = engine.get_global_grad_norm()
     if grad_norm is None:
@@ -197,6 +237,9 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
         grad_norm=None if grad_norm is None else float(grad_norm),
         tokens_per_s=num_tokens / max(elapsed, 1e-9), peak_memory_mib=peak_memory_mib(device),
         step_time_s=elapsed, samples=int(getattr(engine, "global_samples", 0)))
+    if kd is not None:
+        metrics.divergence, metrics.ce_loss = float(kd[0]), float(kd[1])
+        metrics.top1_agreement = float(kd[2]) / float(kd[3]) if float(kd[3]) > 0 else 0.0
     if log:
         d = metrics.as_dict()
         d["optimizer_step"] = d.pop("step")
@@ -211,7 +254,8 @@ def evaluate(me: MegalossEngine, batches: Iterable[Mapping[str, torch.Tensor]], 
     """Token-mean CE over held-out batches, global over ``dp x sp`` (one all-reduce at the end).
 
     Every rank must pass the same *number* of batches (an empty iterable is fine: the all-reduce
-    is still entered). Batches hold ``labels`` or ``shift_labels`` as in :func:`train_step`
+    is still entered). With a distillation module the value is the student's own cross-entropy.
+    Batches hold ``labels`` or ``shift_labels`` as in :func:`train_step`
     (full sequences; with sequence parallelism each SP rank scores its slice). The
     module's z-loss part is subtracted, so the
     value is the plain cross-entropy (with the configured label smoothing, if any).
@@ -234,7 +278,10 @@ def evaluate(me: MegalossEngine, batches: Iterable[Mapping[str, torch.Tensor]], 
                                              topo.sp_size, ignore)
         inputs = _model_inputs(mb, topo)
         out = engine(inputs.pop("input_ids"), shift_labels=labels, **inputs)
-        sums[0] += (out.loss - out.z_loss).to(torch.float64)
+        if isinstance(out, DistillationOutput):  # the student's own CE (its hard-label part)
+            sums[0] += out.ce_loss.to(torch.float64)
+        else:
+            sums[0] += (out.loss - out.z_loss).to(torch.float64)
         sums[1] += out.num_valid_tokens.to(torch.float64)
     all_reduce_sum_(sums, me.topology.dp_sp_group)
     if was_training:

@@ -3,6 +3,8 @@
 
 - :mod:`.causal_lm`: :class:`CausalLMWithLoss`, any ``*ForCausalLM`` with the chunked /
   vocab-parallel CE of its last hidden states, no logits; HF's label convention.
+- :mod:`.distillation`: :class:`CausalLMWithDistillation`, a ``*ForCausalLM`` student with the
+  chunked / vocab-parallel distillation loss towards a frozen teacher (module or stored top-k).
 - :mod:`.embedding`: :class:`EmbeddingModelWithMNR`, a mean-pooled bi-encoder with the gathered
   MNR loss, its gradient-cached forward, and the per-step gradient-accumulation weights of that
   loss.
@@ -19,6 +21,7 @@
 Importing this package does not import ``transformers``.
 """
 from .causal_lm import CausalLMWithLoss, LinearCrossEntropyHead, causal_shift
+from .distillation import CausalLMWithDistillation, LinearDistillationHead
 from .embedding import (
     EmbeddingModelWithMNR,
     EmbeddingOutput,
@@ -29,5 +32,6 @@ from .embedding import (
 from .trl_policy import MegalossGRPOMixin, policy_options_from_grpo_args
 
 __all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "causal_shift",
+           "CausalLMWithDistillation", "LinearDistillationHead",
            "EmbeddingModelWithMNR", "EmbeddingOutput", "cached_mnr_forward", "mean_pool",
            "step_loss_weights", "MegalossGRPOMixin", "policy_options_from_grpo_args"]

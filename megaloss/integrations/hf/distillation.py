@@ -1,0 +1,215 @@
+"""A Hugging Face ``*ForCausalLM`` student whose forward returns the distillation loss towards a
+frozen teacher (:func:`megaloss.linear_distillation_loss`): no ``[tokens, vocab]`` logits of
+either model.
+
+As in :mod:`.causal_lm` (and for the same reasons: ZeRO-3 gathers a parameter only inside the
+forward of the module that owns it), the student's lm_head is replaced by a head module whose
+forward computes the loss. The teacher is *not* a submodule: DeepSpeed neither partitions,
+casts, trains nor checkpoints it (move it to the device and dtype you want; it is put in eval
+mode with ``requires_grad=False``). Its decoder runs under ``torch.no_grad()`` in this forward,
+and its lm_head rows (this TP rank's shard under tensor parallelism) go into the loss. Without a
+teacher module the micro-batches carry the teacher as stored top-k ids and log-probs
+(``teacher_topk_ids`` / ``teacher_topk_log_probs``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ...losses.distillation import DistillationOutput, linear_distillation_loss_with_stats
+from ...losses.vocab_parallel import VocabParallelLMHead, vocab_shard_range
+from ...ops.labels import causal_shift
+from ...ops.options import CrossEntropyOptions, DistillationOptions
+from ...parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
+
+__all__ = ["CausalLMWithDistillation", "LinearDistillationHead"]
+
+
+class LinearDistillationHead(nn.Module):
+    """The student's (unsharded) lm_head plus :func:`megaloss.linear_distillation_loss`, as one
+    module; keeps the original ``nn.Linear``'s Parameter objects (tied embeddings stay tied).
+    ``forward(hidden_states, labels, *, loss_weights=None, **teacher)`` returns a
+    :class:`megaloss.DistillationOutput`; ``teacher`` are the teacher keywords of
+    :func:`megaloss.linear_distillation_loss`.
+
+    Raises:
+        TypeError: ``linear`` is not an ``nn.Linear``.
+    """
+
+    def __init__(self, linear: nn.Linear, options: DistillationOptions) -> None:
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear lm_head, got {type(linear).__name__}")
+        self.weight, self.bias, self.options = linear.weight, linear.bias, options
+
+    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
+                loss_weights: Optional[torch.Tensor] = None, **teacher) -> DistillationOutput:
+        return linear_distillation_loss_with_stats(hidden_states, self.weight, labels,
+                                                   bias=self.bias, loss_weights=loss_weights,
+                                                   options=self.options, **teacher)
+
+
+class _VocabParallelDistillationHead(VocabParallelLMHead):
+    """This TP rank's student lm_head shard plus the vocab-parallel distillation loss."""
+
+    def __init__(self, *args, distillation_options: DistillationOptions, **kwargs) -> None:
+        super().__init__(*args, options=CrossEntropyOptions(), **kwargs)
+        self.distillation_options = distillation_options
+
+    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
+                loss_weights: Optional[torch.Tensor] = None, **teacher) -> DistillationOutput:
+        return linear_distillation_loss_with_stats(
+            hidden_states, self.weight, labels, bias=self.bias, loss_weights=loss_weights,
+            options=self.distillation_options, vocab_parallel_options=self.parallel, **teacher)
+
+
+def _teacher_rows(weight: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """This TP rank's ``[ceil(V / tp), Ht]`` rows of the teacher's lm_head (zero padding rows,
+    a copy on the last rank only)."""
+    start, stop, rows = vocab_shard_range(weight.shape[0], tp, rank)
+    shard = weight[start:stop]
+    if stop - start == rows:
+        return shard
+    return torch.cat([shard, shard.new_zeros(rows - (stop - start), weight.shape[1])])
+
+
+class CausalLMWithDistillation(nn.Module):
+    """Wrap a ``transformers`` ``*ForCausalLM`` student: forward = student decoder + (teacher
+    decoder, no grad) + the chunked distillation loss of both lm_heads.
+
+    Args:
+        model: the student ``PreTrainedModel`` (a base model and an ``nn.Linear`` output
+            embedding); its lm_head is replaced by the loss head, the wrapper owns it.
+        teacher: a frozen ``*ForCausalLM`` over the same vocabulary, or ``None`` when the
+            micro-batches carry the teacher's top-k (``teacher_topk_ids`` and
+            ``teacher_topk_log_probs`` in :meth:`forward`). Not registered as a submodule.
+        options: :class:`~megaloss.ops.options.DistillationOptions` (e.g.
+            ``MegalossConfig.distillation.options()``); default options with
+            ``reduction="sum"`` when ``None`` (the calibrated step weights tokens itself).
+        tp_group: tensor-parallel group; with size > 1 both lm_heads are split over the
+            vocabulary (the student's as a :class:`megaloss.VocabParallelLMHead`, tagged
+            ``tensor_model_parallel``; the teacher's rows sliced per call).
+
+    Raises:
+        TypeError: a model without base model or ``nn.Linear`` output embedding; ``options``
+            not a :class:`~megaloss.ops.options.DistillationOptions`.
+        ValueError: teacher and student vocabularies differ; TP > 1 with a tied student lm_head.
+    """
+
+    def __init__(self, model: nn.Module, teacher: Optional[nn.Module] = None, *,
+                 options: Optional[DistillationOptions] = None,
+                 tp_group: GroupLike = SINGLE_RANK) -> None:
+        super().__init__()
+        base = getattr(model, "base_model", None)
+        if base is None or base is model:
+            raise TypeError(f"model must be a *ForCausalLM with a base model, got "
+                            f"{type(model).__name__}")
+        lm_head = model.get_output_embeddings()
+        if not isinstance(lm_head, nn.Linear):
+            raise TypeError(f"model's output embedding must be an nn.Linear, got "
+                            f"{type(lm_head).__name__}")
+        self.options = options if options is not None else DistillationOptions(reduction="sum")
+        if not isinstance(self.options, DistillationOptions):
+            raise TypeError(f"options must be a DistillationOptions, got "
+                            f"{type(self.options).__name__}")
+        vocab_size, hidden_size = lm_head.weight.shape
+        if teacher is not None:
+            t_head = teacher.get_output_embeddings()
+            if not isinstance(t_head, nn.Linear) or t_head.weight.shape[0] != vocab_size:
+                raise ValueError(f"teacher must be a *ForCausalLM with an nn.Linear lm_head of "
+                                 f"{vocab_size} rows (the student's vocabulary)")
+            teacher.eval()
+            teacher.requires_grad_(False)
+        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
+        if self.tp_size > 1:
+            inp = model.get_input_embeddings()
+            if inp is not None and inp.weight is lm_head.weight:
+                raise ValueError("tensor parallelism needs an untied lm_head "
+                                 "(tie_word_embeddings=False)")
+            head: nn.Module = _VocabParallelDistillationHead(
+                hidden_size, vocab_size, tp_group=tp_group, bias=lm_head.bias is not None,
+                dtype=lm_head.weight.dtype, device=lm_head.weight.device,
+                distillation_options=self.options)
+            head.load_full_weight(lm_head.weight.detach(),
+                                  None if lm_head.bias is None else lm_head.bias.detach())
+        else:
+            head = LinearDistillationHead(lm_head, self.options)
+        model.set_output_embeddings(head)
+        self.model = model
+        self.vocab_size = vocab_size
+        self.ignore_index = self.options.ignore_index
+        self.__dict__["teacher"] = teacher  # not a submodule: DeepSpeed must not own it
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.model.base_model
+
+    @property
+    def head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def _teacher_inputs(self, input_ids, attention_mask, position_ids):
+        teacher = self.teacher
+        with torch.no_grad():
+            out = teacher.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                     position_ids=position_ids, use_cache=False)
+        head = teacher.get_output_embeddings()
+        weight, bias = head.weight.detach(), head.bias
+        if self.tp_size > 1:
+            weight = _teacher_rows(weight, self.tp_size, self.tp_rank)
+            bias = None if bias is None else _teacher_rows(bias.detach()[:, None], self.tp_size,
+                                                           self.tp_rank)[:, 0]
+        return dict(teacher_hidden_states=out.last_hidden_state, teacher_weight=weight,
+                    teacher_bias=None if bias is None else bias.detach())
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                shift_labels: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                loss_weights: Optional[torch.Tensor] = None,
+                teacher_topk_ids: Optional[torch.Tensor] = None,
+                teacher_topk_log_probs: Optional[torch.Tensor] = None) -> DistillationOutput:
+        """Student decoder, teacher (module or top-k), then the chunked distillation loss.
+
+        Args:
+            input_ids: ``[B, T]`` int64.
+            labels / shift_labels: exactly one, as in
+                :meth:`megaloss.integrations.hf.CausalLMWithLoss.forward`.
+            attention_mask, position_ids: passed to both decoders.
+            loss_weights: ``[B, T]`` per-token weights of the shifted targets.
+            teacher_topk_ids, teacher_topk_log_probs: ``[B, T, k]``, the teacher's top-k at
+                each position (aligned with the shifted targets: position ``t``'s distribution
+                over the token at ``t + 1``), only without a teacher module.
+
+        Returns:
+            :class:`megaloss.DistillationOutput` under the wrapper's options.
+
+        Raises:
+            ValueError: neither or both of ``labels`` / ``shift_labels``; a top-k teacher
+                together with a teacher module, or neither; shapes (from the loss).
+        """
+        if (labels is None) == (shift_labels is None):
+            raise ValueError("pass exactly one of labels (unshifted, Hugging Face convention) and "
+                             "shift_labels (already shifted)")
+        target = shift_labels if labels is None else causal_shift(labels, self.ignore_index)
+        if target.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(target.shape)} must have the shape of input_ids "
+                             f"{tuple(input_ids.shape)}")
+        topk = teacher_topk_ids is not None or teacher_topk_log_probs is not None
+        if (self.teacher is not None) == topk:
+            raise ValueError("give the teacher either as the wrapper's teacher module or as "
+                             "teacher_topk_ids / teacher_topk_log_probs per batch (one of them)")
+        if topk:
+            teacher = dict(teacher_topk_ids=teacher_topk_ids,
+                           teacher_topk_log_probs=teacher_topk_log_probs)
+        else:
+            teacher = self._teacher_inputs(input_ids, attention_mask, position_ids)
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids, use_cache=False)
+        return self.head(out.last_hidden_state, target, loss_weights=loss_weights, **teacher)
+
+    def extra_repr(self) -> str:
+        return (f"tp_size={self.tp_size}, vocab_size={self.vocab_size}, "
+                f"teacher={'module' if self.teacher is not None else 'top-k per batch'}")

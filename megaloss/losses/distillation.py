@@ -1,0 +1,429 @@
+"""Knowledge distillation through both lm_heads without either model's logits: the student's
+``hidden_states @ weight.T`` against the teacher's ``teacher_hidden_states @ teacher_weight.T``
+(or the teacher's stored top-k log-probs), chunk by chunk, on one device or with both heads
+split over the vocabulary across tensor-parallel ranks.
+
+Entry points: :func:`linear_distillation_loss`, :func:`linear_distillation_loss_with_stats`
+(same arguments; also the divergence, the hard-label CE and the top-1 agreement), and the module
+:class:`LinearDistillationLoss`. Math: :mod:`megaloss.ops.distillation_chunk`; schedule:
+:mod:`megaloss.ops.chunked_linear_distillation`; options:
+:class:`~megaloss.ops.options.DistillationOptions`.
+
+Vocab-parallel (``vocab_parallel_options``, the same :class:`VocabParallelOptions` as the
+cross-entropy's): rank ``r`` holds rows ``[r*Vp, (r+1)*Vp)`` of *both* heads (``Vp =
+ceil(V / tp)``, padded rows sliced off before the matmul, zero gradient); the statistics are
+combined with three all-reduces of ``[stats, tokens]`` tensors per chunk, no logits gathered.
+With ``sequence_parallel=True`` every token-indexed input (both hidden states, labels, weights,
+the top-k) is this rank's shard of the tokens.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from ..ops.chunked_linear_distillation import Teacher, chunked_linear_distillation
+from ..ops.options import DistillationOptions, resolve_options
+from ..ops.validation import check_ce_tensors, first_bad_label, label_range_error
+from ..parallel.comm import all_gather_dim0, all_reduce_max_, all_reduce_sum_
+from ..parallel.groups import group_rank, group_size, resolve_group
+from ..parallel.mappings import copy_to_region, gather_from_region
+from .vocab_parallel import VocabParallelOptions, vocab_shard_range
+
+__all__ = ["DistillationOutput", "linear_distillation_loss", "linear_distillation_loss_with_stats",
+           "LinearDistillationLoss"]
+
+
+class DistillationOutput(NamedTuple):
+    """What :func:`linear_distillation_loss_with_stats` returns.
+
+    Attributes:
+        loss: as :func:`linear_distillation_loss` returns it (differentiable; fp32, fp64 for
+            fp64 inputs; a scalar, or the shape of ``labels`` for ``reduction="none"``).
+        divergence: the divergence ``D(P, Q)`` alone (before ``(1 - alpha) * T**2``), reduced
+            like ``loss``; no gradient.
+        ce_loss: the student's hard-label cross-entropy at temperature 1 (before ``alpha``;
+            computed for logging also when ``alpha = 0``), reduced like ``loss``; no gradient.
+        num_top1_matches: int64 scalar, valid tokens where the student's and the teacher's most
+            likely tokens agree (with a top-k teacher: its top-1 id).
+        num_valid_tokens: int64 scalar, tokens whose label is not ``ignore_index``.
+    """
+
+    loss: torch.Tensor
+    divergence: torch.Tensor
+    ce_loss: torch.Tensor
+    num_top1_matches: torch.Tensor
+    num_valid_tokens: torch.Tensor
+
+
+def _check_teacher(hidden_states, weight, labels, teacher_hidden_states, teacher_weight,
+                   teacher_bias, topk_ids, topk_log_probs, opts: DistillationOptions,
+                   vocab_size: int) -> None:
+    """The teacher's inputs: exactly one form, shapes matching the student's."""
+    full = teacher_hidden_states is not None or teacher_weight is not None
+    topk = topk_ids is not None or topk_log_probs is not None
+    if full == topk:
+        raise ValueError("give the teacher as teacher_hidden_states and teacher_weight, or as "
+                         "teacher_topk_ids and teacher_topk_log_probs (exactly one of the two)")
+    lead = tuple(labels.shape)
+    if full:
+        if teacher_hidden_states is None or teacher_weight is None:
+            raise ValueError("teacher_hidden_states and teacher_weight go together")
+        for name, t in (("teacher_hidden_states", teacher_hidden_states),
+                        ("teacher_weight", teacher_weight)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(f"{name} must be a floating torch.Tensor, got "
+                                f"{getattr(t, 'dtype', type(t).__name__)}")
+        if tuple(teacher_hidden_states.shape[:-1]) != lead or teacher_hidden_states.dim() < 1:
+            raise ValueError(f"teacher_hidden_states must have shape {lead} + (Ht,), got "
+                             f"{tuple(teacher_hidden_states.shape)}")
+        if teacher_weight.dim() != 2 or teacher_weight.shape[0] != weight.shape[0] \
+                or teacher_weight.shape[1] != teacher_hidden_states.shape[-1]:
+            raise ValueError(f"teacher_weight must have shape [{weight.shape[0]}, "
+                             f"{teacher_hidden_states.shape[-1]}] (the student's vocab rows, the "
+                             f"teacher's hidden size), got {tuple(teacher_weight.shape)}")
+        if teacher_bias is not None:
+            if not isinstance(teacher_bias, torch.Tensor) or not teacher_bias.is_floating_point():
+                raise TypeError("teacher_bias must be a floating torch.Tensor or None")
+            if tuple(teacher_bias.shape) != (weight.shape[0],):
+                raise ValueError(f"teacher_bias must have shape [{weight.shape[0]}], got "
+                                 f"{tuple(teacher_bias.shape)}")
+        tensors = [teacher_hidden_states, teacher_weight] + (
+            [] if teacher_bias is None else [teacher_bias])
+    else:
+        if topk_ids is None or topk_log_probs is None:
+            raise ValueError("teacher_topk_ids and teacher_topk_log_probs go together")
+        if teacher_bias is not None:
+            raise ValueError("teacher_bias has no meaning with a top-k teacher")
+        if opts.teacher_logit_softcapping is not None:
+            raise ValueError("teacher_logit_softcapping has no meaning with a top-k teacher (its "
+                             "log-probs are given); set it to None")
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.is_floating_point() \
+                or topk_ids.dtype == torch.bool:
+            raise TypeError("teacher_topk_ids must be an integer torch.Tensor")
+        if not isinstance(topk_log_probs, torch.Tensor) or not topk_log_probs.is_floating_point():
+            raise TypeError("teacher_topk_log_probs must be a floating torch.Tensor")
+        if topk_ids.dim() < 1 or tuple(topk_ids.shape[:-1]) != lead or topk_ids.shape[-1] < 1:
+            raise ValueError(f"teacher_topk_ids must have shape {lead} + (k,), k >= 1, got "
+                             f"{tuple(topk_ids.shape)}")
+        if topk_log_probs.shape != topk_ids.shape:
+            raise ValueError(f"teacher_topk_log_probs must have the shape of teacher_topk_ids "
+                             f"{tuple(topk_ids.shape)}, got {tuple(topk_log_probs.shape)}")
+        _check_topk_values(topk_ids, topk_log_probs, vocab_size)
+        tensors = [topk_ids, topk_log_probs]
+    if len({t.device for t in tensors + [hidden_states]}) > 1:
+        raise ValueError("the teacher's tensors must be on the student's device")
+
+
+def _check_topk_values(ids: torch.Tensor, log_probs: torch.Tensor, vocab_size: int) -> None:
+    """Used slots (finite log-prob): ids in range and distinct; log-probs <= 0, no NaN, summing
+    to at most 1 (1% slack for rounding of stored half-precision values)."""
+    lp = log_probs.to(torch.float32).reshape(-1, log_probs.shape[-1])
+    if bool(torch.isnan(lp).any()) or bool((lp > 0).any()):
+        raise ValueError("teacher_topk_log_probs must be log-probabilities (<= 0, -inf for an "
+                         "unused slot, no NaN)")
+    used = torch.isfinite(lp)
+    flat = ids.reshape(-1, ids.shape[-1]).long()
+    bad = used & ((flat < 0) | (flat >= vocab_size))
+    if bool(bad.any()):
+        raise ValueError(f"teacher_topk_ids must be in [0, {vocab_size}) (in the slots whose "
+                         f"log-prob is finite), found {int(flat[bad][0])}")
+    if flat.shape[1] > 1:
+        unused_marks = -1 - torch.arange(flat.shape[1], device=flat.device)
+        srt = torch.where(used, flat, unused_marks).sort(dim=1).values
+        if bool((srt[:, 1:] == srt[:, :-1]).any()):
+            raise ValueError("teacher_topk_ids must be distinct within each position")
+    total = torch.logsumexp(lp, dim=1).exp()
+    if bool((total > 1.0 + 1e-2).any()):
+        raise ValueError(f"teacher_topk_log_probs must sum to at most 1 per position (as "
+                         f"probabilities), found {float(total.max()):.4f}")
+
+
+def _check_all(hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
+               teacher_weight, teacher_bias, topk_ids, topk_log_probs, opts, vocab_size):
+    check_ce_tensors(hidden_states, weight, labels, bias, loss_weights)
+    _check_teacher(hidden_states, weight, labels, teacher_hidden_states, teacher_weight,
+                   teacher_bias, topk_ids, topk_log_probs, opts, vocab_size)
+
+
+def linear_distillation_loss_with_stats(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    teacher_hidden_states: Optional[torch.Tensor] = None,
+    teacher_weight: Optional[torch.Tensor] = None,
+    teacher_topk_ids: Optional[torch.Tensor] = None,
+    teacher_topk_log_probs: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    teacher_bias: Optional[torch.Tensor] = None,
+    loss_weights: Optional[torch.Tensor] = None,
+    kind: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    temperature_squared: bool = True,
+    alpha: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    logit_softcapping: Optional[float] = None,
+    teacher_logit_softcapping: Optional[float] = None,
+    chunk_size: int = 1024,
+    accum_dtype: torch.dtype = torch.float32,
+    options: Optional[DistillationOptions] = None,
+    vocab_parallel_options: Optional[VocabParallelOptions] = None,
+) -> DistillationOutput:
+    """:func:`linear_distillation_loss` (same arguments, errors and loss), also returning the
+    divergence, the hard-label CE and the top-1 agreement: a :class:`DistillationOutput`."""
+    opts = resolve_options(DistillationOptions, options, dict(
+        kind=kind, beta=beta, temperature=temperature, temperature_squared=temperature_squared,
+        alpha=alpha, ignore_index=ignore_index, reduction=reduction,
+        logit_softcapping=logit_softcapping, teacher_logit_softcapping=teacher_logit_softcapping,
+        chunk_size=chunk_size, accum_dtype=accum_dtype))
+    if vocab_parallel_options is not None and not isinstance(vocab_parallel_options,
+                                                             VocabParallelOptions):
+        raise TypeError(f"vocab_parallel_options must be a VocabParallelOptions or None, got "
+                        f"{type(vocab_parallel_options).__name__}")
+    args = (hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
+            teacher_weight, teacher_bias, teacher_topk_ids, teacher_topk_log_probs)
+    if vocab_parallel_options is None:
+        vocab_size = weight.shape[0] if isinstance(weight, torch.Tensor) else 0
+        _check_all(*args, opts, vocab_size)
+        first = first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
+        if first is not None:
+            raise label_range_error(first, vocab_size, opts.ignore_index)
+        return _distill(*args, opts, vocab_size=vocab_size, vocab_start=0, n_real=vocab_size,
+                        group=None, gathered=False)
+    return _sharded(*args, opts, vocab_parallel_options)
+
+
+def _sharded(hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
+             teacher_weight, teacher_bias, topk_ids, topk_log_probs, opts, parallel):
+    """The vocab-parallel path: local checks whose failure on any TP rank raises on all."""
+    group = resolve_group(parallel.tp_group)
+    tp, rank = group_size(group), group_rank(group)
+    args = (hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
+            teacher_weight, teacher_bias, topk_ids, topk_log_probs)
+    error: Optional[Exception] = None
+    vocab_size = bad = rows = 0
+    try:
+        rows = weight.shape[0] if isinstance(weight, torch.Tensor) else 0
+        vocab_size = rows * tp if parallel.vocab_size is None else parallel.vocab_size
+        if rows != math.ceil(vocab_size / tp):
+            raise ValueError(f"weight must have ceil(vocab_size / tp) = "
+                             f"{math.ceil(vocab_size / tp)} rows for vocab_size={vocab_size}, "
+                             f"tp={tp}; got {rows}")
+        _check_all(*args, opts, vocab_size)
+        bad = first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
+    except (ValueError, TypeError) as err:
+        error = err
+    device = hidden_states.device if isinstance(hidden_states, torch.Tensor) else "cpu"
+    n_tokens = labels.numel() if isinstance(labels, torch.Tensor) else -1
+    hidden = hidden_states.shape[-1] if isinstance(hidden_states, torch.Tensor) else -1
+    mine = torch.tensor([error is not None, n_tokens, hidden, rows, vocab_size,
+                         _NO_BAD if bad is None else bad], dtype=torch.long, device=device)
+    everyone = all_gather_dim0(mine, group).view(-1, mine.numel())
+    if error is not None:
+        raise error
+    failed = everyone[:, 0].nonzero().flatten().tolist()
+    if failed:
+        raise ValueError(f"invalid distillation inputs on tensor-parallel rank(s) {failed} (see "
+                         "the error raised there)")
+    for i, name in enumerate(("token count", "hidden size", "weight rows", "vocab_size"), 1):
+        values = everyone[:, i].tolist()
+        if len(set(values)) > 1:
+            raise ValueError(f"{name} differs across tensor-parallel ranks: {values}")
+    flagged = everyone[:, 5]
+    if bool((flagged != _NO_BAD).any()):
+        raise label_range_error(int(flagged[flagged != _NO_BAD][0]), vocab_size,
+                                opts.ignore_index)
+    start, stop, _ = vocab_shard_range(vocab_size, tp, rank)
+    return _distill(*args, opts, vocab_size=vocab_size, vocab_start=start, n_real=stop - start,
+                    group=group, gathered=parallel.sequence_parallel and tp > 1)
+
+
+_NO_BAD = -(2 ** 62)
+
+
+def _distill(hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
+             teacher_weight, teacher_bias, topk_ids, topk_log_probs, opts, *, vocab_size,
+             vocab_start, n_real, group, gathered) -> DistillationOutput:
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    flat_labels = labels.reshape(-1).long()
+    weights = None if loss_weights is None else loss_weights.reshape(-1)
+    t_hidden = (None if teacher_hidden_states is None
+                else teacher_hidden_states.detach().reshape(-1, teacher_hidden_states.shape[-1]))
+    ids = None if topk_ids is None else topk_ids.reshape(-1, topk_ids.shape[-1]).long()
+    lp = (None if topk_log_probs is None
+          else topk_log_probs.detach().reshape(-1, topk_log_probs.shape[-1]))
+    if group is not None:
+        if gathered:
+            hidden = gather_from_region(hidden, group)
+            flat_labels = all_gather_dim0(flat_labels, group)
+            weights = None if weights is None else all_gather_dim0(weights.detach(), group)
+            t_hidden = None if t_hidden is None else all_gather_dim0(t_hidden, group)
+            ids = None if ids is None else all_gather_dim0(ids, group)
+            lp = None if lp is None else all_gather_dim0(lp, group)
+        else:
+            hidden = copy_to_region(hidden, group)
+    teacher = Teacher(t_hidden, None if teacher_weight is None else teacher_weight[:n_real],
+                      None if teacher_bias is None else teacher_bias[:n_real], ids, lp)
+    kwargs = {}
+    if group is not None:
+        kwargs = dict(reduce_max=lambda t: all_reduce_max_(t, group),
+                      reduce_sum=lambda t: all_reduce_sum_(t, group))
+    loss, divergence, ce, match = chunked_linear_distillation(
+        hidden, weight[:n_real], None if bias is None else bias[:n_real], teacher, flat_labels,
+        weights, opts, vocab_size=vocab_size, vocab_start=vocab_start, **kwargs)
+    if opts.reduction == "none" and not gathered:
+        loss, divergence, ce = (x.view(labels.shape) for x in (loss, divergence, ce))
+    valid = flat_labels != opts.ignore_index
+    return DistillationOutput(loss, divergence, ce, (match.bool() & valid).sum(), valid.sum())
+
+
+def linear_distillation_loss(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    teacher_hidden_states: Optional[torch.Tensor] = None,
+    teacher_weight: Optional[torch.Tensor] = None,
+    teacher_topk_ids: Optional[torch.Tensor] = None,
+    teacher_topk_log_probs: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    teacher_bias: Optional[torch.Tensor] = None,
+    loss_weights: Optional[torch.Tensor] = None,
+    kind: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    temperature_squared: bool = True,
+    alpha: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    logit_softcapping: Optional[float] = None,
+    teacher_logit_softcapping: Optional[float] = None,
+    chunk_size: int = 1024,
+    accum_dtype: torch.dtype = torch.float32,
+    options: Optional[DistillationOptions] = None,
+    vocab_parallel_options: Optional[VocabParallelOptions] = None,
+) -> torch.Tensor:
+    """Distillation loss of the student ``hidden_states @ weight.T + bias`` towards a frozen
+    teacher, chunked: neither model's ``[tokens, vocab]`` logits outlive a chunk.
+
+    Per valid token (label != ``ignore_index``), with ``P`` / ``Q`` the teacher's / student's
+    softmax of the (soft-capped) logits divided by ``temperature``::
+
+        (1 - alpha) * T**2 * D(P, Q) + alpha * cross_entropy(student logits, label)
+
+    (``T**2`` only with ``temperature_squared``), ``D`` chosen by ``kind``: ``"forward_kl"``
+    ``KL(P || Q)``, ``"reverse_kl"`` ``KL(Q || P)``, ``"jsd"`` the generalised JSD of
+    Liger-Kernel (linkedin/Liger-Kernel, ``src/liger_kernel/ops/jsd.py``):
+    ``beta KL(P||M) + (1-beta) KL(Q||M)``, ``M = beta P + (1-beta) Q``, and as there
+    ``beta=0`` is forward KL, ``beta=1`` reverse KL. Equal in value and gradients to that
+    formula on the full logits (``F.kl_div`` / ``F.cross_entropy``), reduced as ``reduction``.
+
+    The teacher comes in one of two forms:
+
+    - full: ``teacher_hidden_states [..., Ht]`` and ``teacher_weight [V, Ht]`` (optional
+      ``teacher_bias [V]``), its lm_head applied a chunk at a time;
+    - top-k (what offline distillation pipelines store): ``teacher_topk_ids [..., k]`` (distinct
+      ids in ``[0, V)``) and ``teacher_topk_log_probs [..., k]``, the teacher's log-probs of those
+      ids at the distillation temperature. The tail mass ``1 - sum(exp(log_probs))`` is one more
+      outcome: the divergence is between the teacher's and the student's distributions over
+      ``k + 1`` outcomes (the k ids, and "any other token", whose student probability is the
+      student's total mass outside the k ids); it is the full-vocabulary divergence when the
+      top-k holds all the teacher's mass, and a lower bound otherwise. A zero tail (e.g. ``k =
+      V``, up to rounding) is taken as the smallest normal number (so ``reverse_kl`` stays
+      finite), or as 0 when the used slots hold all ``V`` ids; a slot of
+      log-prob ``-inf`` is unused (its id is ignored, any value) and belongs to the tail.
+
+    The teacher gets no gradient (its tensors are detached, whatever their ``requires_grad``).
+
+    Args:
+        hidden_states: ``[..., H]`` student hidden states (fp32 / bf16 / fp16 / fp64). With
+            ``vocab_parallel_options``: replicated over the TP group, or with its
+            ``sequence_parallel=True`` this rank's shard of the tokens.
+        weight: ``[V, H]`` student lm_head (this rank's ``[Vp, H]`` shard, ``Vp = ceil(V/tp)``,
+            with ``vocab_parallel_options``; padded rows get a zero gradient).
+        labels: ``[...]`` shifted targets in ``[0, V)`` or ``ignore_index`` (masks positions;
+            the targets of the hard-label CE).
+        teacher_hidden_states, teacher_weight, teacher_bias: the full teacher (``teacher_weight``
+            sharded as ``weight``, same rows).
+        teacher_topk_ids, teacher_topk_log_probs: the top-k teacher (token-sharded as
+            ``hidden_states`` under ``sequence_parallel``).
+        bias: optional ``[V]`` student bias (``[Vp]`` shard).
+        loss_weights: optional ``[...]`` per-token weights (e.g. from
+            :class:`megaloss.LossCalibrator`, with ``reduction="sum"``).
+        kind, beta, temperature, temperature_squared, alpha, ignore_index, reduction,
+            logit_softcapping, teacher_logit_softcapping, chunk_size, accum_dtype: the fields
+            of :class:`~megaloss.ops.options.DistillationOptions`, documented there.
+        options: those fields as one :class:`~megaloss.ops.options.DistillationOptions`
+            (e.g. ``MegalossConfig.distillation.options()``), instead of the keywords.
+        vocab_parallel_options: a :class:`megaloss.VocabParallelOptions`: both heads are this
+            rank's vocab shards; the loss is the full-vocabulary one, identical on every TP rank.
+
+    Returns:
+        fp32 scalar (fp64 for fp64 inputs), or ``[...]`` for ``reduction="none"`` (with
+        ``sequence_parallel=True``: ``[tp * N_local]``, the gathered tokens).
+
+    Raises:
+        ValueError: a label or top-k id outside ``[0, V)``; repeated top-k ids in a position;
+            top-k log-probs > 0, NaN or summing above 1; both or neither teacher form; shape
+            mismatches (teacher hidden states vs labels, ``teacher_weight`` rows vs ``weight``);
+            inputs on different devices; ``teacher_logit_softcapping`` or ``teacher_bias`` with a
+            top-k teacher; an option out of range. With ``vocab_parallel_options``: also
+            differing token counts / sizes across TP ranks; raised on every TP rank alike.
+        TypeError: non-tensor or wrongly typed inputs; ``options`` together with option keywords
+            not at their default; ``options`` / ``vocab_parallel_options`` of the wrong type.
+    """
+    return linear_distillation_loss_with_stats(
+        hidden_states, weight, labels, teacher_hidden_states=teacher_hidden_states,
+        teacher_weight=teacher_weight, teacher_topk_ids=teacher_topk_ids,
+        teacher_topk_log_probs=teacher_topk_log_probs, bias=bias, teacher_bias=teacher_bias,
+        loss_weights=loss_weights, kind=kind, beta=beta, temperature=temperature,
+        temperature_squared=temperature_squared, alpha=alpha, ignore_index=ignore_index,
+        reduction=reduction, logit_softcapping=logit_softcapping,
+        teacher_logit_softcapping=teacher_logit_softcapping, chunk_size=chunk_size,
+        accum_dtype=accum_dtype, options=options,
+        vocab_parallel_options=vocab_parallel_options).loss
+
+
+class LinearDistillationLoss(nn.Module):
+    """Module form of :func:`linear_distillation_loss`.
+
+    Args:
+        options: a :class:`~megaloss.ops.options.DistillationOptions`; or, instead, its fields
+            as keyword arguments (``kind="jsd", beta=0.5, temperature=2.0, ...``).
+        vocab_parallel_options: optional :class:`megaloss.VocabParallelOptions`.
+
+    ``forward(hidden_states, weight, labels, *, teacher_hidden_states=None,
+    teacher_weight=None, teacher_topk_ids=None, teacher_topk_log_probs=None, bias=None,
+    teacher_bias=None, loss_weights=None)`` returns the loss; :meth:`forward_with_stats` a
+    :class:`DistillationOutput`.
+
+    Raises:
+        ValueError / TypeError: bad options (at construction), bad tensors (in forward).
+    """
+
+    def __init__(self, options: Optional[DistillationOptions] = None, *,
+                 vocab_parallel_options: Optional[VocabParallelOptions] = None,
+                 **option_fields):
+        super().__init__()
+        if options is not None and option_fields:
+            raise TypeError("pass either options or its fields as keyword arguments, not both")
+        self.options = options if options is not None else DistillationOptions(**option_fields)
+        self.vocab_parallel_options = vocab_parallel_options
+
+    def forward_with_stats(self, hidden_states: torch.Tensor, weight: torch.Tensor,
+                           labels: torch.Tensor, **tensors) -> DistillationOutput:
+        return linear_distillation_loss_with_stats(
+            hidden_states, weight, labels, options=self.options,
+            vocab_parallel_options=self.vocab_parallel_options, **tensors)
+
+    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                **tensors) -> torch.Tensor:
+        return self.forward_with_stats(hidden_states, weight, labels, **tensors).loss
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.options.as_dict().items())

@@ -563,12 +563,15 @@ def pipeline_train_step(me: MegalossPipelineEngine,
 
 @torch.no_grad()
 def pipeline_evaluate(me: MegalossPipelineEngine,
-                      batches: Iterable[Mapping[str, torch.Tensor]]) -> EvalResult:
+                      batches: Iterable[Mapping[str, torch.Tensor]], *,
+                      log: bool = False) -> EvalResult:
     """Held-out token-mean CE (z-loss left out) through ``eval_batch()``, one micro-batch per
     batch, global over data parallel; every rank passes the same number of batches.
 
     Batches hold ``input_ids`` and ``labels`` / ``shift_labels`` as in
-    :func:`pipeline_train_step`.
+    :func:`pipeline_train_step`, all of the training micro-batch's shape (the engine keeps its
+    stage buffers). ``log``: write ``Eval/megaloss/loss`` and ``.../perplexity`` through
+    ``engine.monitor``.
     """
     engine = me.engine
     device = engine.device
@@ -586,5 +589,9 @@ def pipeline_evaluate(me: MegalossPipelineEngine,
     sums = _last_stage_sums(None if me.loss is None else me.loss._sums, me.layout, device)
     n = float(sums[2])
     loss = float(sums[0]) / n if n > 0 else 0.0
-    return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), num_tokens=n)
+    result = EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), num_tokens=n)
+    if log:
+        write_metrics(engine, {"loss": result.loss, "perplexity": result.perplexity},
+                      prefix="Eval/megaloss/")
+    return result
 

@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
-from .llama_pipeline import llama_pipeline_layers
 from .models import build_llama
 
 __all__ = ["PipelineJob", "pipeline_parallel_size", "build_pipeline_job", "gather_per_rank"]
@@ -63,6 +62,7 @@ def build_pipeline_job(args: argparse.Namespace, ds_config: Dict[str, Any], ml: 
         pipeline_evaluate,
         pipeline_train_step,
     )
+    from megaloss.integrations.deepspeed.pipeline_llama import llama_pipeline_layers
 
     _check_job_arguments(args, ml)
     zero = ds_config.setdefault("zero_optimization", {})

@@ -2,18 +2,19 @@
 against single-process float64 training on the global batch.
 
 A tiny Llama (2 decoder layers, odd vocab 37 so TP=2 vocab shards need padding) split into
-pipeline stages (launch.jobs.llama_pipeline) trains 3 optimizer steps, one per reduction
-(``token``, ``sample``, ``square``), on the same global batches (8 sequences per step, uneven
-valid tokens, a micro-batch without any in step 0), under three layouts in one spawn of 4
-processes: DP2 x PP2 with ZeRO-1 (GAS 2), and DP1 x PP2 x TP2 with ZeRO-1 (GAS 4) and ZeRO-0
-(GAS 1). Measured: parameters within 1.5e-7, losses within 6e-8. The reference is one process, no engine, float64: the calibrated CE (+ z-loss)
-over each step's global batch, SGD.
+pipeline stages (megaloss.integrations.deepspeed.pipeline_llama) trains 3 optimizer steps, one
+per reduction (``token``, ``sample``, ``square``), on the same global batches (8 sequences per
+step, uneven valid tokens, a micro-batch without any in step 0), under three layouts in one
+spawn of 4 processes: DP2 x PP2 with ZeRO-1 (GAS 2), and DP1 x PP2 x TP2 with ZeRO-1 (GAS 4)
+and ZeRO-0 (GAS 1). The reference is one process, no engine, float64: the calibrated CE
+(+ z-loss) over each step's global batch, SGD.
 
 Tolerance: every parameter tensor within 1e-5 relative (Frobenius norm of the difference over
 that of the reference) after 3 steps of fp32 training; the step's global loss (float64 sums of
 the last stage) and the loss ``train_batch()`` returns and logs (fp32 sums) within 1e-5 relative
-of the reference's. A wrong GAS / DP factor, a per-micro-batch or per-rank normaliser, or the
-engine's own mean as the logged loss all fail it.
+of the reference's (measured: parameters within 1.5e-7, losses within 6e-8). A wrong GAS / DP
+factor, a per-micro-batch or per-rank normaliser, or the engine's own mean as the logged loss
+all fail it.
 """
 import pytest
 import torch
@@ -85,24 +86,18 @@ def _reference(state, ids, labels):
     return {k: v.detach() for k, v in model.named_parameters()}, losses
 
 
-def _hf_name(layer_idx, name):
-    """A PipelineModule parameter name -> the LlamaForCausalLM one."""
-    if layer_idx == 0:
-        return "model.embed_tokens.weight"
-    if layer_idx <= LAYERS:
-        return f"model.layers.{layer_idx - 1}." + name.removeprefix("layer.")
-    return "model.norm.weight" if name.startswith("norm.") else "lm_head.weight"
-
-
 def _train_layout(dp, tp, stage, gas, state, ids, labels):
     import torch.distributed as dist
 
-    from launch.jobs.llama_pipeline import llama_pipeline_layers
     from megaloss.integrations.deepspeed import load_megaloss_config
     from megaloss.integrations.deepspeed.pipeline import (
         build_pipeline_layout,
         initialize_pipeline,
         pipeline_train_step,
+    )
+    from megaloss.integrations.deepspeed.pipeline_llama import (
+        hf_parameter_name,
+        llama_pipeline_layers,
     )
 
     layout = build_pipeline_layout(PP, tp)
@@ -133,13 +128,12 @@ def _train_layout(dp, tp, stage, gas, state, ids, labels):
         logged.append(m.engine_loss)
     params = {}
     for name, p in me.engine.module.named_parameters():
-        idx, rest = name.split(".", 1)
         full = p.data.detach().clone()
         if getattr(p, "tensor_model_parallel", False) and tp > 1:
             parts = [torch.empty_like(full) for _ in range(tp)]
             dist.all_gather(parts, full, group=topo.tp_group)
             full = torch.cat(parts)[:VOCAB]
-        params[_hf_name(int(idx), rest)] = full
+        params[hf_parameter_name(name, LAYERS)] = full
     scale = (me.scale.gradient.loss_multiplier, me.scale.loss_log_multiplier)
     me.engine.destroy()
     return params, losses, logged, scale

@@ -1,6 +1,6 @@
 """A ``transformers`` Llama split into DeepSpeed pipeline stages: ``deepspeed.pipe.LayerSpec``
 layers (each built on its own stage only, so a stage holds only its layers' weights) for
-:func:`megaloss.integrations.deepspeed.pipeline.initialize_pipeline`.
+:func:`~.pipeline.initialize_pipeline` (the LM job and ``megaloss-check-layout`` use it).
 
 The layers, in order: the token embedding (``input_ids [B, T]`` -> ``hidden [B, T, H]``), one
 per decoder layer (``hidden -> hidden``; rotary embeddings of positions ``0..T-1`` and the causal
@@ -18,11 +18,12 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 from torch import nn
 
-from megaloss.integrations.deepspeed.pipeline import CrossEntropyHeadStage
-from megaloss.ops.options import CrossEntropyOptions
-from megaloss.parallel.groups import SINGLE_RANK, GroupLike
+from ...ops.options import CrossEntropyOptions
+from ...parallel.groups import SINGLE_RANK, GroupLike
+from .pipeline import CrossEntropyHeadStage
 
-__all__ = ["LlamaEmbeddingStage", "LlamaDecoderStage", "LlamaHeadStage", "llama_pipeline_layers"]
+__all__ = ["LlamaEmbeddingStage", "LlamaDecoderStage", "LlamaHeadStage", "llama_pipeline_layers",
+           "hf_parameter_name"]
 
 
 def _load(module: nn.Module, state: Optional[Mapping[str, torch.Tensor]], prefix: str,
@@ -138,6 +139,8 @@ def llama_pipeline_layers(config: Any, *, options: Optional[CrossEntropyOptions]
         ValueError: ``config.tie_word_embeddings`` (the head and the embedding would sit on
             different stages).
     """
+    # Parameter names: layer 0 ``embed_tokens.weight``, layer 1 + i ``layer.<LlamaDecoderLayer
+    # names>``, the last ``norm.weight`` / ``lm_head.weight`` (see hf_parameter_name).
     from deepspeed.pipe import LayerSpec
 
     if getattr(config, "tie_word_embeddings", False):
@@ -149,3 +152,15 @@ def llama_pipeline_layers(config: Any, *, options: Optional[CrossEntropyOptions]
                for i in range(n)]
     layers.append(LayerSpec(LlamaHeadStage, config, options, tp_group, state_dict, seed + 1 + n))
     return layers
+
+
+def hf_parameter_name(name: str, num_hidden_layers: int) -> str:
+    """A ``PipelineModule`` parameter name of these layers (``"<layer index>.<name>"``) ->
+    the ``LlamaForCausalLM`` one (``model.layers.<i>.…``, ``lm_head.weight``)."""
+    idx, rest = name.split(".", 1)
+    k = int(idx)
+    if k == 0:
+        return "model." + rest
+    if k <= num_hidden_layers:
+        return f"model.layers.{k - 1}." + rest.removeprefix("layer.")
+    return "model." + rest if rest.startswith("norm.") else rest

@@ -229,6 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "peak_memory_mib": max((r["peak_memory_mib"] for r in rows), default=0.0),
         "peak_memory_mib_per_rank": gather_per_rank(
             max((r["peak_memory_mib"] for r in rows), default=0.0)),
+        "parameters_per_rank": gather_per_rank(sum(p.numel() for p in engine.module.parameters())),
         "dp": topo.dp_size, "sp": topo.sp_size, "tp": topo.tp_size, "pp": pp,
         "zero_stage": engine.zero_optimization_stage(), "micro_batch": micro, "gas": gas,
         "seq_len": args.seq_len, "vocab_size": vocab, "parameters": int(n_params),

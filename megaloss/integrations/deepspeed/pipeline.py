@@ -384,9 +384,12 @@ class MegalossPipelineEngine:
         return self.scale.gradient
 
 
-def _agree(bad: bool, device: Any = None) -> bool:
+def _agree(bad: bool) -> bool:
     """Whether any rank of the world is ``bad`` (so all raise together, none waits alone)."""
-    flag = torch.tensor([float(bad)], device=device)
+    from deepspeed.accelerator import get_accelerator
+
+    # on the accelerator: NCCL reduces device tensors only
+    flag = torch.tensor([float(bad)], device=get_accelerator().current_device_name())
     return float(all_reduce_max_(flag, None)[0]) > 0
 
 

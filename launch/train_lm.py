@@ -154,8 +154,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         # heads over the SP group (DeepSpeed's UlyssesSPAttentionHF).
         enable_ulysses_attention(model, topo, micro_batch_size=micro)
         wrapper = CausalLMWithLoss(model, options=ml.ce.options(), tp_group=topo.tp_group)
-        # decoder + the full (unsharded) lm_head, whatever the TP size
-        n_params = sum(p.numel() for p in model.base_model.parameters()) + vocab * cfg.hidden_size
+        # decoder + the full (unsharded) lm_head, whatever the TP size (a tied one is the
+        # embedding)
+        n_params = sum(p.numel() for p in model.base_model.parameters()) + (
+            0 if cfg.tie_word_embeddings else vocab * cfg.hidden_size)
         me = initialize(wrapper, ds_config, topology=topo, output_dir=str(out_dir))
         step_fn = lambda mbs: train_step(me, mbs)  # noqa: E731
         eval_fn = lambda batches: evaluate(me, batches, log=True)  # noqa: E731

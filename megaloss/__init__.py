@@ -7,7 +7,9 @@ The package is a stack; each layer imports only the layers above it in this list
 - :mod:`megaloss.parallel`: process groups (:class:`Topology`; ``group=None`` is torch's default
   group everywhere) and collectives;
 - :mod:`megaloss.losses`: the linear CE (one entry point, :func:`linear_cross_entropy`, on one
-  device or vocab-parallel), gathered MNR, GradCache (functional + module);
+  device or vocab-parallel), the per-token log-probabilities (:func:`linear_log_probs`),
+  gathered MNR, GradCache (functional + module), the policy-gradient losses
+  (:func:`policy_loss`) and DPO / IPO (:func:`dpo_loss`);
 - :mod:`megaloss.calibration`: global loss calibration and the engine-factor probes;
 - :mod:`megaloss.integrations`: DeepSpeed (:mod:`~megaloss.integrations.deepspeed`) and Hugging
   Face (:mod:`~megaloss.integrations.hf`) adapters.
@@ -40,25 +42,43 @@ from .calibration import (
 # deprecated aliases (one release; they warn when called), kept out of __all__
 from .losses import (  # noqa: F401
     CrossEntropyOutput,
+    DPOOptions,
+    DPOOutput,
     GradCacheStep,
     LinearCrossEntropyLoss,
+    LinearLogProbs,
+    LogProbsOutput,
     MNROptions,
     MNROutput,
     MultipleNegativesRankingLoss,
+    PolicyLossOptions,
+    PolicyLossOutput,
+    PolicyLossWeights,
+    VocabParallelEmbedding,
     VocabParallelLMHead,
     VocabParallelOptions,
+    completion_labels,
+    dpo_loss,
+    dpo_metrics,
+    dpo_pair_weights,
     grad_cache_step,
     linear_cross_entropy,
     linear_cross_entropy_with_stats,
+    linear_log_probs,
     mnr_loss,
     mnr_loss_with_metrics,
     mnr_loss_with_stats,
+    policy_calibrator,
+    policy_loss,
+    policy_loss_weights,
+    policy_metrics,
+    sequence_log_probs,
     split_rows,
     vocab_parallel_linear_cross_entropy,
     vocab_parallel_linear_cross_entropy_with_stats,
 )
 from .losses.grad_cache import grad_cache  # noqa: F401
-from .ops import CrossEntropyOptions
+from .ops import CrossEntropyOptions, LogProbsOptions
 from .ops.labels import causal_shift
 from .parallel import SINGLE_RANK, Topology, init_dp_tp_mesh, mark_tensor_parallel
 
@@ -66,6 +86,8 @@ _LAZY = {
     "MegalossConfig": "megaloss.integrations.deepspeed.config",
     "CEConfig": "megaloss.integrations.deepspeed.config",
     "MNRConfig": "megaloss.integrations.deepspeed.config",
+    "PolicyConfig": "megaloss.integrations.deepspeed.config",
+    "DPOConfig": "megaloss.integrations.deepspeed.config",
     "load_megaloss_config": "megaloss.integrations.deepspeed.config",
     "DeepSpeedMPU": "megaloss.integrations.deepspeed.mpu",
     "probe_deepspeed": "megaloss.integrations.deepspeed.probe",
@@ -79,10 +101,16 @@ __all__ = [
     # cross-entropy
     "CrossEntropyOptions", "VocabParallelOptions", "linear_cross_entropy",
     "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss", "CrossEntropyOutput",
-    "VocabParallelLMHead", "causal_shift",
+    "VocabParallelLMHead", "VocabParallelEmbedding", "causal_shift",
+    # per-token log-probabilities (policy / preference losses)
+    "LogProbsOptions", "linear_log_probs", "LinearLogProbs", "LogProbsOutput",
     # contrastive
     "MNROptions", "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MultipleNegativesRankingLoss",
     "grad_cache_step", "GradCacheStep", "split_rows",
+    # policy gradient and preference
+    "PolicyLossOptions", "PolicyLossOutput", "PolicyLossWeights", "policy_loss",
+    "policy_loss_weights", "policy_calibrator", "policy_metrics", "completion_labels",
+    "DPOOptions", "DPOOutput", "dpo_loss", "dpo_pair_weights", "dpo_metrics", "sequence_log_probs",
     # calibration
     "LossCalibrator", "StepCalibration", "compute_loss_weights", "EngineScale",
     "EngineScaleError", "probe_no_engine", "probe_ddp",

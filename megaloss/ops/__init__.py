@@ -1,8 +1,9 @@
 """Single-device math: chunk kernels and the autograd Functions built on them. No process
 groups: cross-rank combination comes in as ``reduce_max`` / ``reduce_sum`` callables.
 
-- :mod:`.options`: :class:`CrossEntropyOptions` and :class:`MNROptions`, the validated options of
-  the losses, and :func:`~.options.resolve_options` (``options=`` or keywords).
+- :mod:`.options`: :class:`CrossEntropyOptions`, :class:`MNROptions`, :class:`LogProbsOptions`,
+  the validated options of the losses, and :func:`~.options.resolve_options` (``options=`` or
+  keywords).
 - :mod:`.chunk_stats`: the per-token statistics of a CE chunk and the loss from them (the leaf
   both epilogues import): :class:`ChunkResult`, :func:`~.chunk_stats.loss_from_stats`.
 - :mod:`.cross_entropy_chunk`: loss, log-sum-exp and logit gradient of one chunk of tokens: the
@@ -10,6 +11,11 @@ groups: cross-rank combination comes in as ``reduce_max`` / ``reduce_sum`` calla
 - :mod:`.triton_epilogue`: the same epilogue as two fused Triton kernels (CUDA, or CPU under
   ``TRITON_INTERPRET=1``); imports ``triton``, so it is imported only when selected.
 - :mod:`.chunked_linear_ce`: the chunk loop and its autograd Function (gradients in forward).
+- :mod:`.log_probs_chunk`: per-token log-probabilities, entropy, log-sum-exp and greedy match of
+  one chunk, and its logit gradient for arbitrary per-token upstream gradients.
+- :mod:`.triton_log_probs`: that epilogue as two fused Triton kernels (imports ``triton``; imported
+  only when selected).
+- :mod:`.chunked_log_probs`: their chunk loop and autograd Function (recompute in backward).
 - :mod:`.infonce_rows`: InfoNCE rows against a set of columns, chunked, gradients in forward.
 - :mod:`.labels`: :func:`~.labels.causal_shift`, Hugging Face's unshifted labels to targets.
 - :mod:`.validation`: tensor checks that raise ValueError/TypeError naming the argument.
@@ -17,7 +23,14 @@ groups: cross-rank combination comes in as ``reduce_max`` / ``reduce_sum`` calla
 from .chunk_stats import ChunkResult
 from .chunked_linear_ce import chunked_linear_cross_entropy
 from .cross_entropy_chunk import chunk_cross_entropy
-from .options import CE_IMPLS, CE_REDUCTIONS, SIMILARITIES, CrossEntropyOptions, MNROptions
+from .options import (
+    CE_IMPLS,
+    CE_REDUCTIONS,
+    SIMILARITIES,
+    CrossEntropyOptions,
+    LogProbsOptions,
+    MNROptions,
+)
 
-__all__ = ["CrossEntropyOptions", "MNROptions", "CE_REDUCTIONS", "CE_IMPLS", "SIMILARITIES",
-           "ChunkResult", "chunk_cross_entropy", "chunked_linear_cross_entropy"]
+__all__ = ["CrossEntropyOptions", "MNROptions", "LogProbsOptions", "CE_REDUCTIONS", "CE_IMPLS",
+           "SIMILARITIES", "ChunkResult", "chunk_cross_entropy", "chunked_linear_cross_entropy"]

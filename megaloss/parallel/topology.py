@@ -14,7 +14,8 @@ Who holds what (the terms of DeepSpeed and XTuner; torchtitan's ``ParallelDims``
 
 A dimension the layout does not use holds :data:`~megaloss.parallel.groups.SINGLE_RANK`. Build
 a Topology with :meth:`Topology.from_device_mesh` (or :meth:`Topology.build`, which makes the
-``("dp", "tp")`` DeviceMesh), :meth:`Topology.from_mpu` (a Megatron / DeepSpeed ``mpu``) or
+``("dp", "tp")`` DeviceMesh), :meth:`Topology.from_mpu` (a Megatron / DeepSpeed ``mpu``),
+:meth:`Topology.from_megatron` (Megatron-core's or apex's initialised ``parallel_state``) or
 :meth:`Topology.default` (everything data parallel over the default group).
 """
 from __future__ import annotations
@@ -231,6 +232,23 @@ class Topology:
         dp_sp = (mpu.get_sequence_data_parallel_group()
                  if hasattr(mpu, "get_sequence_data_parallel_group") else SINGLE_RANK)
         return cls(dp_group=dp, sp_group=sp, tp_group=tp, dp_sp_group=dp_sp)
+
+    @classmethod
+    def from_megatron(cls, parallel_state: Any = None) -> "Topology":
+        """From Megatron-core's initialised ``parallel_state`` (or NVIDIA apex's): TP, DP,
+        context parallel as ``sp``, ``dp x cp`` as ``dp_sp``
+        (:func:`megaloss.parallel.megatron.megatron_groups`, which has the pipeline group too);
+        ``parallel_state=None`` imports the module.
+
+        Raises:
+            ImportError / TypeError / RuntimeError: see
+                :func:`megaloss.parallel.megatron.megatron_groups`.
+        """
+        from .megatron import megatron_groups  # Megatron / apex only on request
+
+        groups = megatron_groups(parallel_state)
+        return cls(dp_group=groups["dp"], sp_group=groups["sp"], tp_group=groups["tp"],
+                   dp_sp_group=groups["dp_sp"])
 
     def __repr__(self) -> str:
         pp = f", pp={self.pp_size}" if self.pp_size > 1 else ""

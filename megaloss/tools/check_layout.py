@@ -36,7 +36,9 @@ multiplier, group ranks), next to what ``GAS x DP`` predicts.
 
 Models: ``--model tiny`` (default; a 2-layer Llama / 1-layer BERT from ``transformers``
 configs, random init, no download) or a path to a ``transformers`` config (``config.json`` or
-its folder), built with random weights; ``--config_override`` shrinks it. Data: random token
+its folder), built with random weights; ``--config_override`` shrinks it, or ties the
+embeddings (``'{"tie_word_embeddings": true}'``; a tied config, e.g. Qwen2.5's, is checked tied,
+also under TP: the input embedding then uses the lm_head's vocab shard). Data: random token
 ids with a different number of ignored labels per row (LM) or of padded positions (embedding),
 so that a calibration counting tokens per rank, or per micro-batch, shows.
 
@@ -196,9 +198,9 @@ def model_config(spec: Dict[str, Any]):
         cfg = transformers.AutoConfig.from_pretrained(spec["model"])
     for key, value in spec["config_override"].items():
         setattr(cfg, key, value)
-    if (spec["job"] == "lm" and (spec["tp"] > 1 or spec.get("pp", 1) > 1)
+    if (spec["job"] == "lm" and spec.get("pp", 1) > 1
             and getattr(cfg, "tie_word_embeddings", False)):
-        # a vocab shard cannot also be the input embedding; a pipeline puts them on two stages
+        # the pipeline puts the input embedding and the lm_head on two stages
         cfg.tie_word_embeddings = False
     return cfg
 
@@ -515,6 +517,11 @@ def _fmt_groups(groups: List[Dict[str, Any]], key: str) -> str:
     return " ".join(str(s) for s in seen)
 
 
+def _tied_note(spec: Dict[str, Any]) -> str:
+    tied = spec["job"] == "lm" and getattr(model_config(spec), "tie_word_embeddings", False)
+    return " (tied embeddings)" if tied else ""
+
+
 def report(spec: Dict[str, Any], lay: Dict[str, Any], ref: Dict[str, Any],
            result: Dict[str, Any], seconds: float) -> str:
     m, r = lay["measured_scale"], ref["measured_scale"]
@@ -524,7 +531,8 @@ def report(spec: Dict[str, Any], lay: Dict[str, Any], ref: Dict[str, Any],
         f"layout: {lay['world']} processes = DP {lay['dp']} x TP {lay['tp']}"
         + (f" x PP {lay['pp']}" if lay.get("pp", 1) > 1 else "") + ", "
         f"ZeRO-{lay['zero_stage']}, micro-batch {lay['micro']} x GAS {lay['gas']}, "
-        f"{result['dtype']}; job {spec['job']}, model {spec['model']}, {spec['steps']} steps "
+        f"{result['dtype']}; job {spec['job']}, model {spec['model']}{_tied_note(spec)}, "
+        f"{spec['steps']} steps "
         f"({seconds:.0f} s)",
         f"one device: 1 process, ZeRO-0, micro-batch {ref['micro']} x GAS {ref['gas']}, "
         "the same global batches",

@@ -5,7 +5,7 @@ Slow tier (each runs the tool as a user does, from a directory outside the check
 layout through the ``deepspeed`` launcher on CPU, the one-device reference in the tool's process,
 a few steps of the tiny model):
 
-- PASS on DP 2 x TP 2 (4 processes) under ZeRO-2 and ZeRO-3, the LM job;
+- PASS on DP 2 x TP 2 (4 processes) under ZeRO-2 and ZeRO-3 (tied embeddings), the LM job;
 - PASS for the embedding job (gathered MNR) on DP 2;
 - PASS on DP 1 x TP 2 x PP 2 (DeepSpeed's pipeline engine; the ZeRO-2 config at ZeRO-1);
 - FAIL, naming the cause, when the calibration is deliberately wrong (``--_inject_wrong_scale``
@@ -54,9 +54,13 @@ def _run_tool(tmp_path, *args, timeout=230):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_dp2_tp2_trains_like_one_device(tmp_path, stage):
-    proc = _run_tool(tmp_path, "--deepspeed_config", _config(tmp_path, stage), "--num_procs", "4")
+    # ZeRO-3 with the input embedding tied to the lm_head (the embedding on the head's shard)
+    tied = ["--config_override", '{"tie_word_embeddings": true}'] if stage == 3 else []
+    proc = _run_tool(tmp_path, "--deepspeed_config", _config(tmp_path, stage), "--num_procs", "4",
+                     *tied)
     out = proc.stdout
     assert proc.returncode == 0 and f"PASS: DP 2 x TP 2 ZeRO-{stage}" in out, out
+    assert ("model tiny (tied embeddings)" in out) == (stage == 3), out
     # the groups and the measured engine scale are reported
     assert "tensor parallel:             [0, 1] [2, 3]" in out
     assert "data parallel:               [0, 2] [1, 3]" in out

@@ -48,10 +48,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ...ops.options import CrossEntropyOptions, MNROptions
+from ...ops.options import CrossEntropyOptions, DPOOptions, MNROptions, PolicyLossOptions
 
-__all__ = ["CEConfig", "MNRConfig", "MegalossConfig", "load_megaloss_config", "SECTION",
-           "DEEPSPEED_TOP_LEVEL_KEYS", "check_top_level_keys"]
+__all__ = ["CEConfig", "MNRConfig", "PolicyConfig", "DPOConfig", "MegalossConfig",
+           "load_megaloss_config", "SECTION", "DEEPSPEED_TOP_LEVEL_KEYS", "check_top_level_keys"]
 
 SECTION = "megaloss"
 
@@ -238,6 +238,65 @@ MNRConfig = create_model(
     **_config_fields(MNROptions))
 
 
+class _PolicySection(_OptionsSection):
+    _options_cls: ClassVar[type] = PolicyLossOptions
+
+    # The policy options depend on each other (dr_grpo needs max_completion_length, delta is
+    # bounded by epsilon_high), so the dataclass checks the whole section, not field by field.
+    @field_validator("*", mode="before")
+    @classmethod
+    def _validated_by_the_dataclass(cls, value: Any, info: ValidationInfo) -> Any:
+        return value
+
+    @model_validator(mode="after")
+    def _validated_whole(self) -> "_PolicySection":
+        try:
+            self.options()
+        except (ValueError, TypeError) as err:
+            raise PydanticCustomError("megaloss_option", str(err)) from None
+        return self
+
+    def options(self) -> PolicyLossOptions:
+        """The :class:`~megaloss.ops.options.PolicyLossOptions` of the loss."""
+        return PolicyLossOptions(**self._option_fields())
+
+
+PolicyConfig = create_model(
+    "PolicyConfig", __base__=_PolicySection, __module__=__name__,
+    __doc__="""Options of the policy-gradient loss (:func:`megaloss.policy_loss`, trained by
+    :func:`megaloss.integrations.deepspeed.policy_train_step`).
+
+    Fields: every field of :class:`~megaloss.ops.options.PolicyLossOptions` (``loss_type``
+    ``"grpo"`` / ``"bnpo"`` / ``"dapo"`` / ``"dr_grpo"`` / ``"cispo"``, ``epsilon_low``,
+    ``epsilon_high``, ``delta``, ``beta``, ``entropy_coef``, ``importance_sampling_level``,
+    ``max_completion_length``; same defaults, validated together by the dataclass).
+
+    :meth:`options` gives the :class:`~megaloss.ops.options.PolicyLossOptions`.
+    """,
+    **_config_fields(PolicyLossOptions))
+
+
+class _DPOSection(_OptionsSection):
+    _options_cls: ClassVar[type] = DPOOptions
+
+    def options(self) -> DPOOptions:
+        """The :class:`~megaloss.ops.options.DPOOptions` of the loss."""
+        return DPOOptions(**self._option_fields())
+
+
+DPOConfig = create_model(
+    "DPOConfig", __base__=_DPOSection, __module__=__name__,
+    __doc__="""Options of the preference loss (:func:`megaloss.dpo_loss`, trained by
+    :func:`megaloss.integrations.deepspeed.dpo_train_step`).
+
+    Fields: every field of :class:`~megaloss.ops.options.DPOOptions` (``loss_type``
+    ``"sigmoid"`` / ``"ipo"``, ``beta``; same defaults, validated by the dataclass).
+
+    :meth:`options` gives the :class:`~megaloss.ops.options.DPOOptions`.
+    """,
+    **_config_fields(DPOOptions))
+
+
 class MegalossConfig(_Strict):
     """The whole ``"megaloss"`` section.
 
@@ -253,6 +312,8 @@ class MegalossConfig(_Strict):
             (ZeRO 0 or 1, no sequence parallelism). ``pp * tp`` must divide the world size.
         ce: :class:`CEConfig`.
         mnr: :class:`MNRConfig`.
+        policy: :class:`PolicyConfig` (the policy-gradient losses).
+        dpo: :class:`DPOConfig` (DPO / IPO).
     """
 
     tensor_parallel_size: int = Field(1, ge=1, strict=True)
@@ -260,6 +321,8 @@ class MegalossConfig(_Strict):
     pipeline_parallel_size: int = Field(1, ge=1, strict=True)
     ce: CEConfig = Field(default_factory=CEConfig)
     mnr: MNRConfig = Field(default_factory=MNRConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
 
 
 def _format_errors(err: ValidationError) -> str:

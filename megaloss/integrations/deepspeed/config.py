@@ -354,6 +354,9 @@ class MegalossConfig(_Strict):
             of the same samples (attention through DeepSpeed's ``UlyssesSPAttentionHF``, the
             calibration counting split samples whole). ``tp * sp`` must divide the world size.
             Not Megatron's ``sequence_parallel`` flag inside the TP group.
+        pipeline_parallel_size: stages of DeepSpeed's pipeline engine (``PipelineModule``);
+            > 1 needs :func:`~megaloss.integrations.deepspeed.pipeline.initialize_pipeline`
+            (ZeRO 0 or 1, no sequence parallelism). ``pp * tp`` must divide the world size.
         ce: :class:`CEConfig`.
         mnr: :class:`MNRConfig`.
         policy: :class:`PolicyConfig` (the policy-gradient losses).
@@ -365,6 +368,7 @@ class MegalossConfig(_Strict):
 
     tensor_parallel_size: int = Field(1, ge=1, strict=True)
     sequence_parallel_size: int = Field(1, ge=1, strict=True)
+    pipeline_parallel_size: int = Field(1, ge=1, strict=True)
     ce: CEConfig = Field(default_factory=CEConfig)
     mnr: MNRConfig = Field(default_factory=MNRConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)

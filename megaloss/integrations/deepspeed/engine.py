@@ -210,6 +210,10 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
     if ml.tensor_parallel_size != topology.tp_size:
         raise ValueError(f"megaloss.tensor_parallel_size={ml.tensor_parallel_size} but the process "
                          f"groups have tp={topology.tp_size}")
+    if ml.pipeline_parallel_size != 1:
+        raise ValueError(f"megaloss.pipeline_parallel_size={ml.pipeline_parallel_size} needs "
+                         "DeepSpeed's pipeline engine: build the stages and call "
+                         "megaloss.integrations.deepspeed.pipeline.initialize_pipeline")
     if ml.sequence_parallel_size != topology.sp_size:
         raise ValueError(f"megaloss.sequence_parallel_size={ml.sequence_parallel_size} but the "
                          f"process groups have sp={topology.sp_size}")

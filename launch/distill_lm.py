@@ -236,10 +236,12 @@ def topo_rank0() -> bool:
 
 def model_args(args: argparse.Namespace, size: str, overrides: bool) -> argparse.Namespace:
     """What :func:`build_llama` reads for ``size`` (with the student's ``--hidden_size`` /
-    ``--num_layers`` / ``--num_heads`` when ``overrides``)."""
+    ``--num_layers`` / ``--num_heads`` / ``--tie_word_embeddings`` when ``overrides``; the
+    teacher is the main job's untied model)."""
     pick = (lambda k: getattr(args, k)) if overrides else (lambda k: None)
     return argparse.Namespace(model_size=size, hidden_size=pick("hidden_size"),
                               num_layers=pick("num_layers"), num_heads=pick("num_heads"),
+                              tie_word_embeddings=bool(pick("tie_word_embeddings")),
                               seq_len=args.seq_len, seed=args.seed)
 
 

@@ -40,12 +40,25 @@ run() {  # run the launcher command "$@" (DRY_RUN: print it)
   # SIGINT (Ctrl-C, a scheduler's signal to the job's process group) reaches the launcher's
   # launch.py and every rank directly; the `deepspeed` command itself ignores it, so this script
   # returns once the ranks have saved and exited, not as soon as the signal arrives.
-  trap '' INT
+  # SIGUSR1 (`sbatch --signal=USR1@60`, sent to every process of the step) would kill the
+  # launcher's processes, which take no such signal: they ignore it (inherited), the ranks
+  # install their own handler for it.
+  trap '' INT USR1
   set +e
   "$@"
   local rc=$?
   set -e
-  trap - INT
+  trap - INT USR1
+  # Stopped on request (SIGTERM / SIGINT / SIGUSR1) and saved on every rank of this node, no
+  # rank failed: status 75 (EX_TEMPFAIL, "try again": continue with --resume), whatever status
+  # the launcher got from how the signal reached it.
+  if ls "${MEGALOSS_ERROR_FILE}".stopped* >/dev/null 2>&1 \
+      && ! ls "${MEGALOSS_ERROR_FILE}".rank* >/dev/null 2>&1; then
+    echo "stopped on request after a checkpoint on every rank: exit status 75 (continue with" \
+      "--resume)" >&2
+    rm -f "${MEGALOSS_ERROR_FILE}" "${MEGALOSS_ERROR_FILE}".stopped*
+    exit 75
+  fi
   if (( rc != 0 )); then
     local first
     first="$(ls "${MEGALOSS_ERROR_FILE}".rank* 2>/dev/null | sort | head -n 1)"
@@ -53,7 +66,7 @@ run() {  # run the launcher command "$@" (DRY_RUN: print it)
       echo "error: $(cat "${first}")" >&2
     fi
   fi
-  rm -f "${MEGALOSS_ERROR_FILE}" "${MEGALOSS_ERROR_FILE}".rank*
+  rm -f "${MEGALOSS_ERROR_FILE}" "${MEGALOSS_ERROR_FILE}".rank* "${MEGALOSS_ERROR_FILE}".stopped*
   exit "${rc}"
 }
 

@@ -44,6 +44,7 @@ from launch.jobs.arguments import (
     job_parser,
 )
 from launch.jobs.lm_data import eval_batches, load_blocks
+from launch.jobs.lm_pipeline import build_pipeline_job, gather_per_rank, pipeline_parallel_size
 from launch.jobs.models import build_llama
 from launch.jobs.reporting import print_summary_table, rank0_logger
 from launch.jobs.runs import (
@@ -78,6 +79,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="DeepSpeed-Ulysses sequence parallelism: ranks sharing each sample's "
                         "tokens (overrides megaloss.sequence_parallel_size of the config); "
                         "NUM_PROCS must be a multiple of tp x sp")
+    p.add_argument("--pipeline_parallel_size", type=int, default=None,
+                   help="DeepSpeed pipeline stages (overrides megaloss.pipeline_parallel_size); "
+                        "runs at ZeRO-1 when the config asks for more (the pipeline engine's "
+                        "limit); NUM_PROCS must be a multiple of pp x tp")
     add_job_arguments(p, steps=150, output_dir=os.path.join("runs", "lm"))
     add_lm_data_arguments(p)
     add_llama_arguments(p)
@@ -85,6 +90,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.pipeline_parallel_size is not None and args.pipeline_parallel_size < 1:
+        p.error("--pipeline_parallel_size must be >= 1")
     check_run_arguments(p, args)
     check_input_files(p, args)
     return args
@@ -96,7 +103,8 @@ def print_summary(summary: Dict[str, Any]) -> None:
     stopped = summary.get("stopped")
     info = (f"{summary['steps']} steps in {summary['train_seconds']:.1f} s, "
             f"{summary['tokens_per_s']:.0f} tokens/s, layout DP={summary['dp']} x "
-            f"SP={summary.get('sp', 1)} x TP={summary['tp']}, ZeRO-{summary['zero_stage']}, "
+            f"SP={summary.get('sp', 1)} x TP={summary['tp']} x PP={summary.get('pp', 1)}, "
+            f"ZeRO-{summary['zero_stage']}, "
             f"engine loss multiplier {summary['engine_loss_multiplier']:g}, peak memory "
             f"{summary['peak_memory_mib']:.0f} MiB/rank"
             + (f"; stopped by {stopped['signal']} at step {stopped['step']} (resume with "
@@ -127,24 +135,34 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if args.sequence_parallel_size is not None:
         ml.sequence_parallel_size = args.sequence_parallel_size
         ds_config.setdefault("megaloss", {})["sequence_parallel_size"] = args.sequence_parallel_size
-    topo = Topology.build(ml.tensor_parallel_size,
-                          sequence_parallel_size=ml.sequence_parallel_size)
+    pp = pipeline_parallel_size(args, ml, ds_config)
+    topo = None if pp > 1 else Topology.build(ml.tensor_parallel_size,
+                                              sequence_parallel_size=ml.sequence_parallel_size)
     micro = ds_config.get("train_micro_batch_size_per_gpu", 1)
     gas = ds_config.get("gradient_accumulation_steps", 1)
 
     tok, train_blocks, held_blocks, info, data_key = load_blocks(args, log)
     vocab = tok.get_vocab_size()
 
-    model, cfg = build_llama(args, vocab, "sdpa" if topo.sp_size > 1 else None)
-    # With SP each rank runs the decoder on its slice of every sample; attention all-to-alls
-    # heads over the SP group (DeepSpeed's UlyssesSPAttentionHF).
-    enable_ulysses_attention(model, topo, micro_batch_size=micro)
-    wrapper = CausalLMWithLoss(model, options=ml.ce.options(), tp_group=topo.tp_group)
-    # decoder + the full (unsharded) lm_head, whatever the TP size
-    n_params = sum(p.numel() for p in model.base_model.parameters()) + vocab * cfg.hidden_size
-    me = initialize(wrapper, ds_config, topology=topo, output_dir=str(out_dir))
+    if pp > 1:  # DeepSpeed's pipeline engine: the Llama in stages (launch/jobs/lm_pipeline.py)
+        pipe = build_pipeline_job(args, ds_config, ml, vocab, str(out_dir), log)
+        me, cfg, n_params, topo = pipe.me, pipe.config, pipe.parameters, pipe.me.topology
+        step_fn, eval_fn = pipe.train_step, pipe.evaluate
+    else:
+        model, cfg = build_llama(args, vocab, "sdpa" if topo.sp_size > 1 else None)
+        # With SP each rank runs the decoder on its slice of every sample; attention all-to-alls
+        # heads over the SP group (DeepSpeed's UlyssesSPAttentionHF).
+        enable_ulysses_attention(model, topo, micro_batch_size=micro)
+        wrapper = CausalLMWithLoss(model, options=ml.ce.options(), tp_group=topo.tp_group)
+        # decoder + the full (unsharded) lm_head, whatever the TP size (a tied one is the
+        # embedding)
+        n_params = sum(p.numel() for p in model.base_model.parameters()) + (
+            0 if cfg.tie_word_embeddings else vocab * cfg.hidden_size)
+        me = initialize(wrapper, ds_config, topology=topo, output_dir=str(out_dir))
+        step_fn = lambda mbs: train_step(me, mbs)  # noqa: E731
+        eval_fn = lambda batches: evaluate(me, batches, log=True)  # noqa: E731
     engine = me.engine
-    log(f"engine ready: DP={topo.dp_size} x SP={topo.sp_size} x TP={topo.tp_size}, "
+    log(f"engine ready: DP={topo.dp_size} x SP={topo.sp_size} x TP={topo.tp_size} x PP={pp}, "
         f"ZeRO-{engine.zero_optimization_stage()}, micro-batch {micro} x GAS {gas} x DP "
         f"{topo.dp_size} = {micro * gas * topo.dp_size} x {args.seq_len} tokens/step, "
         f"{n_params / 1e6:.2f} M params, measured engine loss multiplier "
@@ -173,7 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     evals: List[Dict[str, Any]] = job_state["evals"]
     saves: List[Dict[str, Any]] = job_state["saves"]
     if not evals:
-        evals.append({"step": 0, **vars(evaluate(me, held, log=True))})
+        evals.append({"step": 0, **vars(eval_fn(held))})
         log(f"before training: held-out CE {evals[0]['loss']:.4f}, perplexity "
             f"{evals[0]['perplexity']:.1f}")
 
@@ -188,16 +206,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     stop = StopRequest().install()
     loop = TrainLoop(args, start, job_state["train_seconds"], stop, engine.device, save, log)
     for step in loop:
-        m = train_step(me, next(batches))
+        m = step_fn(next(batches))
         rows.append(m.as_dict())
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-            evals.append({"step": m.step, **vars(evaluate(me, held, log=True))})
+            evals.append({"step": m.step, **vars(eval_fn(held))})
         loop.show(loss=f"{m.loss:.3f}", ppl_eval=f"{evals[-1]['perplexity']:.0f}",
                   tok_s=f"{m.tokens_per_s:.0f}")
     stopped, train_seconds = loop.stopped, loop.seconds
     last = rows[-1]["step"] if rows else start
     if stopped is None and evals[-1]["step"] != last:
-        evals.append({"step": last, **vars(evaluate(me, held, log=True))})
+        evals.append({"step": last, **vars(eval_fn(held))})
         log(f"after training: held-out CE {evals[-1]['loss']:.4f}, perplexity "
             f"{evals[-1]['perplexity']:.1f}")
 
@@ -211,7 +229,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "train_seconds": train_seconds, "tokens_per_s": tokens / max(train_seconds, 1e-9),
         "train_tokens_seen": tokens,
         "peak_memory_mib": max((r["peak_memory_mib"] for r in rows), default=0.0),
-        "dp": topo.dp_size, "sp": topo.sp_size, "tp": topo.tp_size,
+        "peak_memory_mib_per_rank": gather_per_rank(
+            max((r["peak_memory_mib"] for r in rows), default=0.0)),
+        "parameters_per_rank": gather_per_rank(sum(p.numel() for p in engine.module.parameters())),
+        "dp": topo.dp_size, "sp": topo.sp_size, "tp": topo.tp_size, "pp": pp,
         "zero_stage": engine.zero_optimization_stage(), "micro_batch": micro, "gas": gas,
         "seq_len": args.seq_len, "vocab_size": vocab, "parameters": int(n_params),
         "engine_loss_multiplier": me.engine_scale.loss_multiplier,

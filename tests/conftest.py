@@ -10,6 +10,11 @@ Process groups: ``megaloss.testing.run_distributed`` inside a test runs on a poo
 ranks per world size, started once per session and shared by the tests (reseeded before each
 case, respawned after a failure or timeout; see ``megaloss/testing.py``). Tests marked
 ``deepspeed`` or ``fresh_processes`` get freshly spawned ranks instead.
+
+Nothing outside temporary folders: ``MEGALOSS_CACHE`` (the jobs' default ``--cache_dir``, also
+read by the examples and tools) points at one temporary folder for the session unless already
+set, so no test writes tokenizers or token streams into ``~/.cache/megaloss``; launched jobs
+inherit it.
 """
 import os
 import sys
@@ -64,3 +69,15 @@ def _shared_process_groups(request, _process_group_pools):
         return
     with shared_process_groups(_process_group_pools):
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _megaloss_cache(tmp_path_factory):
+    if os.environ.get("MEGALOSS_CACHE"):
+        yield os.environ["MEGALOSS_CACHE"]
+        return
+    os.environ["MEGALOSS_CACHE"] = str(tmp_path_factory.mktemp("megaloss-cache"))
+    try:
+        yield os.environ["MEGALOSS_CACHE"]
+    finally:
+        os.environ.pop("MEGALOSS_CACHE", None)

@@ -32,7 +32,8 @@ def build_llama(args, vocab_size: int, attn_implementation: Optional[str] = None
     """A ``transformers.LlamaForCausalLM`` of ``args.model_size`` (:data:`LLAMA_SIZES`), with
     ``args.hidden_size`` / ``num_layers`` / ``num_heads`` overriding it (a given hidden size
     also sets 32-wide heads and a SwiGLU feed-forward of ``8 / 3 x hidden`` rounded up to 64),
-    ``args.seq_len`` positions, untied embeddings, seeded from ``args.seed``.
+    ``args.seq_len`` positions, the input embedding tied to the lm_head when
+    ``args.tie_word_embeddings`` (untied otherwise), seeded from ``args.seed``.
 
     Every rank builds the same weights: TP ranks must hold the same replicated decoder
     (DeepSpeed broadcasts from DP rank 0 only within the DP group).
@@ -54,7 +55,7 @@ def build_llama(args, vocab_size: int, attn_implementation: Optional[str] = None
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=ffn,
                       num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv, max_position_embeddings=args.seq_len,
-                      tie_word_embeddings=False)
+                      tie_word_embeddings=bool(getattr(args, "tie_word_embeddings", False)))
     if attn_implementation is not None:  # Ulysses wraps transformers' sdpa attention
         cfg._attn_implementation = attn_implementation
     torch.manual_seed(args.seed)

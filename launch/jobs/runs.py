@@ -334,7 +334,21 @@ def step_boundary(stop: "StopRequest", device: Any, step: int, args: argparse.Na
         save(step)
     if stopped:
         log(f"stopped by {stopped['signal']} after step {step}; continue with --resume")
+        _note_stopped(stopped)
     return stopped
+
+
+def _note_stopped(stopped: dict) -> None:
+    """Leave ``$MEGALOSS_ERROR_FILE.stopped<r>`` once this rank has saved on a stop request:
+    ``launch/multinode.sh`` then exits with status 75 however the request was delivered (the
+    ``deepspeed`` launcher's own status depends on whether it was signalled itself)."""
+    base = os.environ.get("MEGALOSS_ERROR_FILE")
+    if base:
+        try:
+            Path(f"{base}.stopped{int(os.environ.get('RANK', 0)):05d}").write_text(
+                f"{stopped['signal']} {stopped['step']}\n", encoding="utf-8")
+        except OSError:
+            pass
 
 
 def save_run(me: Any, ckpt_dir: Path, step: int, job: dict, tokenizer: Any, keep: int,
@@ -521,6 +535,23 @@ def _quiet_deepspeed_logger() -> None:
         logger.addFilter(_DropMessages(DEEPSPEED_NOISE))
 
 
+# accelerate's "Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1,
+# DeepSpeed config has N. Using DeepSpeed's value." in every Trainer job with GAS > 1: the
+# Trainer sets accelerate's own accumulation to 1 on purpose (transformers' trainer.py
+# create_accelerator_and_postprocess: it accumulates itself) and DeepSpeed's engine takes the
+# ds_config's value, which is what the jobs ask for (the MegalossTrainer measures the engine's
+# scaling at its first micro-batch).
+ACCELERATE_NOISE = ("Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1,",)
+
+
+def _quiet_accelerate_logger() -> None:
+    import logging
+
+    logger = logging.getLogger("accelerate.accelerator")
+    if not any(isinstance(f, _DropMessages) for f in logger.filters):
+        logger.addFilter(_DropMessages(ACCELERATE_NOISE))
+
+
 def start_process(local_rank: int) -> Tuple[int, int]:
     """Process start-up of a job under the ``deepspeed`` launcher (or plain ``python``: then one
     process): quiet DeepSpeed, threads per process on CPU, no JIT build
@@ -602,11 +633,15 @@ def start_trainer_process(local_rank: int, report_to: str, out_dir: Path) -> Tup
         ``(rank, world_size)``.
     """
     rank, world = start_process(local_rank)
+    _quiet_accelerate_logger()
     if not torch.cuda.is_available():
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     if report_to != "none":
         os.environ.setdefault("WANDB_DIR", str(out_dir.resolve()))  # <output_dir>/wandb
         os.environ.setdefault("WANDB_PROJECT", "megaloss")
+        from megaloss.integrations.deepspeed import keep_wandb_cache_in_run_dir
+
+        keep_wandb_cache_in_run_dir()  # wandb-core's debug log too
     return rank, world
 
 

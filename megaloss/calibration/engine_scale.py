@@ -99,7 +99,9 @@ def _snap(m: float) -> float:
 
 def measure_grad_scale(run_step: Callable[[Sequence[float]], torch.Tensor], *,
                        group: GroupLike, gas: int, engine: str,
-                       device: Optional[torch.device] = None) -> EngineScale:
+                       device: Optional[torch.device] = None,
+                       coefficient_ids: Optional[Tuple[int, Sequence[int]]] = None
+                       ) -> EngineScale:
     """Run one probed optimizer step through an engine and derive its gradient factor.
 
     Collective over the default group: every rank of the world calls it (TP replicas included).
@@ -114,6 +116,11 @@ def measure_grad_scale(run_step: Callable[[Sequence[float]], torch.Tensor], *,
         gas: gradient accumulation steps ``G`` of the engine (>= 1).
         engine: name stored in the result.
         device: device of the small consensus all-reduce (default: the gradient's).
+        coefficient_ids: ``(this rank's id, the ids of the group's members)`` that pick the
+            coefficients (:func:`probe_coefficients`) instead of global ranks: for engines where
+            the loss of one rank drives the gradients of others (the stages of one pipeline all
+            get the last stage's loss, so the pipeline's data-parallel index is the id).
+            ``run_step`` is then given the coefficients of this rank's id.
 
     Returns:
         :class:`EngineScale`, identical on all ranks.
@@ -129,8 +136,13 @@ def measure_grad_scale(run_step: Callable[[Sequence[float]], torch.Tensor], *,
     members = group_ranks(group)
     world = group_size(group)
     me = group_ranks(SINGLE_RANK)[0]  # this process's global rank
+    ids = members
+    if coefficient_ids is not None:
+        me, ids = int(coefficient_ids[0]), [int(i) for i in coefficient_ids[1]]
+        if len(ids) != world:
+            raise ValueError(f"coefficient_ids must name {world} members, got {ids}")
     coeffs = probe_coefficients(me, gas)
-    total = sum(sum(probe_coefficients(r, gas)) for r in members)
+    total = sum(sum(probe_coefficients(r, gas)) for r in ids)
     grad = run_step(coeffs)
     if grad is None:
         raise EngineScaleError(f"{engine}: the probe parameter got no gradient")

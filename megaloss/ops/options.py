@@ -4,6 +4,10 @@ are built from these dataclasses) or the functional API's keyword arguments down
 
 - :class:`CrossEntropyOptions`: the linear cross-entropy (single-device and vocab-parallel).
 - :class:`MNROptions`: the gathered Multiple Negatives Ranking (InfoNCE) loss.
+- :class:`LogProbsOptions`: the per-token log-probabilities of :func:`megaloss.linear_log_probs`.
+- :class:`PolicyLossOptions`: the policy-gradient losses (GRPO family, CISPO) of
+  :func:`megaloss.policy_loss`.
+- :class:`DPOOptions`: the preference losses (DPO sigmoid, IPO) of :func:`megaloss.dpo_loss`.
 - :class:`DistillationOptions`: the linear distillation loss (single-device and vocab-parallel).
 - :func:`resolve_options`: ``options=`` or the option keywords of an entry point, not both.
 """
@@ -16,7 +20,9 @@ from typing import Any, Dict, Optional, Type, TypeVar
 import torch
 
 __all__ = ["CrossEntropyOptions", "CE_REDUCTIONS", "CE_IMPLS", "MNROptions", "SIMILARITIES",
-           "mnr_option_error", "resolve_options", "DistillationOptions", "DISTILLATION_KINDS"]
+           "LogProbsOptions", "mnr_option_error", "resolve_options", "PolicyLossOptions",
+           "POLICY_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "DPOOptions", "DPO_LOSS_TYPES",
+           "DistillationOptions", "DISTILLATION_KINDS"]
 
 CE_REDUCTIONS = ("mean", "sum", "none")
 CE_IMPLS = ("auto", "torch", "triton")
@@ -171,6 +177,197 @@ def mnr_option_error(name: str, value: Any) -> Optional[Exception]:
     return None
 
 
+@dataclass(frozen=True)
+class LogProbsOptions:
+    """Options of :func:`megaloss.linear_log_probs` and :class:`megaloss.LinearLogProbs`.
+
+    The scaled logits are ``y = softcap(z) / temperature``: soft-capping acts on the raw lm_head
+    logits (as Gemma 2's ``final_logit_softcapping`` does inside the model,
+    ``transformers``' ``Gemma2ForCausalLM.forward``), and the temperature divides what the model
+    returns (as TRL's trainers do, ``logits / temperature`` before ``selective_log_softmax``).
+
+    Attributes:
+        ignore_index: label value whose token gets ``log_probs = 0``, ``entropy = 0``,
+            ``greedy_match = False`` and no gradient (int).
+        temperature: ``T > 0`` (finite), the divisor of the (soft-capped) logits.
+        logit_softcapping: ``c`` in Gemma 2's ``c * tanh(logits / c)`` (arXiv:2408.00118);
+            ``None`` disables it, else ``> 0``.
+        return_entropy: also compute the per-token entropy of ``softmax(y)`` (one more
+            ``[tokens]`` statistic in the vocab-parallel all-reduce, one more pass per chunk).
+        chunk_size: tokens per chunk (``>= 1``); the working set is a few ``chunk_size x V``
+            fp32 buffers (``x V/tp`` under tensor parallelism).
+        accum_dtype: floating dtype of the weight/bias gradient accumulation across chunks.
+        impl: the chunk epilogue, as :class:`CrossEntropyOptions`'s: ``"torch"``, ``"triton"``
+            or ``"auto"``.
+
+    Raises:
+        ValueError / TypeError: an option out of range or of the wrong type, naming it.
+    """
+
+    ignore_index: int = -100
+    temperature: float = 1.0
+    logit_softcapping: Optional[float] = None
+    return_entropy: bool = False
+    chunk_size: int = 1024
+    accum_dtype: torch.dtype = torch.float32
+    impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or math.isinf(t):
+            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+        if self.logit_softcapping is not None:
+            _check_float("logit_softcapping", self.logit_softcapping, 0.0, float("inf"),
+                         open_low=True, none_ok=True)
+        if not isinstance(self.return_entropy, bool):
+            raise TypeError(f"return_entropy must be a bool, got {self.return_entropy!r}")
+        if not isinstance(self.impl, str) or self.impl not in CE_IMPLS:
+            raise ValueError(f"impl must be one of {CE_IMPLS}, got {self.impl!r}")
+        if _bad_chunk_size(self.chunk_size):
+            raise ValueError(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
+        if not isinstance(self.accum_dtype, torch.dtype) or not self.accum_dtype.is_floating_point:
+            raise TypeError(f"accum_dtype must be a floating torch.dtype, got {self.accum_dtype!r}")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        if self.logit_softcapping is not None:
+            object.__setattr__(self, "logit_softcapping", float(self.logit_softcapping))
+
+    def replace(self, **changes: Any) -> "LogProbsOptions":
+        """A copy with ``changes`` applied (validated)."""
+        return replace(self, **changes)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# --- policy-gradient and preference losses ---------------------------------------------------
+
+POLICY_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
+
+
+@dataclass(frozen=True)
+class PolicyLossOptions:
+    """Options of :func:`megaloss.policy_loss` (names and defaults of TRL 1.16's ``GRPOConfig``,
+    ``trl/trainer/grpo_config.py``).
+
+    Attributes:
+        loss_type: how the per-token losses of one optimizer step are normalised, always over
+            the *global* batch (every DP / SP rank and accumulation step):
+            ``"grpo"``: each sequence's token mean, then the mean over sequences (Shao et al.
+            2024, arXiv:2402.03300); ``"bnpo"`` and ``"dapo"``: the token mean (DAPO, Yu et
+            al. 2025, arXiv:2503.14476); ``"dr_grpo"``: the token sum divided by
+            ``sequences x max_completion_length`` (Dr. GRPO, Liu et al. 2025,
+            arXiv:2503.20783); ``"cispo"``: the token mean of CISPO's clipped-weight policy
+            gradient (MiniMax-M1, arXiv:2506.13585).
+        epsilon_low, epsilon_high: PPO clipping of the ratio to ``[1 - epsilon_low,
+            1 + epsilon_high]`` (Schulman et al. 2017, arXiv:1707.06347; DAPO's decoupled
+            ``epsilon_high``). For ``"cispo"``, ``epsilon_high`` is the cap of the ratio itself
+            (TRL's convention: ``clamp(ratio, max=epsilon_high)``), e.g. 5.0.
+        delta: optional upper bound of the unclipped ratio (two-sided clipping, TRL's
+            ``delta``); ``None`` disables it, else ``> 1 + epsilon_high``.
+        beta: coefficient of the KL penalty to the reference policy, the k3 estimator
+            ``exp(ref - logp) - (ref - logp) - 1`` per token (Schulman 2020, "Approximating KL
+            divergence", http://joschu.net/blog/kl-approx.html); 0 disables it (no reference
+            log-probs needed).
+        entropy_coef: coefficient of the entropy bonus: ``loss - entropy_coef * H`` with ``H``
+            the global token mean of the per-token entropy; 0 disables it.
+        importance_sampling_level: ``"token"`` (PPO's per-token ratio) or ``"sequence"`` (GSPO,
+            Zheng et al. 2025, arXiv:2507.18071: ``exp`` of the sequence's mean log-ratio).
+        max_completion_length: the generation length bound ``dr_grpo`` divides by (int
+            ``>= 1``); required for ``"dr_grpo"``, else unused.
+
+    Raises:
+        ValueError / TypeError: an option out of range or of the wrong type, naming it.
+    """
+
+    loss_type: str = "dapo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: Optional[float] = None
+    beta: float = 0.0
+    entropy_coef: float = 0.0
+    importance_sampling_level: str = "token"
+    max_completion_length: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.loss_type, str) or self.loss_type not in POLICY_LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {POLICY_LOSS_TYPES}, got "
+                             f"{self.loss_type!r}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"importance_sampling_level must be one of "
+                             f"{IMPORTANCE_SAMPLING_LEVELS}, got "
+                             f"{self.importance_sampling_level!r}")
+        _check_float("epsilon_low", self.epsilon_low, 0.0, 1.0)
+        _check_float("epsilon_high", self.epsilon_high, 0.0, float("inf"))
+        if self.loss_type == "cispo" and not self.epsilon_high > 0:
+            raise ValueError("epsilon_high must be > 0 for loss_type='cispo' (it caps the ratio), "
+                             f"got {self.epsilon_high!r}")
+        _check_float("beta", self.beta, 0.0, float("inf"))
+        if isinstance(self.entropy_coef, bool) or not isinstance(self.entropy_coef, (int, float)) \
+                or not math.isfinite(self.entropy_coef):
+            raise ValueError(f"entropy_coef must be a finite float, got {self.entropy_coef!r}")
+        if self.delta is not None:
+            _check_float("delta", self.delta, 1.0 + self.epsilon_high, float("inf"),
+                         open_low=True, none_ok=True)
+        mcl = self.max_completion_length
+        if mcl is not None and _bad_chunk_size(mcl):
+            raise ValueError(f"max_completion_length must be None or an int >= 1, got {mcl!r}")
+        if self.loss_type == "dr_grpo" and mcl is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length (an int >= 1): it "
+                             "divides the token sum by sequences x max_completion_length")
+        for name in ("epsilon_low", "epsilon_high", "beta", "entropy_coef"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        if self.delta is not None:
+            object.__setattr__(self, "delta", float(self.delta))
+
+    def replace(self, **changes: Any) -> "PolicyLossOptions":
+        """A copy with ``changes`` applied (validated)."""
+        return replace(self, **changes)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class DPOOptions:
+    """Options of :func:`megaloss.dpo_loss` (names and defaults of TRL 1.16's ``DPOConfig``,
+    ``trl/trainer/dpo_config.py``).
+
+    Attributes:
+        loss_type: ``"sigmoid"``: DPO, ``-logsigmoid(beta * margin)`` (Rafailov et al. 2023,
+            arXiv:2305.18290); ``"ipo"``: IPO, ``(margin_per_token - 1 / (2 beta))**2`` on the
+            completion-length-normalised log-ratios, as TRL computes it (Azar et al. 2023,
+            arXiv:2310.12036, Eq. 17).
+        beta: the inverse temperature (DPO) / regularisation ``tau`` (IPO), finite ``> 0``.
+
+    Raises:
+        ValueError / TypeError: an option out of range or of the wrong type, naming it.
+    """
+
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.loss_type, str) or self.loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {self.loss_type!r}")
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) \
+                or not self.beta > 0 or math.isinf(self.beta):
+            raise ValueError(f"beta must be a finite number > 0, got {self.beta!r}")
+        object.__setattr__(self, "beta", float(self.beta))
+
+    def replace(self, **changes: Any) -> "DPOOptions":
+        """A copy with ``changes`` applied (validated)."""
+        return replace(self, **changes)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+# --- end of policy-gradient and preference losses --------------------------------------------
+
+
 # --- distillation ------------------------------------------------------------------------------
 DISTILLATION_KINDS = ("forward_kl", "reverse_kl", "jsd")
 
@@ -275,7 +472,8 @@ class DistillationOptions:
 # --- end distillation --------------------------------------------------------------------------
 
 
-Options = TypeVar("Options", CrossEntropyOptions, MNROptions, DistillationOptions)
+Options = TypeVar("Options", CrossEntropyOptions, MNROptions, LogProbsOptions,
+                  DistillationOptions)
 
 
 def resolve_options(cls: Type[Options], options: Optional[Options],
@@ -283,7 +481,8 @@ def resolve_options(cls: Type[Options], options: Optional[Options],
     """The options of a call that takes ``options=`` *or* the option fields as keywords.
 
     Args:
-        cls: :class:`CrossEntropyOptions`, :class:`MNROptions` or :class:`DistillationOptions`.
+        cls: :class:`CrossEntropyOptions`, :class:`MNROptions`, :class:`LogProbsOptions` or
+            :class:`DistillationOptions`.
         options: the ``options=`` argument (``None``: build the options from ``keywords``).
         keywords: every option keyword of the call, ``{field name: value}``.
 

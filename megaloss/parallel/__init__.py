@@ -3,6 +3,7 @@ and the losses (:mod:`megaloss.losses`).
 
 - :mod:`.groups`: what ``group`` means (``None`` = torch's default group; :data:`SINGLE_RANK`).
 - :mod:`.topology`: :class:`Topology`, the ``dp x sp x tp`` groups of one rank.
+- :mod:`.megatron`: those groups from Megatron-core's (or apex's) ``parallel_state``.
 - :mod:`.comm`: in-place collectives without autograd (statistics, counts).
 - :mod:`.mappings`: autograd communication regions (copy-to, reduce-from, gather-from).
 - :mod:`.param_tags`: tensor-parallel parameter tags read by DeepSpeed and Megatron.

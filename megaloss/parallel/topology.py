@@ -6,13 +6,16 @@ Who holds what (the terms of DeepSpeed and XTuner; torchtitan's ``ParallelDims``
 - ``sp`` (sequence parallel in the DeepSpeed-Ulysses / XTuner sense): ranks holding different
   pieces of the same samples;
 - ``tp`` (tensor parallel): ranks holding the same tokens and different weight shards;
+- ``pp`` (pipeline parallel, optional): ranks holding different stages (layers) of one model
+  replica, the same samples; set by :mod:`megaloss.integrations.deepspeed.pipeline`;
 - ``dp_sp``: the flattened ``dp x sp`` group, every rank holding different tokens. Token counts
   for loss calibration are all-reduced over it; TP replicas are not in it, so nothing is counted
   twice.
 
 A dimension the layout does not use holds :data:`~megaloss.parallel.groups.SINGLE_RANK`. Build
 a Topology with :meth:`Topology.from_device_mesh` (or :meth:`Topology.build`, which makes the
-``("dp", "tp")`` DeviceMesh), :meth:`Topology.from_mpu` (a Megatron / DeepSpeed ``mpu``) or
+``("dp", "tp")`` DeviceMesh), :meth:`Topology.from_mpu` (a Megatron / DeepSpeed ``mpu``),
+:meth:`Topology.from_megatron` (Megatron-core's or apex's initialised ``parallel_state``) or
 :meth:`Topology.default` (everything data parallel over the default group).
 """
 from __future__ import annotations
@@ -87,6 +90,9 @@ class Topology:
         dp_sp_group: the flattened ``dp x sp`` group; defaults to ``dp_group`` when ``sp`` has
             size 1 and to ``sp_group`` when ``dp`` has size 1.
         mesh: the DeviceMesh the groups come from, if any (kept for the caller).
+        pp_group: the pipeline-parallel group (the ranks holding the stages of one pipeline,
+            DeepSpeed's ``PipelineParallelGrid.get_pipe_parallel_group()``); stages hold
+            different layers of the same samples, so no token count is reduced over it.
 
     ``Topology()`` is one process; :meth:`default` is data parallel over the default group.
 
@@ -100,9 +106,10 @@ class Topology:
     tp_group: GroupLike = SINGLE_RANK
     dp_sp_group: GroupLike = SINGLE_RANK
     mesh: Any = None
+    pp_group: GroupLike = SINGLE_RANK
 
     def __post_init__(self) -> None:
-        for name in ("dp_group", "sp_group", "tp_group", "dp_sp_group"):
+        for name in ("dp_group", "sp_group", "tp_group", "dp_sp_group", "pp_group"):
             object.__setattr__(self, name, resolve_group(getattr(self, name)))
         if self.dp_sp_group is not SINGLE_RANK:
             return
@@ -129,6 +136,15 @@ class Topology:
     @property
     def dp_sp_size(self) -> int:
         return group_size(self.dp_sp_group)
+
+    @property
+    def pp_size(self) -> int:
+        return group_size(self.pp_group)
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (0 without pipeline parallelism)."""
+        return group_rank(self.pp_group)
 
     @property
     def dp_rank(self) -> int:
@@ -217,6 +233,24 @@ class Topology:
                  if hasattr(mpu, "get_sequence_data_parallel_group") else SINGLE_RANK)
         return cls(dp_group=dp, sp_group=sp, tp_group=tp, dp_sp_group=dp_sp)
 
+    @classmethod
+    def from_megatron(cls, parallel_state: Any = None) -> "Topology":
+        """From Megatron-core's initialised ``parallel_state`` (or NVIDIA apex's): TP, DP,
+        context parallel as ``sp``, ``dp x cp`` as ``dp_sp``
+        (:func:`megaloss.parallel.megatron.megatron_groups`, which has the pipeline group too);
+        ``parallel_state=None`` imports the module.
+
+        Raises:
+            ImportError / TypeError / RuntimeError: see
+                :func:`megaloss.parallel.megatron.megatron_groups`.
+        """
+        from .megatron import megatron_groups  # Megatron / apex only on request
+
+        groups = megatron_groups(parallel_state)
+        return cls(dp_group=groups["dp"], sp_group=groups["sp"], tp_group=groups["tp"],
+                   dp_sp_group=groups["dp_sp"])
+
     def __repr__(self) -> str:
+        pp = f", pp={self.pp_size}" if self.pp_size > 1 else ""
         return (f"Topology(dp={self.dp_size}, sp={self.sp_size}, tp={self.tp_size}, "
-                f"dp_sp={self.dp_sp_size})")
+                f"dp_sp={self.dp_sp_size}{pp})")

@@ -36,7 +36,9 @@ multiplier, group ranks), next to what ``GAS x DP`` predicts.
 
 Models: ``--model tiny`` (default; a 2-layer Llama / 1-layer BERT from ``transformers``
 configs, random init, no download) or a path to a ``transformers`` config (``config.json`` or
-its folder), built with random weights; ``--config_override`` shrinks it. Data: random token
+its folder), built with random weights; ``--config_override`` shrinks it, or ties the
+embeddings (``'{"tie_word_embeddings": true}'``; a tied config, e.g. Qwen2.5's, is checked tied,
+also under TP: the input embedding then uses the lm_head's vocab shard). Data: random token
 ids with a different number of ignored labels per row (LM) or of padded positions (embedding),
 so that a calibration counting tokens per rank, or per micro-batch, shows.
 
@@ -58,6 +60,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
+
+from megaloss.tools.check_layout_pipeline import pipeline_config_notes, run_pipeline_training
 
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*", category=FutureWarning)
 
@@ -133,6 +137,7 @@ def reference_config(layout: Dict[str, Any], dp: int) -> Dict[str, Any]:
     cfg["train_micro_batch_size_per_gpu"] = int(layout["train_micro_batch_size_per_gpu"]) * dp
     cfg["zero_optimization"] = {"stage": 0}
     cfg["megaloss"]["tensor_parallel_size"] = 1
+    cfg["megaloss"].pop("pipeline_parallel_size", None)
     return cfg
 
 
@@ -155,12 +160,14 @@ def make_spec(args: argparse.Namespace, out_dir: Path) -> Dict[str, Any]:
     user = read_user_config(args.deepspeed_config)
     layout = layout_config(user, args.job, args.num_procs)
     tp = int(layout["megaloss"].get("tensor_parallel_size", 1))
-    if args.num_procs < 1 or args.num_procs % tp:
+    pp = int(layout["megaloss"].get("pipeline_parallel_size", 1))
+    if args.num_procs < 1 or args.num_procs % (tp * pp):
         raise SystemExit(f"--num_procs {args.num_procs} must be a positive multiple of "
-                         f"megaloss.tensor_parallel_size={tp}")
-    dp = args.num_procs // tp
+                         f"megaloss.tensor_parallel_size={tp}"
+                         + (f" x pipeline_parallel_size={pp}" if pp > 1 else ""))
+    dp = args.num_procs // (tp * pp)
     override = json.loads(args.config_override) if args.config_override else {}
-    notes = []
+    notes = pipeline_config_notes(layout, args.job) if pp > 1 else []
     if "optimizer" not in user:
         notes.append(f"the config has no optimizer: both runs use {DEFAULT_OPTIMIZER}")
     if args.job == "embed" and int(user.get("megaloss", {}).get("tensor_parallel_size", 1)) > 1:
@@ -168,7 +175,8 @@ def make_spec(args: argparse.Namespace, out_dir: Path) -> Dict[str, Any]:
     return {
         "notes": notes,
         "job": args.job, "model": args.model, "config_override": override,
-        "num_procs": args.num_procs, "tp": tp, "dp": dp, "steps": args.steps, "seed": args.seed,
+        "num_procs": args.num_procs, "tp": tp, "dp": dp, "pp": pp, "steps": args.steps,
+        "seed": args.seed,
         "seq_len": args.seq_len, "layout_config": layout,
         "reference_config": reference_config(layout, dp), "dtype": training_dtype(layout),
         "micro": int(layout["train_micro_batch_size_per_gpu"]),
@@ -190,8 +198,10 @@ def model_config(spec: Dict[str, Any]):
         cfg = transformers.AutoConfig.from_pretrained(spec["model"])
     for key, value in spec["config_override"].items():
         setattr(cfg, key, value)
-    if spec["job"] == "lm" and spec["tp"] > 1 and getattr(cfg, "tie_word_embeddings", False):
-        cfg.tie_word_embeddings = False  # a vocab shard cannot also be the input embedding
+    if (spec["job"] == "lm" and spec.get("pp", 1) > 1
+            and getattr(cfg, "tie_word_embeddings", False)):
+        # the pipeline puts the input embedding and the lm_head on two stages
+        cfg.tie_word_embeddings = False
     return cfg
 
 
@@ -302,6 +312,8 @@ def run_training(spec: Dict[str, Any], role: str) -> Dict[str, Any]:
     from megaloss.integrations.deepspeed.probe import engine_reduce_group
     from megaloss.parallel import group_ranks
 
+    if role == "layout" and spec.get("pp", 1) > 1:
+        return run_pipeline_training(spec, model_config, global_batches, _rows)
     ds_config, ml = load_ds_config(spec[f"{role}_config"])
     topo = Topology.build(ml.tensor_parallel_size)
     model = build_model(spec, topo.tp_group, topo.dp_group, ml)
@@ -505,15 +517,22 @@ def _fmt_groups(groups: List[Dict[str, Any]], key: str) -> str:
     return " ".join(str(s) for s in seen)
 
 
+def _tied_note(spec: Dict[str, Any]) -> str:
+    tied = spec["job"] == "lm" and getattr(model_config(spec), "tie_word_embeddings", False)
+    return " (tied embeddings)" if tied else ""
+
+
 def report(spec: Dict[str, Any], lay: Dict[str, Any], ref: Dict[str, Any],
            result: Dict[str, Any], seconds: float) -> str:
     m, r = lay["measured_scale"], ref["measured_scale"]
     u = lay["used_scale"]
     tol = result["tolerance"]
     lines = [
-        f"layout: {lay['world']} processes = DP {lay['dp']} x TP {lay['tp']}, "
+        f"layout: {lay['world']} processes = DP {lay['dp']} x TP {lay['tp']}"
+        + (f" x PP {lay['pp']}" if lay.get("pp", 1) > 1 else "") + ", "
         f"ZeRO-{lay['zero_stage']}, micro-batch {lay['micro']} x GAS {lay['gas']}, "
-        f"{result['dtype']}; job {spec['job']}, model {spec['model']}, {spec['steps']} steps "
+        f"{result['dtype']}; job {spec['job']}, model {spec['model']}{_tied_note(spec)}, "
+        f"{spec['steps']} steps "
         f"({seconds:.0f} s)",
         f"one device: 1 process, ZeRO-0, micro-batch {ref['micro']} x GAS {ref['gas']}, "
         "the same global batches",
@@ -551,7 +570,8 @@ def report(spec: Dict[str, Any], lay: Dict[str, Any], ref: Dict[str, Any],
     lines += ["", f"tolerance ({result['dtype']}): loss {tol['loss']:g}, gradient norm "
               f"{tol['grad_norm']:g}, parameter update {tol['params']:g} (relative)"]
     if verdict == "PASS":
-        lines.append(f"PASS: DP {lay['dp']} x TP {lay['tp']} ZeRO-{lay['zero_stage']} trains "
+        pp = f" x PP {lay['pp']}" if lay.get("pp", 1) > 1 else ""
+        lines.append(f"PASS: DP {lay['dp']} x TP {lay['tp']}{pp} ZeRO-{lay['zero_stage']} trains "
                      f"like one device over {spec['steps']} steps")
     else:
         worst = ", ".join(f"{k} at step {s}: {v:.2e}" for s, k, v in result["failures"][:4])
@@ -649,7 +669,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         spec_path = out_dir / "spec.json"
         spec_path.write_text(json.dumps(spec, indent=1))
         log_path = out_dir / "layout.log"
-        print(f"check_layout: DP {spec['dp']} x TP {spec['tp']} on {spec['num_procs']} "
+        pp = f" x PP {spec['pp']}" if spec.get("pp", 1) > 1 else ""
+        print(f"check_layout: DP {spec['dp']} x TP {spec['tp']}{pp} on {spec['num_procs']} "
               f"processes through the deepspeed launcher, and one device in this process "
               f"({spec['steps']} steps, {spec['dtype']})", flush=True)
         for note in spec["notes"]:

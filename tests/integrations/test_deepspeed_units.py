@@ -116,6 +116,20 @@ def test_needs_output_dir_and_default_run_folder(tmp_path, monkeypatch):
     assert default_output_dir() == first + "-2"  # never an existing run's folder
 
 
+def test_wandb_cache_follows_wandb_dir_unless_user_set(tmp_path, monkeypatch):
+    from megaloss.integrations.deepspeed import keep_wandb_cache_in_run_dir
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "a"))
+    monkeypatch.delenv("WANDB_CACHE_DIR", raising=False)
+    keep_wandb_cache_in_run_dir()
+    assert os.environ["WANDB_CACHE_DIR"] == str(tmp_path / "a")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "b"))  # a later run in the same process
+    keep_wandb_cache_in_run_dir()
+    assert os.environ["WANDB_CACHE_DIR"] == str(tmp_path / "b")
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "mine"))  # the user's own: kept
+    keep_wandb_cache_in_run_dir()
+    assert os.environ["WANDB_CACHE_DIR"] == str(tmp_path / "mine")
+
+
 def test_checkpoint_helpers(tmp_path):
     import random
 

@@ -111,3 +111,35 @@ def test_wrapper_with_hf_labels_equals_the_hf_models_own_loss(dtype, tol):
     out.loss.backward()
     for (name, p), (_, q) in zip(ref_model.named_parameters(), wrapper.model.named_parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_tied_embedding_replacement_keeps_padding_idx_and_embed_scale_and_refuses_others():
+    """The TP > 1 replacement of a tied input embedding (here on a one-rank head): an
+    ``nn.Embedding``'s padding_idx and a scaled embedding's ``embed_scale`` are kept; an
+    embedding module of unknown forward is refused."""
+    from megaloss import VocabParallelLMHead
+    from megaloss.integrations.hf.causal_lm import _tied_embedding
+
+    head = VocabParallelLMHead(4, 9, tp_group=None)
+    emb = _tied_embedding(torch.nn.Embedding(9, 4, padding_idx=2), head)
+    assert emb.weight is head.weight and emb.padding_idx == 2 and emb.scale is None
+
+    class Scaled(torch.nn.Embedding):
+        def __init__(self):
+            super().__init__(9, 4)
+            self.register_buffer("embed_scale", torch.tensor(2.0))
+
+        def forward(self, ids):
+            return super().forward(ids) * self.embed_scale
+
+    scaled = Scaled()
+    scaled.weight = head.weight
+    emb = _tied_embedding(scaled, head)
+    ids = torch.tensor([[0, 8, 3]])
+    torch.testing.assert_close(emb(ids), scaled(ids))
+
+    class Other(torch.nn.Embedding):
+        pass
+
+    with pytest.raises(TypeError, match="nn.Embedding"):
+        _tied_embedding(Other(9, 4), head)

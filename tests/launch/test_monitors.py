@@ -67,6 +67,9 @@ def test_wandb_and_tensorboard_get_every_series(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.delenv("WANDB_CACHE_DIR", raising=False)
+    home_cache = tmp_path / "xdg-cache"  # where wandb-core's debug log goes by default
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home_cache))
     cfg = json.loads((REPO / "configs" / "zero2.json").read_text())
     cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
     cfg["wandb"].update(enabled=True, project="megaloss-test")
@@ -102,6 +105,8 @@ def test_wandb_and_tensorboard_get_every_series(tmp_path, monkeypatch):
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((out / "wandb").iterdir())
     now = sorted((REPO / "wandb").glob("*")) if (REPO / "wandb").exists() else []
     assert now == repo_wandb_before
+    assert list((out / "wandb" / "logs").glob("core-debug-*.log"))  # beside the run, not in ~
+    assert not (home_cache / "wandb").exists(), list((home_cache / "wandb").rglob("*"))
     history, steps = wandb_history(runs[0])
     assert steps == sorted(set(steps)) and steps == [0] + samples  # one monotone axis
     assert history["Train/Samples/lr"].keys() == set(samples)  # DeepSpeed's own series

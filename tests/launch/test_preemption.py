@@ -9,7 +9,10 @@
 - a second LM run gets SIGUSR1 (``sbatch --signal=USR1``) at rank 1 only: rank 0 learns of it
   at the step boundary, both save, and the launcher exits 0 (not resumed below);
 - a third gets SIGTERM at every process twice (SLURM's time limit, then ``scancel``): one stop
-  (not resumed below).
+  (not resumed below);
+- a fourth, started as the README says (``bash launch/train_lm.sh``), gets SIGUSR1 at every
+  process (``sbatch --signal=USR1``): the launcher's processes survive it, the ranks save, and
+  the script exits 75 (not resumed below).
 
 Both must save a checkpoint at the next step boundary, write ``metrics.csv``, ``summary.json``
 (saying where and why they stopped) and the plot for the steps that ran, and exit; a new
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch_helpers import REPO, launcher_env, run_jobs_in_one_launch, wait_until
+from launch_helpers import REPO, launcher_env, run_jobs_in_one_launch, script_env, wait_until
 
 from launch.jobs.code_search import stdlib_root
 from megaloss.testing import free_port
@@ -41,9 +44,13 @@ class Launched:
     thread."""
 
     def __init__(self, script: Path, args: list) -> None:
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-               "--master_port", str(free_port()), str(script), *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE,
+        if script.suffix == ".sh":  # as a user runs it: the script's own launcher command
+            cmd, env = ["bash", str(script), *args], script_env(NUM_PROCS="2")
+        else:
+            cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+                   "--master_port", str(free_port()), str(script), *args]
+            env = launcher_env()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines = []
@@ -180,23 +187,27 @@ def preempted(tmp_path_factory):
                    60, "both ranks' stop message", alive=job.alive)
         os.killpg(job.proc.pid, signal.SIGTERM)
 
-    for name, args, monitor_file, stop in (
-            ("lm", _lm_args, "Train_megaloss_loss.csv", ctrl_c),
-            ("embed", _embed_args, "Train_megaloss_mnr_loss.csv", sigterm_to_launch_py),
-            ("lm-usr1", _lm_args, "Train_megaloss_loss.csv", sigusr1_to_rank_1),
-            ("lm-term", _lm_args, "Train_megaloss_loss.csv", sigterm_to_all_twice)):
+    def sigusr1_to_all(job):
+        os.killpg(job.proc.pid, signal.SIGUSR1)
+
+    for name, args, monitor_file, stop, suffix in (
+            ("lm", _lm_args, "Train_megaloss_loss.csv", ctrl_c, ".py"),
+            ("embed", _embed_args, "Train_megaloss_mnr_loss.csv", sigterm_to_launch_py, ".py"),
+            ("lm-usr1", _lm_args, "Train_megaloss_loss.csv", sigusr1_to_rank_1, ".py"),
+            ("lm-term", _lm_args, "Train_megaloss_loss.csv", sigterm_to_all_twice, ".py"),
+            ("lm-usr1-all", _lm_args, "Train_megaloss_loss.csv", sigusr1_to_all, ".sh")):
         out = tmp / name
-        job = Launched(REPO / "launch" / f"train_{name.split('-')[0]}.py",
+        job = Launched(REPO / "launch" / f"train_{name.split('-')[0]}{suffix}",
                        args(out, tmp / "cache") + ["--steps", "100000"])
         try:
             job.wait_for_steps(out / "monitor" / "megaloss" / monitor_file, 2, timeout=240)
             stop(job)
             runs[name] = (out, job.finish(timeout=120))
-            if name == "lm-usr1":
+            if name in ("lm-usr1", "lm-usr1-all"):
                 runs[name] += (job.proc.returncode,)
         finally:
             job.kill()
-    extra = {name: runs.pop(name) for name in ("lm-usr1", "lm-term")}
+    extra = {name: runs.pop(name) for name in ("lm-usr1", "lm-term", "lm-usr1-all")}
 
     resumes = []
     for name, (out, _) in runs.items():
@@ -214,7 +225,7 @@ def preempted(tmp_path_factory):
     return runs, proc.stdout
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)  # the fixture: five stopped launches and one resuming launch
 def test_ctrl_c_saves_lm(preempted):
     _, stopped, output = preempted[0]["lm"]
     _check_stopped(stopped, output, "SIGINT", "lm")
@@ -256,3 +267,11 @@ def test_sigusr1_to_one_rank_saves_on_every_rank(preempted):
 def test_sigterm_to_every_process_twice_saves_lm(preempted):
     out, output = preempted[0]["lm-term"]
     _check_stopped(out, output, "SIGTERM", "lm")
+
+
+def test_sigusr1_to_every_process_of_the_script_saves_and_exits_75(preempted):
+    out, output, returncode = preempted[0]["lm-usr1-all"]
+    assert returncode == 75, output[-3000:]
+    k = _check_stopped(out, output, "SIGUSR1", "lm")
+    assert k >= 2
+    assert "stopped on request after a checkpoint on every rank: exit status 75" in output

@@ -243,6 +243,27 @@ def test_deepspeed_noise_is_dropped():
     assert len(logger.filters) == 1
 
 
+def test_accelerate_gas_notice_is_dropped_in_trainer_jobs():
+    import logging
+
+    from launch.jobs.runs import _quiet_accelerate_logger
+
+    _quiet_accelerate_logger()
+    _quiet_accelerate_logger()
+    logger = logging.getLogger("accelerate.accelerator")
+
+    def shown(msg):
+        return bool(logger.filter(logging.LogRecord(logger.name, logging.WARNING, __file__, 1,
+                                                    msg, None, None)))
+
+    # accelerate 1.15's text (accelerator.py, _prepare_deepspeed)
+    assert not shown("Gradient accumulation steps mismatch: GradientAccumulationPlugin has 1, "
+                     "DeepSpeed config has 2. Using DeepSpeed's value.")
+    assert shown("Gradient accumulation steps mismatch: GradientAccumulationPlugin has 4, "
+                 "DeepSpeed config has 2. Using DeepSpeed's value.")  # a user's real mismatch
+    assert len(logger.filters) == 1
+
+
 def test_the_tests_cache_is_not_the_users(_megaloss_cache):
     from pathlib import Path
 

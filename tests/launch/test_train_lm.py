@@ -5,7 +5,8 @@ Checks what a user sees: exit status 0, ``metrics.csv`` with one row per optimiz
 calibrated metrics, the ``csv_monitor`` files DeepSpeed writes from ``engine.monitor``, the PNG
 plot, and that training works: held-out cross-entropy and the train loss both fall.
 Layouts: ZeRO-0, ZeRO-1 and ZeRO-3 with DP=2 x TP=1 (ZeRO really partitions), ZeRO-2 with
-DP=1 x TP=2 (the main job's layout: vocab-parallel CE). One launcher run drives all four jobs
+DP=1 x TP=2 (the main job's layout: vocab-parallel CE, here with ``--tie_word_embeddings``: the
+input embedding on the lm_head's vocab shard). One launcher run drives all four jobs
 (``launch_helpers.run_jobs_in_one_launch`` calls ``launch.train_lm.main`` per layout): process
 start-up dominates the cost.
 """
@@ -51,8 +52,8 @@ def runs(tmp_path_factory):
         ds_config = tmp / f"zero{stage}-tp{tp}.json"
         ds_config.write_text(json.dumps(_ds_config(stage, tp)))
         outs[stage, tp] = tmp / f"out-zero{stage}"
-        jobs.append({"job": "train_lm", "argv": _job_args(ds_config, outs[stage, tp],
-                                                          tmp / "cache")})
+        argv = _job_args(ds_config, outs[stage, tp], tmp / "cache")
+        jobs.append({"job": "train_lm", "argv": argv + ["--tie_word_embeddings"] * (tp == 2)})
     run_jobs_in_one_launch(jobs, tmp / "jobs.json", timeout=560)
     return outs
 

@@ -41,6 +41,8 @@ def test_train_lm_hf(tmp_path):
     out = tmp_path / "out"
     env = script_env(NUM_PROCS="2", WANDB_MODE="offline", WANDB_SILENT="true")
     env.pop("WANDB_DIR", None)
+    env.pop("WANDB_CACHE_DIR", None)
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg-cache")  # wandb-core's default log folder
     proc = subprocess.run(
         ["bash", str(REPO / "launch" / "train_lm_hf.sh"), "--steps", str(STEPS),
          "--model_size", "tiny", "--seq_len", "32", "--vocab_size", "320",
@@ -50,6 +52,7 @@ def test_train_lm_hf(tmp_path):
          "--cache_dir", str(tmp_path / "cache"), "--no_progress"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "Gradient accumulation steps mismatch" not in proc.stdout + proc.stderr
 
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["eval_before"], summary["eval_after"]
@@ -75,5 +78,6 @@ def test_train_lm_hf(tmp_path):
 
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list((out / "wandb").iterdir()) if (out / "wandb").exists() else out
+    assert not (tmp_path / "xdg-cache" / "wandb").exists()  # nothing of W&B's in ~/.cache
     tags = wandb_tags(runs[0])
     assert {"train/loss", "train/ce_loss", "eval/loss", "eval/perplexity"} <= tags, tags

@@ -5,8 +5,9 @@ Slow tier (each runs the tool as a user does, from a directory outside the check
 layout through the ``deepspeed`` launcher on CPU, the one-device reference in the tool's process,
 a few steps of the tiny model):
 
-- PASS on DP 2 x TP 2 (4 processes) under ZeRO-2 and ZeRO-3, the LM job;
+- PASS on DP 2 x TP 2 (4 processes) under ZeRO-2 and ZeRO-3 (tied embeddings), the LM job;
 - PASS for the embedding job (gathered MNR) on DP 2;
+- PASS on DP 1 x TP 2 x PP 2 (DeepSpeed's pipeline engine; the ZeRO-2 config at ZeRO-1);
 - FAIL, naming the cause, when the calibration is deliberately wrong (``--_inject_wrong_scale``
   multiplies the engine scale's loss multiplier by the world size).
 
@@ -53,9 +54,13 @@ def _run_tool(tmp_path, *args, timeout=230):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_dp2_tp2_trains_like_one_device(tmp_path, stage):
-    proc = _run_tool(tmp_path, "--deepspeed_config", _config(tmp_path, stage), "--num_procs", "4")
+    # ZeRO-3 with the input embedding tied to the lm_head (the embedding on the head's shard)
+    tied = ["--config_override", '{"tie_word_embeddings": true}'] if stage == 3 else []
+    proc = _run_tool(tmp_path, "--deepspeed_config", _config(tmp_path, stage), "--num_procs", "4",
+                     *tied)
     out = proc.stdout
     assert proc.returncode == 0 and f"PASS: DP 2 x TP 2 ZeRO-{stage}" in out, out
+    assert ("model tiny (tied embeddings)" in out) == (stage == 3), out
     # the groups and the measured engine scale are reported
     assert "tensor parallel:             [0, 1] [2, 3]" in out
     assert "data parallel:               [0, 2] [1, 3]" in out
@@ -176,3 +181,37 @@ def test_help_runs_from_any_directory(tmp_path):
     assert "Does my layout train like one device?" in proc.stdout
     assert "--deepspeed_config" in proc.stdout and "exit status: 0 PASS, 1 FAIL" in proc.stdout
     assert proc.stdout.startswith("usage: megaloss-check-layout")
+
+
+def _pipeline_config(tmp_path) -> str:
+    with open(_config(tmp_path, 2), encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["megaloss"]["pipeline_parallel_size"] = 2
+    path = tmp_path / "zero2-tp2-pp2.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_pipeline_layout_trains_like_one_device(tmp_path):
+    proc = _run_tool(tmp_path, "--deepspeed_config", _pipeline_config(tmp_path), "--num_procs",
+                     "4", timeout=290)
+    out = proc.stdout
+    assert proc.returncode == 0 and "PASS: DP 1 x TP 2 x PP 2 ZeRO-1" in out, out
+    assert "the config's ZeRO-2 runs at ZeRO-1" in out
+    assert "deepspeed-pipeline-zero1/train_batch: gradient_factor 1/2" in out
+
+
+def test_pipeline_spec_lowers_zero_and_keeps_the_reference_plain(tmp_path):
+    path = _pipeline_config(tmp_path)
+    spec = check_layout.make_spec(check_layout.parse_args(
+        ["--deepspeed_config", path, "--num_procs", "4"]), tmp_path)
+    assert (spec["dp"], spec["tp"], spec["pp"]) == (1, 2, 2)
+    assert spec["layout_config"]["zero_optimization"]["stage"] == 1
+    assert any("runs at ZeRO-1" in n for n in spec["notes"])
+    assert "pipeline_parallel_size" not in spec["reference_config"]["megaloss"]
+    with pytest.raises(SystemExit, match="x pipeline_parallel_size=2"):
+        check_layout.make_spec(check_layout.parse_args(
+            ["--deepspeed_config", path, "--num_procs", "2"]), tmp_path)

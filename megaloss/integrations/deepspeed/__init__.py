@@ -8,6 +8,8 @@ gradient factor, the engine set-up, the calibrated training step and metrics thr
 - :mod:`.probe`: :func:`probe_deepspeed`, the gradient factor of a DeepSpeed engine.
 - :mod:`.engine`: :func:`initialize` -> :class:`MegalossEngine` (engine + calibrator).
 - :mod:`.train_step`: :func:`train_step` and :func:`evaluate`.
+- :mod:`.policy_step`: :func:`policy_train_step` (GRPO family, CISPO) and
+  :func:`dpo_train_step` (DPO / IPO), calibrated over the global batch.
 - :mod:`.monitor`: :func:`write_metrics` (every event at the engine's global sample count, the
   x-axis DeepSpeed's own events use), :func:`continue_monitors`, :func:`close_monitors`.
 - :mod:`.checkpoint`: :func:`save_checkpoint` / :func:`load_checkpoint` (DeepSpeed's own, plus
@@ -22,12 +24,14 @@ from .compat import configure_launched_process, skip_cpu_shm_comm_build
 from .config import (
     CEConfig,
     DistillationConfig,
+    DPOConfig,
     MegalossConfig,
     MNRConfig,
+    PolicyConfig,
     check_top_level_keys,
     load_megaloss_config,
 )
-from .engine import MegalossEngine, initialize, load_ds_config
+from .engine import MegalossEngine, initialize, keep_wandb_cache_in_run_dir, load_ds_config
 from .monitor import (
     MONITOR_SECTIONS,
     close_monitors,
@@ -36,6 +40,7 @@ from .monitor import (
     write_metrics,
 )
 from .mpu import DeepSpeedMPU
+from .policy_step import PolicyStepMetrics, dpo_train_step, policy_train_step
 from .probe import probe_deepspeed
 from .train_step import EvalResult, StepMetrics, evaluate, peak_memory_mib, train_step
 
@@ -46,5 +51,6 @@ __all__ = [
     "StepMetrics", "EvalResult", "peak_memory_mib", "write_metrics", "MONITOR_SECTIONS",
     "skip_cpu_shm_comm_build", "configure_launched_process", "check_top_level_keys",
     "monitor_step", "continue_monitors", "close_monitors", "save_checkpoint", "load_checkpoint",
-    "resolve_checkpoint",
+    "resolve_checkpoint", "keep_wandb_cache_in_run_dir", "PolicyConfig", "DPOConfig",
+    "policy_train_step", "dpo_train_step", "PolicyStepMetrics",
 ]

@@ -53,9 +53,16 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ...ops.options import CrossEntropyOptions, DistillationOptions, MNROptions
+from ...ops.options import (
+    CrossEntropyOptions,
+    DistillationOptions,
+    DPOOptions,
+    MNROptions,
+    PolicyLossOptions,
+)
 
-__all__ = ["CEConfig", "MNRConfig", "DistillationConfig", "MegalossConfig",
+__all__ = ["CEConfig", "MNRConfig", "PolicyConfig", "DPOConfig", "DistillationConfig",
+           "MegalossConfig",
            "load_megaloss_config", "SECTION", "DEEPSPEED_TOP_LEVEL_KEYS", "check_top_level_keys"]
 
 SECTION = "megaloss"
@@ -243,6 +250,65 @@ MNRConfig = create_model(
     **_config_fields(MNROptions))
 
 
+class _PolicySection(_OptionsSection):
+    _options_cls: ClassVar[type] = PolicyLossOptions
+
+    # The policy options depend on each other (dr_grpo needs max_completion_length, delta is
+    # bounded by epsilon_high), so the dataclass checks the whole section, not field by field.
+    @field_validator("*", mode="before")
+    @classmethod
+    def _validated_by_the_dataclass(cls, value: Any, info: ValidationInfo) -> Any:
+        return value
+
+    @model_validator(mode="after")
+    def _validated_whole(self) -> "_PolicySection":
+        try:
+            self.options()
+        except (ValueError, TypeError) as err:
+            raise PydanticCustomError("megaloss_option", str(err)) from None
+        return self
+
+    def options(self) -> PolicyLossOptions:
+        """The :class:`~megaloss.ops.options.PolicyLossOptions` of the loss."""
+        return PolicyLossOptions(**self._option_fields())
+
+
+PolicyConfig = create_model(
+    "PolicyConfig", __base__=_PolicySection, __module__=__name__,
+    __doc__="""Options of the policy-gradient loss (:func:`megaloss.policy_loss`, trained by
+    :func:`megaloss.integrations.deepspeed.policy_train_step`).
+
+    Fields: every field of :class:`~megaloss.ops.options.PolicyLossOptions` (``loss_type``
+    ``"grpo"`` / ``"bnpo"`` / ``"dapo"`` / ``"dr_grpo"`` / ``"cispo"``, ``epsilon_low``,
+    ``epsilon_high``, ``delta``, ``beta``, ``entropy_coef``, ``importance_sampling_level``,
+    ``max_completion_length``; same defaults, validated together by the dataclass).
+
+    :meth:`options` gives the :class:`~megaloss.ops.options.PolicyLossOptions`.
+    """,
+    **_config_fields(PolicyLossOptions))
+
+
+class _DPOSection(_OptionsSection):
+    _options_cls: ClassVar[type] = DPOOptions
+
+    def options(self) -> DPOOptions:
+        """The :class:`~megaloss.ops.options.DPOOptions` of the loss."""
+        return DPOOptions(**self._option_fields())
+
+
+DPOConfig = create_model(
+    "DPOConfig", __base__=_DPOSection, __module__=__name__,
+    __doc__="""Options of the preference loss (:func:`megaloss.dpo_loss`, trained by
+    :func:`megaloss.integrations.deepspeed.dpo_train_step`).
+
+    Fields: every field of :class:`~megaloss.ops.options.DPOOptions` (``loss_type``
+    ``"sigmoid"`` / ``"ipo"``, ``beta``; same defaults, validated by the dataclass).
+
+    :meth:`options` gives the :class:`~megaloss.ops.options.DPOOptions`.
+    """,
+    **_config_fields(DPOOptions))
+
+
 class _DistillationSection(_OptionsSection):
     _options_cls: ClassVar[type] = DistillationOptions
 
@@ -288,8 +354,13 @@ class MegalossConfig(_Strict):
             of the same samples (attention through DeepSpeed's ``UlyssesSPAttentionHF``, the
             calibration counting split samples whole). ``tp * sp`` must divide the world size.
             Not Megatron's ``sequence_parallel`` flag inside the TP group.
+        pipeline_parallel_size: stages of DeepSpeed's pipeline engine (``PipelineModule``);
+            > 1 needs :func:`~megaloss.integrations.deepspeed.pipeline.initialize_pipeline`
+            (ZeRO 0 or 1, no sequence parallelism). ``pp * tp`` must divide the world size.
         ce: :class:`CEConfig`.
         mnr: :class:`MNRConfig`.
+        policy: :class:`PolicyConfig` (the policy-gradient losses).
+        dpo: :class:`DPOConfig` (DPO / IPO).
         distillation: :class:`DistillationConfig`, or ``None`` (default): the causal-LM loss
             is the cross-entropy. Given, the loss is the distillation loss and ``ce`` must not
             be given (refused: its keys would be ignored).
@@ -297,8 +368,11 @@ class MegalossConfig(_Strict):
 
     tensor_parallel_size: int = Field(1, ge=1, strict=True)
     sequence_parallel_size: int = Field(1, ge=1, strict=True)
+    pipeline_parallel_size: int = Field(1, ge=1, strict=True)
     ce: CEConfig = Field(default_factory=CEConfig)
     mnr: MNRConfig = Field(default_factory=MNRConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     distillation: Optional[DistillationConfig] = None
 
     @model_validator(mode="after")

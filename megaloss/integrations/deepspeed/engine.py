@@ -97,6 +97,20 @@ def _user_wandb_dir() -> Optional[str]:
     return value if value and value != _OWN_WANDB_DIR[0] else None
 
 
+_OWN_WANDB_CACHE_DIR = [None]
+
+
+def keep_wandb_cache_in_run_dir() -> None:
+    """Point ``WANDB_CACHE_DIR`` at ``WANDB_DIR`` unless the user set it: wandb-core writes its
+    ``logs/core-debug-*.log`` under ``WANDB_CACHE_DIR`` (default ``~/.cache/wandb``), so without
+    this a run with ``WANDB_DIR`` set still leaves files in the home directory (measured with
+    wandb 0.31). With both set, everything W&B writes lies under ``<WANDB_DIR>/wandb``."""
+    run_dir = os.environ.get("WANDB_DIR")
+    current = os.environ.get("WANDB_CACHE_DIR")
+    if run_dir and (not current or current == _OWN_WANDB_CACHE_DIR[0]):
+        os.environ["WANDB_CACHE_DIR"] = _OWN_WANDB_CACHE_DIR[0] = run_dir
+
+
 def default_output_dir() -> str:
     """A fresh folder for one run's monitor output, ``runs/<date>-<time>`` under the current
     directory (``-2``, ``-3``, ... appended when it exists). Not collective: DeepSpeed's monitors
@@ -189,11 +203,17 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
             # DeepSpeed's wandb.init takes no dir: W&B reads WANDB_DIR (default: the cwd).
             os.makedirs(output_dir, exist_ok=True)
             os.environ["WANDB_DIR"] = _OWN_WANDB_DIR[0] = os.path.abspath(output_dir)
+    if _enabled(cfg, "wandb"):
+        keep_wandb_cache_in_run_dir()
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a megaloss Topology, got {type(topology).__name__}")
     if ml.tensor_parallel_size != topology.tp_size:
         raise ValueError(f"megaloss.tensor_parallel_size={ml.tensor_parallel_size} but the process "
                          f"groups have tp={topology.tp_size}")
+    if ml.pipeline_parallel_size != 1:
+        raise ValueError(f"megaloss.pipeline_parallel_size={ml.pipeline_parallel_size} needs "
+                         "DeepSpeed's pipeline engine: build the stages and call "
+                         "megaloss.integrations.deepspeed.pipeline.initialize_pipeline")
     if ml.sequence_parallel_size != topology.sp_size:
         raise ValueError(f"megaloss.sequence_parallel_size={ml.sequence_parallel_size} but the "
                          f"process groups have sp={topology.sp_size}")

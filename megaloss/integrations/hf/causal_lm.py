@@ -28,6 +28,7 @@ from torch import nn
 
 from ...losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy_with_stats
 from ...losses.vocab_parallel import VocabParallelLMHead
+from ...losses.vocab_parallel_embedding import VocabParallelEmbedding
 from ...ops.labels import causal_shift
 from ...ops.options import CrossEntropyOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_size
@@ -64,6 +65,22 @@ class LinearCrossEntropyHead(nn.Module):
     def extra_repr(self) -> str:
         v, h = self.weight.shape
         return f"vocab_size={v}, hidden_size={h}, {self.options!r}"
+
+
+def _is_tied(model: nn.Module, lm_head: nn.Linear) -> bool:
+    inp = model.get_input_embeddings()
+    return inp is not None and getattr(inp, "weight", None) is lm_head.weight
+
+
+def _tied_embedding(inp: nn.Module, head: VocabParallelLMHead) -> VocabParallelEmbedding:
+    """The vocab-parallel replacement of the tied input embedding ``inp``, on ``head``'s shard."""
+    scale = getattr(inp, "embed_scale", None)
+    if not isinstance(inp, nn.Embedding) or (type(inp) is not nn.Embedding and scale is None):
+        raise TypeError(f"a tied input embedding under tensor parallelism must be an nn.Embedding "
+                        f"(or one with an embed_scale), got {type(inp).__name__}")
+    if isinstance(scale, torch.Tensor):
+        scale = float(scale)
+    return VocabParallelEmbedding.tied_to(head, padding_idx=inp.padding_idx, scale=scale)
 
 
 class _VocabParallelHead(VocabParallelLMHead):
@@ -113,8 +130,14 @@ class CausalLMWithLoss(nn.Module):
 
     Raises:
         TypeError: ``model`` has no base model or no ``nn.Linear`` output embedding.
-        ValueError: TP > 1 with the lm_head tied to the input embedding (a vocab shard cannot
-            also be the replicated embedding).
+        TypeError: TP > 1 with a tied input embedding that is neither an ``nn.Embedding`` nor
+            one with an ``embed_scale`` (Gemma 3's scaled embedding): its forward is unknown.
+
+    Tied embeddings (``tie_word_embeddings=True``: Llama 3.2, Qwen2.5 up to 7B, Gemma). At TP 1
+    the head keeps the embedding's Parameter. At TP > 1 the input embedding is replaced by a
+    :class:`megaloss.VocabParallelEmbedding` on the head's own shard (Megatron's vocab-parallel
+    lookup: zeros outside the shard, one all-reduce), so the shard's gradient is the sum of both
+    uses, as for the unsharded tied weight; ``padding_idx`` and ``embed_scale`` are kept.
     """
 
     def __init__(self, model: nn.Module, *, options: Optional[CrossEntropyOptions] = None,
@@ -135,16 +158,15 @@ class CausalLMWithLoss(nn.Module):
         self.ignore_index = self.options.ignore_index
         self.tp_size = group_size(tp_group)
         vocab_size, hidden_size = lm_head.weight.shape
+        self.tied = _is_tied(model, lm_head)
         if self.tp_size > 1:
-            inp = model.get_input_embeddings()
-            if inp is not None and inp.weight is lm_head.weight:
-                raise ValueError("tensor parallelism needs an untied lm_head "
-                                 "(tie_word_embeddings=False)")
             head: nn.Module = _VocabParallelHead(
                 hidden_size, vocab_size, tp_group=tp_group, bias=lm_head.bias is not None,
                 dtype=lm_head.weight.dtype, device=lm_head.weight.device, options=self.options)
             head.load_full_weight(lm_head.weight.detach(),
                                   None if lm_head.bias is None else lm_head.bias.detach())
+            if self.tied:
+                model.set_input_embeddings(_tied_embedding(model.get_input_embeddings(), head))
         else:
             head = LinearCrossEntropyHead(lm_head, self.options)
         model.set_output_embeddings(head)
@@ -227,4 +249,4 @@ class CausalLMWithLoss(nn.Module):
         return self.head(out.last_hidden_state, shift_labels, loss_weights=loss_weights)
 
     def extra_repr(self) -> str:
-        return f"tp_size={self.tp_size}, vocab_size={self.vocab_size}"
+        return f"tp_size={self.tp_size}, vocab_size={self.vocab_size}, tied={self.tied}"

@@ -1,0 +1,103 @@
+"""The LM job under DeepSpeed's pipeline engine (``--pipeline_parallel_size`` /
+``megaloss.pipeline_parallel_size`` > 1): the layout, the Llama's stages and the engine, and the
+step / eval functions the job loop calls instead of the ``engine.forward`` ones.
+
+The pipeline engine takes ZeRO stages 0 and 1 only (DeepSpeed 0.19.8,
+``runtime/pipe/engine.py``): a ds_config asking for ZeRO-2 or 3 (the job's default is ZeRO-2)
+runs at ZeRO-1, and the job says so. Checkpoints (``--save_every``, ``--resume``,
+``--eval_only``) are not wired for the pipeline engine yet and are refused.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import torch
+
+from .models import build_llama
+
+__all__ = ["PipelineJob", "pipeline_parallel_size", "build_pipeline_job", "gather_per_rank"]
+
+
+def pipeline_parallel_size(args: argparse.Namespace, ml: Any, ds_config: Dict[str, Any]) -> int:
+    """The run's stage count: ``--pipeline_parallel_size`` when given (written into the
+    ds_config's section), else ``megaloss.pipeline_parallel_size``."""
+    if args.pipeline_parallel_size is not None:
+        ml.pipeline_parallel_size = args.pipeline_parallel_size
+        ds_config.setdefault("megaloss", {})["pipeline_parallel_size"] = args.pipeline_parallel_size
+    return ml.pipeline_parallel_size
+
+
+@dataclass
+class PipelineJob:
+    """What the LM job needs from the pipeline set-up."""
+
+    me: Any  # MegalossPipelineEngine
+    config: Any  # the LlamaConfig
+    parameters: int  # the whole model's (decoder + full lm_head)
+    train_step: Callable[[List[Mapping[str, Any]]], Any]
+    evaluate: Callable[[List[Mapping[str, Any]]], Any]
+
+
+def _check_job_arguments(args: argparse.Namespace, ml: Any) -> None:
+    refused = [flag for flag, on in (("--save_every", args.save_every), ("--resume", args.resume),
+                                     ("--eval_only", args.eval_only)) if on]
+    if refused:
+        raise ValueError(f"{', '.join(refused)}: checkpoints are not wired for the pipeline "
+                         "engine yet; run without them or with --pipeline_parallel_size 1")
+    if ml.sequence_parallel_size != 1:
+        raise ValueError("sequence parallelism and pipeline parallelism do not combine in this "
+                         "job (DeepSpeed's pipeline engine takes dp x pp x tp)")
+
+
+def build_pipeline_job(args: argparse.Namespace, ds_config: Dict[str, Any], ml: Any, vocab: int,
+                       out_dir: str, log: Callable[[str], Any]) -> PipelineJob:
+    """The pipeline layout, the Llama of ``args`` in stages and the calibrated pipeline engine
+    (collective). A ZeRO stage > 1 in ``ds_config`` is lowered to 1 (logged)."""
+    from megaloss.integrations.deepspeed.pipeline import (
+        PIPELINE_ZERO_STAGES,
+        build_pipeline_layout,
+        initialize_pipeline,
+        pipeline_evaluate,
+        pipeline_train_step,
+    )
+    from megaloss.integrations.deepspeed.pipeline_llama import llama_pipeline_layers
+
+    _check_job_arguments(args, ml)
+    zero = ds_config.setdefault("zero_optimization", {})
+    asked = int(zero.get("stage", 0))
+    if asked not in PIPELINE_ZERO_STAGES:
+        zero["stage"] = max(PIPELINE_ZERO_STAGES)
+        log(f"pipeline parallelism: DeepSpeed's pipeline engine supports ZeRO stages "
+            f"{PIPELINE_ZERO_STAGES} only; the ds_config asks for ZeRO-{asked}, running at "
+            f"ZeRO-{zero['stage']}")
+    layout = build_pipeline_layout(ml.pipeline_parallel_size, ml.tensor_parallel_size)
+    # The full model's config and size on the meta device (no weights): each stage builds its
+    # own layers (LayerSpec), drawn from the seed of the layer.
+    with torch.device("meta"):
+        model, cfg = build_llama(args, vocab)
+    n_params = sum(p.numel() for p in model.base_model.parameters()) + vocab * cfg.hidden_size
+    del model
+    layers = llama_pipeline_layers(cfg, options=ml.ce.options(),
+                                   tp_group=layout.topology.tp_group, seed=args.seed)
+    me = initialize_pipeline(layers, ds_config, layout=layout, output_dir=out_dir)
+    micro = int(me.engine.train_micro_batch_size_per_gpu())
+
+    def evaluate(batches):
+        # eval_batch() keeps the stage buffers' shapes: full micro-batches only
+        return pipeline_evaluate(me, [b for b in batches if b["input_ids"].shape[0] == micro],
+                                 log=True)
+
+    return PipelineJob(me, cfg, n_params, lambda mbs: pipeline_train_step(me, mbs), evaluate)
+
+
+def gather_per_rank(value: float) -> Optional[List[float]]:
+    """``value`` of every rank, in rank order (collective; None without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, float(value))
+    return out

@@ -1,0 +1,243 @@
+"""Calibrated optimizer steps of the policy-gradient (:func:`megaloss.policy_loss`) and
+preference (:func:`megaloss.dpo_loss`) losses on a :class:`~.engine.MegalossEngine`.
+
+The module's contract: ``engine(input_ids, shift_labels=labels, **inputs)`` returns an object
+with ``log_probs`` (shape of ``labels`` or flattened; e.g. a
+:class:`megaloss.LogProbsOutput` of :func:`megaloss.linear_log_probs` on the decoder's hidden
+states) and, for the entropy bonus or metric, ``entropy`` (same shape, or ``None``). ``labels``
+are the shifted targets, ``ignore_index`` off the completion.
+
+One step over the ``G`` micro-batches (``G`` = the ds_config's ``gradient_accumulation_steps``):
+the completion masks of all of them are calibrated up front (ONE all-reduce over ``dp x sp``:
+global tokens, sequences and the ``loss_type``'s denominator), then each micro-batch runs
+forward, ``engine.backward(step.loss_for_backward(loss))`` (undoing the engine's measured
+``1 / (G x DP)``) and ``engine.step()``; at the boundary the global loss and the metrics (TRL's
+names) are reduced (two all-reduces) and written through ``engine.monitor`` like the CE series
+(``Train/megaloss/<name>``). The result equals one device's step on the global batch for every
+``loss_type``, ZeRO stage, DP x GAS and TP (tested in
+``tests/integrations/test_deepspeed_policy.py``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import torch
+
+from ...calibration import LossCalibrator
+from ...losses.dpo import dpo_loss, dpo_metrics, dpo_pair_weights, sequence_log_probs
+from ...losses.policy import (
+    completion_labels,
+    policy_calibrator,
+    policy_loss,
+    policy_loss_weights,
+    policy_metrics,
+)
+from ...ops.labels import causal_shift
+from ...ops.options import DPOOptions, PolicyLossOptions
+from .engine import MegalossEngine
+from .monitor import write_metrics
+from .train_step import _reduced_grad_norm, _to_device, peak_memory_mib
+
+__all__ = ["PolicyStepMetrics", "policy_train_step", "dpo_train_step"]
+
+
+@dataclass
+class PolicyStepMetrics:
+    """Metrics of one policy / preference optimizer step (identical on all ranks except
+    ``peak_memory_mib``).
+
+    ``loss``: the global loss (what one device computes on the whole global batch);
+    ``num_tokens``: global completion tokens; ``num_sequences``: global sequences (policy) or
+    pairs (DPO) with at least one completion token; ``metrics``: TRL's names
+    (:func:`megaloss.policy_metrics` / :func:`megaloss.dpo_metrics`), global over the step.
+    """
+
+    step: int
+    loss: float
+    num_tokens: float
+    num_sequences: float
+    lr: float
+    grad_norm: Optional[float]
+    peak_memory_mib: float
+    step_time_s: float
+    samples: int = 0
+    metrics: Dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Flat ``{name: value}``: the fields, then the metrics by TRL's names."""
+        d = asdict(self)
+        d.update(d.pop("metrics"))
+        return d
+
+
+def _check_micro_batches(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]],
+                         keys: Sequence[str]) -> int:
+    gas = int(me.engine.gradient_accumulation_steps())
+    if len(micro_batches) != gas:
+        raise ValueError(f"micro_batches must hold gradient_accumulation_steps={gas} entries, got "
+                         f"{len(micro_batches)}")
+    if me.topology.sp_size != 1:
+        raise ValueError("policy_train_step / dpo_train_step do not support sequence "
+                         f"parallelism yet (sp={me.topology.sp_size})")
+    for i, mb in enumerate(micro_batches):
+        missing = [k for k in keys if mb.get(k) is None]
+        if missing:
+            raise ValueError(f"micro_batches[{i}] lacks {', '.join(missing)}")
+    return gas
+
+
+def _targets(mb: Mapping[str, Any], ignore_index: int) -> torch.Tensor:
+    mask = mb["completion_mask"]
+    if mask.shape != mb["input_ids"].shape:
+        raise ValueError(f"completion_mask must have the shape of input_ids "
+                         f"{tuple(mb['input_ids'].shape)}, got {tuple(mask.shape)}")
+    shifted = causal_shift(mb["input_ids"], ignore_index)
+    return torch.where(mask != 0, shifted, torch.full_like(shifted, ignore_index))
+
+
+def _forward(me: MegalossEngine, mb: Mapping[str, Any], labels: torch.Tensor):
+    inputs = {k: mb[k] for k in ("attention_mask", "position_ids") if mb.get(k) is not None}
+    out = me.engine(mb["input_ids"], shift_labels=labels, **inputs)
+    entropy = getattr(out, "entropy", None)
+    return (out.log_probs.reshape(labels.shape),
+            None if entropy is None else entropy.reshape(labels.shape))
+
+
+def _finish(me: MegalossEngine, step, t0: float, own_norm, num_sequences: float,
+            metrics: Dict[str, float], log: bool) -> PolicyStepMetrics:
+    engine = me.engine
+    loss = float(step.global_loss())
+    grad_norm = engine.get_global_grad_norm()
+    if grad_norm is None:
+        grad_norm = own_norm
+    out = PolicyStepMetrics(
+        step=int(engine.global_steps), loss=loss, num_tokens=float(step.num_tokens),
+        num_sequences=num_sequences, lr=float(engine.get_lr()[0]),
+        grad_norm=None if grad_norm is None else float(grad_norm),
+        peak_memory_mib=peak_memory_mib(engine.device), step_time_s=time.perf_counter() - t0,
+        samples=int(getattr(engine, "global_samples", 0)), metrics=metrics)
+    if log:
+        d = out.as_dict()
+        d["optimizer_step"] = d.pop("step")
+        d.pop("samples")
+        write_metrics(engine, d)
+    return out
+
+
+def policy_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]], *,
+                      options: Optional[PolicyLossOptions] = None,
+                      log: bool = True) -> PolicyStepMetrics:
+    """One calibrated optimizer step of :func:`megaloss.policy_loss`.
+
+    Args:
+        me: from :func:`~.engine.initialize` (its module follows this module's contract).
+        micro_batches: ``gradient_accumulation_steps`` dicts with ``input_ids [B, T]``,
+            ``completion_mask [B, T]`` (1 where the *next* token is a completion token, aligned
+            with the shifted targets), ``advantages [B]`` or ``[B, T]``; optional
+            ``old_log_probs [B, T]`` (default: the current log-probs, detached),
+            ``ref_log_probs [B, T]`` (required when ``beta > 0``), ``attention_mask``,
+            ``position_ids``. TP ranks of one DP rank pass the same batches; a rank may have
+            no completion at all (an all-zero mask).
+        options: default ``me.config.policy.options()`` (the ds_config's
+            ``"megaloss": {"policy": {...}}``).
+        log: write the loss and metrics through ``engine.monitor``.
+
+    Returns:
+        :class:`PolicyStepMetrics` (``metrics``: ``kl``, ``entropy``, ``clip_ratio/*`` or
+        ``cispo_clip_ratio``).
+
+    Raises:
+        ValueError: a wrong number of micro-batches, a missing key, a mask of another shape
+            than ``input_ids``, sequence parallelism; see :func:`megaloss.policy_loss`.
+    """
+    opts = me.config.policy.options() if options is None else options
+    if not isinstance(opts, PolicyLossOptions):
+        raise TypeError(f"options must be a PolicyLossOptions, got {type(opts).__name__}")
+    gas = _check_micro_batches(me, micro_batches, ("input_ids", "completion_mask", "advantages"))
+    t0 = time.perf_counter()
+    engine = me.engine
+    mbs = [_to_device(mb, engine.device) for mb in micro_batches]
+    ignore = me.calibrator.ignore_index
+    calib = policy_calibrator(opts, me.topology, engine_scale=me.engine_scale,
+                              weight_dtype=me.calibrator.weight_dtype)
+    step = calib.begin_step([completion_labels(mb["completion_mask"], ignore) for mb in mbs])
+    stats, has_entropy, own_norm = [], True, None
+    for i, mb in enumerate(mbs):
+        labels = _targets(mb, ignore)
+        log_probs, entropy = _forward(me, mb, labels)
+        has_entropy = has_entropy and entropy is not None
+        out = policy_loss(log_probs, mb.get("old_log_probs"), mb["advantages"],
+                          mb["completion_mask"], ref_log_probs=mb.get("ref_log_probs"),
+                          entropy=entropy,
+                          weights=policy_loss_weights(step, i, opts, ignore_index=ignore),
+                          options=opts)
+        engine.backward(step.loss_for_backward(out.loss))
+        stats.append(out.stats)
+        if i == gas - 1 and engine.zero_optimization_stage() == 0:
+            own_norm = _reduced_grad_norm(engine.module, me.topology)
+        engine.step()
+    metrics = policy_metrics(stats, opts, group=me.topology.dp_sp_group, has_entropy=has_entropy)
+    return _finish(me, step, t0, own_norm, float(step.num_samples), metrics, log)
+
+
+def dpo_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]], *,
+                   options: Optional[DPOOptions] = None, log: bool = True) -> PolicyStepMetrics:
+    """One calibrated optimizer step of :func:`megaloss.dpo_loss`.
+
+    Args:
+        me: from :func:`~.engine.initialize` (its module follows this module's contract).
+        micro_batches: ``gradient_accumulation_steps`` dicts with ``input_ids [2P, T]`` (the
+            ``P`` chosen rows, then their ``P`` rejected rows: TRL's layout),
+            ``completion_mask [2P, T]`` (aligned with the shifted targets),
+            ``ref_chosen_log_probs [P]`` and ``ref_rejected_log_probs [P]`` (sequence sums
+            under the reference); optional ``attention_mask``, ``position_ids``.
+        options: default ``me.config.dpo.options()``.
+        log: write the loss and metrics through ``engine.monitor``.
+
+    Returns:
+        :class:`PolicyStepMetrics` (``metrics``: ``rewards/*``, ``logps/*``;
+        ``num_sequences``: global pairs).
+
+    Raises:
+        ValueError: as :func:`policy_train_step`; an odd number of rows.
+    """
+    opts = me.config.dpo.options() if options is None else options
+    if not isinstance(opts, DPOOptions):
+        raise TypeError(f"options must be a DPOOptions, got {type(opts).__name__}")
+    gas = _check_micro_batches(me, micro_batches, ("input_ids", "completion_mask",
+                                                   "ref_chosen_log_probs",
+                                                   "ref_rejected_log_probs"))
+    for i, mb in enumerate(micro_batches):
+        if mb["input_ids"].shape[0] % 2:
+            raise ValueError(f"micro_batches[{i}]: input_ids must hold 2P rows (chosen, then "
+                             f"rejected), got {mb['input_ids'].shape[0]}")
+    t0 = time.perf_counter()
+    engine = me.engine
+    mbs = [_to_device(mb, engine.device) for mb in micro_batches]
+    ignore = me.calibrator.ignore_index
+    calib = LossCalibrator(me.topology, loss_reduction="sample", engine_scale=me.engine_scale,
+                           ignore_index=ignore, weight_dtype=me.calibrator.weight_dtype)
+    chosen = [completion_labels(mb["completion_mask"][: mb["input_ids"].shape[0] // 2], ignore)
+              for mb in mbs]
+    step = calib.begin_step(chosen)
+    stats, own_norm = [], None
+    for i, mb in enumerate(mbs):
+        labels = _targets(mb, ignore)
+        log_probs, _ = _forward(me, mb, labels)
+        mask = mb["completion_mask"]
+        p = labels.shape[0] // 2
+        seq = sequence_log_probs(log_probs, mask)
+        lengths = (mask != 0).sum(-1)
+        out = dpo_loss(seq[:p], seq[p:], mb["ref_chosen_log_probs"],
+                       mb["ref_rejected_log_probs"], chosen_lengths=lengths[:p],
+                       rejected_lengths=lengths[p:],
+                       pair_weights=dpo_pair_weights(step, i, ignore_index=ignore), options=opts)
+        engine.backward(step.loss_for_backward(out.loss))
+        stats.append(out.stats)
+        if i == gas - 1 and engine.zero_optimization_stage() == 0:
+            own_norm = _reduced_grad_norm(engine.module, me.topology)
+        engine.step()
+    metrics = dpo_metrics(stats, group=me.topology.dp_sp_group)
+    return _finish(me, step, t0, own_norm, float(step.num_samples), metrics, log)

@@ -1,0 +1,217 @@
+"""Per-token log-probabilities of the labels under the lm_head, ``log_softmax(F.linear(h, W, b) /
+temperature).gather(labels)``, without ever holding the ``[tokens, vocab]`` logits: the primitive
+under policy-gradient and preference losses (PPO/GRPO ratios, DPO), with the entropy, the
+log-sum-exp and the greedy match alongside. On one device or, given ``vocab_parallel_options``,
+over an lm_head split across tensor-parallel ranks (the layout of
+:mod:`megaloss.losses.vocab_parallel`).
+
+Math: :mod:`megaloss.ops.log_probs_chunk`; schedule (recompute in backward):
+:mod:`megaloss.ops.chunked_log_probs`. The full-logits formula it replaces is TRL's
+``selective_log_softmax`` (``trl/trainer/utils.py``: ``logits.gather(labels) -
+logsumexp(logits)``) on ``logits / temperature``.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from ..ops.chunked_log_probs import chunked_linear_log_probs
+from ..ops.options import LogProbsOptions, resolve_options
+from ..ops.validation import check_ce_tensors, check_label_range, first_bad_label
+from ..parallel.comm import all_gather_dim0, all_reduce_max_, all_reduce_sum_
+from ..parallel.groups import group_rank, group_size, resolve_group
+from ..parallel.mappings import copy_to_region, gather_from_region
+from .vocab_parallel import VocabParallelOptions, _check_across_ranks, vocab_shard_range
+
+__all__ = ["LogProbsOutput", "linear_log_probs", "LinearLogProbs"]
+
+
+class LogProbsOutput(NamedTuple):
+    """What :func:`linear_log_probs` returns; every field has the shape of ``labels`` (with
+    ``sequence_parallel=True``: ``[tp * N_local]``, the gathered tokens, rank 0's first).
+
+    Attributes:
+        log_probs: ``log softmax(y)[label]`` of the scaled logits ``y = softcap(z) / T``; fp32
+            (fp64 for fp64 inputs); 0 at ignored positions; differentiable.
+        entropy: ``-sum_j p_j log p_j`` of ``softmax(y)``, same dtype, 0 at ignored positions,
+            differentiable; ``None`` unless ``return_entropy=True``.
+        lse: ``logsumexp(y)``, same dtype, for every token (ignored ones too); detached.
+        greedy_match: bool, ``y[label]`` is the maximum of ``y`` (a tie counts as a match);
+            False at ignored positions. ``greedy_match.sum() / valid`` is the token accuracy.
+    """
+
+    log_probs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    lse: torch.Tensor
+    greedy_match: torch.Tensor
+
+
+def linear_log_probs(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    logit_softcapping: Optional[float] = None,
+    return_entropy: bool = False,
+    chunk_size: int = 1024,
+    accum_dtype: torch.dtype = torch.float32,
+    impl: str = "auto",
+    options: Optional[LogProbsOptions] = None,
+    vocab_parallel_options: Optional[VocabParallelOptions] = None,
+) -> LogProbsOutput:
+    """Per-token log-probabilities (and entropy) of ``labels`` under ``hidden_states @
+    weight.T + bias``, chunked; on one device, or with the lm_head split over the vocabulary
+    across tensor-parallel ranks.
+
+    Equal in value and gradients to ``y = softcap(F.linear(hidden_states, weight, bias)) /
+    temperature; y.log_softmax(-1).gather(-1, labels[..., None])[..., 0]`` (and
+    ``-(y.softmax(-1) * y.log_softmax(-1)).sum(-1)``), 0 at ``ignore_index``. Soft-capping
+    acts on the raw logits, the temperature on the capped ones (see
+    :class:`~megaloss.ops.options.LogProbsOptions`).
+
+    Args:
+        hidden_states: ``[..., H]`` float (fp32 / bf16 / fp16 / fp64). With
+            ``vocab_parallel_options``: replicated over the TP group, or, with its
+            ``sequence_parallel=True``, this rank's shard of the tokens.
+        weight: ``[V, H]`` lm_head weight (may be frozen, e.g. a reference model); another
+            floating dtype than ``hidden_states`` is promoted per chunk. With
+            ``vocab_parallel_options``: this rank's shard ``[Vp, H]``, ``Vp = ceil(V / tp)``
+            (see :func:`megaloss.losses.vocab_parallel.vocab_shard_range`).
+        labels: ``[...]`` integer ids in ``[0, V)`` or ``ignore_index``, already shifted for
+            causal LM (``labels[..., t]`` is the token that follows position ``t``).
+        bias: optional ``[V]`` (``[Vp]`` with ``vocab_parallel_options``).
+        ignore_index, temperature, logit_softcapping, return_entropy, chunk_size, accum_dtype,
+            impl: the fields of :class:`~megaloss.ops.options.LogProbsOptions`, documented
+            there (``impl="auto"``: the fused Triton kernels of
+            :mod:`megaloss.ops.triton_log_probs` on CUDA, the torch epilogue elsewhere).
+        options: these fields as one :class:`~megaloss.ops.options.LogProbsOptions`, instead
+            of the keywords.
+        vocab_parallel_options: a :class:`~megaloss.losses.vocab_parallel.VocabParallelOptions`
+            (TP group, real vocab size, Megatron's sequence parallelism), as
+            :func:`megaloss.linear_cross_entropy` takes it: the outputs are those of the full
+            vocabulary, identical on every TP rank (one MAX and one SUM all-reduce of
+            ``[3, tokens]`` statistics per chunk, none in backward). The TP ranks must then
+            back-propagate the same upstream gradients (a loss computed alike on each, as
+            Megatron does), since each rank's gradient covers its vocab shard only.
+
+    Returns:
+        :class:`LogProbsOutput` ``(log_probs, entropy, lse, greedy_match)``.
+
+    Raises:
+        ValueError: a label outside ``[0, V)`` that is not ``ignore_index``; shape mismatches;
+            inputs on different devices; an option out of range; ``impl="triton"`` where it
+            cannot run (float64, no triton, CPU without Triton's interpreter). With
+            ``vocab_parallel_options`` also: token count, hidden size, shard rows or vocab
+            size differing across TP ranks, or ``weight`` without ``ceil(V / tp)`` rows,
+            raised on every TP rank alike.
+        TypeError: non-tensor inputs, non-floating hidden states/weight, non-integer labels;
+            ``options`` together with option keywords not at their default;
+            ``options`` / ``vocab_parallel_options`` of the wrong type.
+
+    Gradients flow into ``hidden_states``, ``weight`` and ``bias`` through ``log_probs`` and
+    ``entropy`` with any per-token upstream gradients: backward recomputes the logits chunk by
+    chunk (:mod:`megaloss.ops.chunked_log_probs`).
+    """
+    opts = resolve_options(LogProbsOptions, options, dict(
+        ignore_index=ignore_index, temperature=temperature, logit_softcapping=logit_softcapping,
+        return_entropy=return_entropy, chunk_size=chunk_size, accum_dtype=accum_dtype,
+        impl=impl))
+    if vocab_parallel_options is not None:
+        if not isinstance(vocab_parallel_options, VocabParallelOptions):
+            raise TypeError(f"vocab_parallel_options must be a VocabParallelOptions or None, got "
+                            f"{type(vocab_parallel_options).__name__}")
+        return _sharded_log_probs(hidden_states, weight, labels, bias, opts,
+                                  vocab_parallel_options)
+    check_ce_tensors(hidden_states, weight, labels, bias, None)
+    check_label_range(labels, weight.shape[0], opts.ignore_index)
+    out = chunked_linear_log_probs(hidden_states.reshape(-1, hidden_states.shape[-1]), weight,
+                                   bias, labels.reshape(-1).long(), opts)
+    return _shaped(out, labels.shape)
+
+
+def _shaped(out, shape) -> LogProbsOutput:
+    return LogProbsOutput(*(None if t is None else t.view(shape)
+                            for t in (out.log_probs, out.entropy, out.lse.detach(),
+                                      out.greedy_match)))
+
+
+def _sharded_log_probs(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                       bias: Optional[torch.Tensor], opts: LogProbsOptions,
+                       parallel: VocabParallelOptions) -> LogProbsOutput:
+    """The vocab-parallel path: the layout and checks of
+    :func:`megaloss.losses.vocab_parallel.sharded_linear_cross_entropy`."""
+    check_ce_tensors(hidden_states, weight, labels, bias, None)
+    group = resolve_group(parallel.tp_group)
+    tp, rank = group_size(group), group_rank(group)
+    rows = weight.shape[0]
+    vocab_size = rows * tp if parallel.vocab_size is None else parallel.vocab_size
+    if rows != math.ceil(vocab_size / tp):
+        raise ValueError(f"weight must have ceil(vocab_size / tp) = {math.ceil(vocab_size / tp)} "
+                         f"rows for vocab_size={vocab_size}, tp={tp}; got {rows}")
+    flat_labels = labels.reshape(-1).long()
+    hidden_size = hidden_states.shape[-1]
+    _check_across_ranks(group, flat_labels.numel(), hidden_size, rows, vocab_size,
+                        opts.ignore_index,
+                        first_bad_label(flat_labels, vocab_size, opts.ignore_index),
+                        hidden_states.device, "weight")
+    hidden = hidden_states.reshape(-1, hidden_size)
+    gathered = parallel.sequence_parallel and tp > 1
+    if gathered:
+        hidden = gather_from_region(hidden, group)
+        flat_labels = all_gather_dim0(flat_labels, group)
+    else:
+        hidden = copy_to_region(hidden, group)
+    start, stop, _ = vocab_shard_range(vocab_size, tp, rank)
+    n_real = stop - start
+    out = chunked_linear_log_probs(
+        hidden, weight[:n_real], None if bias is None else bias[:n_real], flat_labels, opts,
+        vocab_start=start, reduce_max=lambda t: all_reduce_max_(t, group),
+        reduce_sum=lambda t: all_reduce_sum_(t, group))
+    return _shaped(out, flat_labels.shape if gathered else labels.shape)
+
+
+class LinearLogProbs(nn.Module):
+    """Module form of :func:`linear_log_probs`.
+
+    Args:
+        options: a :class:`~megaloss.ops.options.LogProbsOptions`; or, instead, its fields as
+            keyword arguments (``temperature=0.7, return_entropy=True, ...``), validated here.
+        vocab_parallel_options: optional
+            :class:`~megaloss.losses.vocab_parallel.VocabParallelOptions` (``weight`` is then
+            this rank's shard).
+
+    ``forward(hidden_states [..., H], weight [V, H], labels [...], bias=None)`` returns a
+    :class:`LogProbsOutput`.
+
+    Raises:
+        ValueError / TypeError: bad options (at construction), bad tensors (in forward).
+    """
+
+    def __init__(self, options: Optional[LogProbsOptions] = None, *,
+                 vocab_parallel_options: Optional[VocabParallelOptions] = None,
+                 **option_fields):
+        super().__init__()
+        if options is not None and option_fields:
+            raise TypeError("pass either options or its fields as keyword arguments, not both")
+        if options is not None and not isinstance(options, LogProbsOptions):
+            raise TypeError(f"options must be a LogProbsOptions, got {type(options).__name__}")
+        if vocab_parallel_options is not None and not isinstance(vocab_parallel_options,
+                                                                 VocabParallelOptions):
+            raise TypeError(f"vocab_parallel_options must be a VocabParallelOptions or None, got "
+                            f"{type(vocab_parallel_options).__name__}")
+        self.options = options if options is not None else LogProbsOptions(**option_fields)
+        self.vocab_parallel_options = vocab_parallel_options
+
+    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> LogProbsOutput:
+        return linear_log_probs(hidden_states, weight, labels, bias=bias, options=self.options,
+                                vocab_parallel_options=self.vocab_parallel_options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.options.as_dict().items())

@@ -143,11 +143,13 @@ def _check_layout(ds_config: Dict[str, Any], ml, args) -> None:
                          f"--num_generations {args.num_generations}")
 
 
-def _global_mean(values: torch.Tensor, group) -> float:
-    """Mean of ``values`` over every rank of ``group`` (one all-reduce of sum and count)."""
+def _global_mean(values: torch.Tensor, group, device) -> float:
+    """Mean of ``values`` over every rank of ``group`` (one all-reduce of sum and count, on
+    ``device``: NCCL reduces only CUDA tensors)."""
     import torch.distributed as dist
 
-    s = torch.tensor([values.double().sum().item(), float(values.numel())], dtype=torch.float64)
+    s = torch.tensor([values.double().sum().item(), float(values.numel())], dtype=torch.float64,
+                     device=device)
     dist.all_reduce(s, group=group)
     return float(s[0] / s[1]) if s[1] > 0 else 0.0
 
@@ -156,8 +158,8 @@ def _evaluate(model, task: ListTask, held: torch.Tensor, dp_group) -> Dict[str, 
     """Held-out greedy reward and exact-answer rate, over this rank's share of ``held``."""
     completions = generate_completions(model, task.prompts(held), task.length, greedy=True)
     reward = task.reward(completions, task.answers(held))
-    return {"reward": _global_mean(reward, dp_group),
-            "exact": _global_mean((reward == 1).float(), dp_group)}
+    return {"reward": _global_mean(reward, dp_group, model.device),
+            "exact": _global_mean((reward == 1).float(), dp_group, model.device)}
 
 
 def _rank_share(rows: torch.Tensor, dp: int, rank: int) -> torch.Tensor:
@@ -255,6 +257,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if opts.beta > 0:  # the reference policy: the SFT model, frozen
         ref_model, _ = build_llama(args, tok.get_vocab_size())
         ref_model.load_state_dict(model.state_dict())
+        ref_model.to(engine.device)
         ref = CausalLMLogProbs(ref_model.requires_grad_(False).eval(), return_entropy=False)
 
     grpo_rows: List[Dict[str, Any]] = []
@@ -270,12 +273,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         rollout = make_rollout(task.prompts(lists), completions, rewards, args.num_generations,
                                scale_rewards=not args.no_scale_rewards)
         if ref is not None:
-            rollout.ref_log_probs = completion_log_probs(ref, rollout, micro)
+            rollout.ref_log_probs = completion_log_probs(ref, rollout, micro, engine.device)
         if args.num_iterations > 1:
-            rollout.old_log_probs = completion_log_probs(engine, rollout, micro)
+            rollout.old_log_probs = completion_log_probs(engine, rollout, micro, engine.device)
         for _ in range(args.num_iterations):
             m = policy_train_step(me, rollout.micro_batches(gas), options=opts).as_dict()
-        reward = _global_mean(rewards, topo.dp_group)
+        reward = _global_mean(rewards, topo.dp_group, engine.device)
         eval_reward = ""
         if args.eval_every and s % args.eval_every == 0 and s != args.steps:
             evals.append({"phase": "grpo", "step": s,

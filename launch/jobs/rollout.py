@@ -31,7 +31,8 @@ def generate_completions(model, prompts: torch.Tensor, length: int, *, num_gener
     prompt adjacent), int64 ``[n * num_generations, length]``, from ``model.generate``: pure
     sampling at ``temperature`` (no top-k / top-p), or greedy decoding. No end-of-sequence
     token stops a row early (the task's answers have a fixed length). Sampling draws from
-    torch's global generator (seed it per rank and step).
+    torch's global generator (seed it per rank and step). ``prompts`` may live anywhere
+    (moved to ``model.device``); the completions come back on the CPU.
     """
     from transformers import GenerationConfig
 
@@ -39,10 +40,10 @@ def generate_completions(model, prompts: torch.Tensor, length: int, *, num_gener
                               min_new_tokens=length, temperature=1.0 if greedy else temperature,
                               top_k=None, top_p=None, eos_token_id=None, bos_token_id=None,
                               pad_token_id=0)
-    ids = prompts.repeat_interleave(num_generations, dim=0)
+    ids = prompts.to(model.device).repeat_interleave(num_generations, dim=0)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                          generation_config=config)
-    return out[:, prompts.shape[1]:]
+    return out[:, prompts.shape[1]:].cpu()
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_rewards: bool = True,
@@ -108,14 +109,16 @@ def make_rollout(prompts: torch.Tensor, completions: torch.Tensor, rewards: torc
 
 
 @torch.no_grad()
-def completion_log_probs(module, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
-    """float32 ``[N, T]`` per-token log-probs of the rollout's completion tokens (0 elsewhere)
-    under ``module`` (a :class:`launch.jobs.policy_model.CausalLMLogProbs`, or the engine
-    wrapping one), ``micro_batch_size`` rows at a time: the old policy's or the reference's."""
+def completion_log_probs(module, rollout: Rollout, micro_batch_size: int,
+                         device: torch.device | str = "cpu") -> torch.Tensor:
+    """float32 ``[N, T]`` (on the CPU) per-token log-probs of the rollout's completion tokens
+    (0 elsewhere) under ``module`` (a :class:`launch.jobs.policy_model.CausalLMLogProbs`, or the
+    engine wrapping one; its weights on ``device``), ``micro_batch_size`` rows at a time: the
+    old policy's or the reference's."""
     shifted = torch.full_like(rollout.input_ids, -100)
     shifted[:, :-1] = rollout.input_ids[:, 1:]
     labels = torch.where(rollout.completion_mask != 0, shifted, torch.full_like(shifted, -100))
-    out = [module(ids, shift_labels=y).log_probs.detach().float()
+    out = [module(ids.to(device), shift_labels=y.to(device)).log_probs.detach().float().cpu()
            for ids, y in zip(rollout.input_ids.split(micro_batch_size),
                              labels.split(micro_batch_size))]
     return torch.cat(out)

@@ -88,7 +88,8 @@ def linear_log_probs(
         bias: optional ``[V]`` (``[Vp]`` with ``vocab_parallel_options``).
         ignore_index, temperature, logit_softcapping, return_entropy, chunk_size, accum_dtype,
             impl: the fields of :class:`~megaloss.ops.options.LogProbsOptions`, documented
-            there (``impl``: only ``"torch"`` runs today; ``"auto"`` selects it).
+            there (``impl="auto"``: the fused Triton kernels of
+            :mod:`megaloss.ops.triton_log_probs` on CUDA, the torch epilogue elsewhere).
         options: these fields as one :class:`~megaloss.ops.options.LogProbsOptions`, instead
             of the keywords.
         vocab_parallel_options: a :class:`~megaloss.losses.vocab_parallel.VocabParallelOptions`
@@ -104,7 +105,8 @@ def linear_log_probs(
 
     Raises:
         ValueError: a label outside ``[0, V)`` that is not ``ignore_index``; shape mismatches;
-            inputs on different devices; an option out of range; ``impl="triton"``. With
+            inputs on different devices; an option out of range; ``impl="triton"`` where it
+            cannot run (float64, no triton, CPU without Triton's interpreter). With
             ``vocab_parallel_options`` also: token count, hidden size, shard rows or vocab
             size differing across TP ranks, or ``weight`` without ``ceil(V / tp)`` rows,
             raised on every TP rank alike.

@@ -13,6 +13,8 @@ groups: cross-rank combination comes in as ``reduce_max`` / ``reduce_sum`` calla
 - :mod:`.chunked_linear_ce`: the chunk loop and its autograd Function (gradients in forward).
 - :mod:`.log_probs_chunk`: per-token log-probabilities, entropy, log-sum-exp and greedy match of
   one chunk, and its logit gradient for arbitrary per-token upstream gradients.
+- :mod:`.triton_log_probs`: that epilogue as two fused Triton kernels (imports ``triton``; imported
+  only when selected).
 - :mod:`.chunked_log_probs`: their chunk loop and autograd Function (recompute in backward).
 - :mod:`.infonce_rows`: InfoNCE rows against a set of columns, chunked, gradients in forward.
 - :mod:`.labels`: :func:`~.labels.causal_shift`, Hugging Face's unshifted labels to targets.

@@ -38,8 +38,9 @@ class _Plan:
 
 def _epilogues(opts: LogProbsOptions, logits: torch.Tensor):
     """The (forward, gradient) chunk functions ``opts.impl`` selects for these logits."""
-    if epilogue_impl(opts.impl, logits) == "triton" and opts.impl == "triton":
-        raise ValueError("impl='triton' is not available for linear_log_probs yet; use 'torch'")
+    if epilogue_impl(opts.impl, logits) == "triton":
+        from .triton_log_probs import triton_chunk_log_probs, triton_chunk_log_probs_grad
+        return triton_chunk_log_probs, triton_chunk_log_probs_grad
     return chunk_log_probs, chunk_log_probs_grad
 
 

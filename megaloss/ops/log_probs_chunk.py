@@ -30,7 +30,11 @@ and ``mu`` per token (saved by the forward), so it takes no collective.
 ``greedy_match`` is ``y_label == max_j y_j`` (a tie for the maximum counts as a match; it is the
 label's own logit compared, so it is exact under any vocab split).
 
-Statistics are kept in fp32 (fp64 for fp64 inputs).
+Statistics are kept in fp32 (fp64 for fp64 inputs). Two epilogues compute this, chosen by
+``opts.impl`` as for the cross-entropy (:func:`megaloss.ops.cross_entropy_chunk.epilogue_impl`):
+the torch one here (any device, the reference) and two fused Triton kernels in
+:mod:`megaloss.ops.triton_log_probs` (CUDA, or CPU under Triton's interpreter); both finish with
+:func:`results_from_stats`.
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ import torch
 from .chunk_stats import Reduce, no_reduce, stats_dtype
 from .options import LogProbsOptions
 
-__all__ = ["LogProbsChunk", "chunk_log_probs", "chunk_log_probs_grad", "scaled_logits"]
+__all__ = ["LogProbsChunk", "chunk_log_probs", "chunk_log_probs_grad", "scaled_logits",
+           "results_from_stats"]
 
 
 class LogProbsChunk(NamedTuple):
@@ -111,7 +116,19 @@ def chunk_log_probs(logits: torch.Tensor, labels: torch.Tensor, opts: LogProbsOp
         exp = shifted.exp_()
         sums = [exp.sum(dim=1), target]
     del exp, shifted, y
-    stats = reduce_sum(torch.stack(sums))
+    return results_from_stats(row_max, reduce_sum(torch.stack(sums)), valid, opts)
+
+
+def results_from_stats(row_max: torch.Tensor, stats: torch.Tensor, valid: torch.Tensor,
+                       opts: LogProbsOptions) -> LogProbsChunk:
+    """The per-token results from the combined statistics (shared by both epilogues).
+
+    Args:
+        row_max: ``[C]`` global max ``M`` of each token's scaled logits.
+        stats: ``[2 or 3, C]`` summed over the vocab slices: ``sum_j e^{y_j - M}``, the label's
+            ``y``, and with entropy ``sum_j e^{y_j - M} (y_j - M)``.
+        valid: ``[C]`` bool, the label is not ``ignore_index``.
+    """
     log_sum = torch.log(stats[0])
     lse = row_max + log_sum
     log_probs = torch.where(valid, stats[1] - lse, 0.0)
@@ -146,7 +163,7 @@ def chunk_log_probs_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.
         grad = y.sub_(lse.unsqueeze(1)).exp_().mul_(-a.unsqueeze(1))
     else:
         b = grad_entropy.to(y.dtype)
-        probs = torch.exp(y - lse.unsqueeze(1))
+        probs = torch.sub(y, lse.unsqueeze(1)).exp_()  # one [C, V] temporary, not two
         # -p * (a + b (y - mu)), in place over y
         grad = y.sub_(mean_logit.unsqueeze(1)).mul_(b.unsqueeze(1)).add_(a.unsqueeze(1))
         grad.mul_(probs).neg_()

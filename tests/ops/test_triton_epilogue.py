@@ -19,6 +19,7 @@ from megaloss.ops import triton_epilogue  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = os.path.join("tests", "ops", "triton_interpreter_cases.py")
+LOG_PROBS_CASES = os.path.join("tests", "ops", "triton_log_probs_cases.py")  # same subprocess
 
 
 @pytest.mark.slow  # spawns a process (~10 s: the interpreter runs each program in Python)
@@ -26,13 +27,13 @@ CASES = os.path.join("tests", "ops", "triton_interpreter_cases.py")
 def test_interpreted_kernels_match_torch_epilogue():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           CASES], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=280)
+                           CASES, LOG_PROBS_CASES], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=280)
     out = proc.stdout + proc.stderr
     summary = out.strip().splitlines()[-1] if out.strip() else ""
     assert proc.returncode == 0, out[-6000:]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 20, summary
+    assert passed and int(passed.group(1)) >= 27, summary
     assert not re.search(r"skipped|failed|error", summary), summary
 
 
@@ -64,4 +65,35 @@ def test_kernels_compile_for_hopper():
                "one_minus_eps": "fp32", "HAS_CAP": "constexpr", "BLOCK": "constexpr"}
         src = ASTSource(triton_epilogue._grad_kernel, sig,
                         constexprs={"HAS_CAP": has_cap, "BLOCK": 2048})
+        assert triton.compile(src, target=target, options={"num_warps": 4}).asm["cubin"]
+
+
+@pytest.mark.slow  # ~4 s of compiling: over the fast tier's budget
+def test_log_probs_kernels_compile_for_hopper():
+    """The log-probabilities kernels (:mod:`megaloss.ops.triton_log_probs`) compiled for sm_90
+    as the GPU would, each dtype and soft-capping / entropy specialisation at least once."""
+    if triton_epilogue.interpreted():
+        pytest.skip("this process runs triton in its interpreter")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:
+        pytest.skip(f"this triton has no ahead-of-time compile API: {e}")
+    from megaloss.ops import triton_log_probs
+    target = GPUTarget("cuda", 90, 32)
+    scalars = {"stride_row": "i32", "n_cols": "i32", "vocab_start": "i32",
+               "ignore_index": "i32", "cap": "fp32", "temperature": "fp32"}
+    for dt, has_cap, has_ent in [("bf16", True, True), ("fp32", False, False),
+                                 ("fp16", False, True)]:
+        sig = {"logits_ptr": f"*{dt}", "labels_ptr": "*i64", "max_ptr": "*fp32",
+               "sumexp_ptr": "*fp32", "target_ptr": "*fp32", "weighted_ptr": "*fp32",
+               **scalars, "HAS_CAP": "constexpr", "HAS_ENT": "constexpr", "BLOCK": "constexpr"}
+        src = ASTSource(triton_log_probs._stats_kernel, sig,
+                        constexprs={"HAS_CAP": has_cap, "HAS_ENT": has_ent, "BLOCK": 4096})
+        assert triton.compile(src, target=target, options={"num_warps": 8}).asm["cubin"]
+        sig = {"logits_ptr": f"*{dt}", "labels_ptr": "*i64", "lse_ptr": "*fp32",
+               "mu_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*fp32", **scalars,
+               "HAS_CAP": "constexpr", "HAS_ENT": "constexpr", "BLOCK": "constexpr"}
+        src = ASTSource(triton_log_probs._grad_kernel, sig,
+                        constexprs={"HAS_CAP": has_cap, "HAS_ENT": has_ent, "BLOCK": 2048})
         assert triton.compile(src, target=target, options={"num_warps": 4}).asm["cubin"]

@@ -10,6 +10,9 @@
   CE and global loss calibration (imports ``transformers``; not re-exported here).
 - :mod:`.sentence_transformers`: ``GatheredMultipleNegativesRankingLoss`` and its GradCache form
   for ``SentenceTransformerTrainer`` (imports ``sentence_transformers``; not re-exported).
+- :mod:`.trl_policy`: :class:`MegalossGRPOMixin`, a loss hook for TRL's ``GRPOTrainer``:
+  :func:`megaloss.policy_loss` normalised over the global batch (imports neither TRL nor
+  ``transformers``).
 - :mod:`.ulysses`: :func:`~.ulysses.enable_ulysses_attention`, attention through DeepSpeed's
   ``UlyssesSPAttentionHF`` over a Topology's SP group.
 
@@ -23,7 +26,8 @@ from .embedding import (
     mean_pool,
     step_loss_weights,
 )
+from .trl_policy import MegalossGRPOMixin, policy_options_from_grpo_args
 
 __all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "causal_shift",
            "EmbeddingModelWithMNR", "EmbeddingOutput", "cached_mnr_forward", "mean_pool",
-           "step_loss_weights"]
+           "step_loss_weights", "MegalossGRPOMixin", "policy_options_from_grpo_args"]

@@ -1,0 +1,146 @@
+"""A loss hook for TRL's ``GRPOTrainer``: :class:`MegalossGRPOMixin` replaces its loss by
+:func:`megaloss.policy_loss`, normalised over the optimizer step's *global* batch for every
+``loss_type``.
+
+Usage (the mixin goes first, so its methods come before TRL's)::
+
+    from trl import GRPOTrainer
+    from megaloss.integrations.hf import MegalossGRPOMixin
+
+    class Trainer(MegalossGRPOMixin, GRPOTrainer):
+        pass
+
+What it changes in TRL 1.16 (``trl/trainer/grpo_trainer.py``):
+
+- ``_generate_and_score_completions``: after TRL's own, the generation batch's completion tokens
+  and sequences (rows with at least one completion token) are counted and summed over the
+  processes (one ``accelerator.reduce`` of two numbers); TRL's ``split_tensor_dict`` hands these
+  0-dim tensors to every micro-batch whole, as it does ``num_items_in_batch``.
+- ``_compute_loss``: the per-token log-probs and entropies come from TRL's own
+  ``_get_per_token_logps_and_entropies``; the loss is :func:`megaloss.policy_loss` with the
+  weights ``1 / (n_s N_sequences)`` (``grpo``), ``1 / N_tokens`` (``bnpo``, ``dapo``, ``cispo``)
+  or ``1 / (N_sequences max_completion_length)`` (``dr_grpo``) over that global batch, times the
+  number of processes (DDP and DeepSpeed average gradients over them; TRL's ``dapo`` scales the
+  same way). TRL's own ``grpo`` / ``bnpo`` / ``dr_grpo`` normalise per micro-batch and process
+  instead, so with uneven completion lengths their gradient depends on the split; these are the
+  single-device gradient of the generation batch. Metrics: ``kl``, ``entropy``,
+  ``clip_ratio/low_mean`` / ``high_mean`` / ``region_mean`` or ``cispo_clip_ratio`` per
+  micro-batch, globally reduced, in TRL's ``_metrics``.
+
+The options come from TRL's ``GRPOConfig`` (``loss_type``, ``epsilon``, ``epsilon_high``,
+``delta``, ``beta``, ``entropy_coef``, ``importance_sampling_level``, ``max_completion_length``).
+Refused (ValueError at the first loss): ``steps_per_generation`` other than
+``gradient_accumulation_steps`` (a generation batch must be one optimizer step for the counts to
+be the step's), ``loss_type`` outside megaloss's, ``top_entropy_quantile < 1``,
+``off_policy_mask_threshold``, vLLM importance-sampling correction, adaptive entropy,
+``use_bias_correction_kl``, MoE auxiliary loss: TRL features this hook does not reproduce.
+
+Tested on one process against TRL's own ``_compute_loss`` and across split micro-batches
+(``tests/integrations/test_hf_trl_policy.py``); the multi-process path relies on TRL's
+``accelerator.reduce`` and its process-count scaling.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from ...losses.policy import PolicyLossWeights, policy_loss, policy_metrics
+from ...ops.options import POLICY_LOSS_TYPES, PolicyLossOptions
+from ...parallel.groups import SINGLE_RANK
+
+__all__ = ["MegalossGRPOMixin", "policy_options_from_grpo_args"]
+
+_COUNT_KEYS = ("megaloss_num_tokens", "megaloss_num_sequences")
+
+
+def policy_options_from_grpo_args(args: Any) -> PolicyLossOptions:
+    """:class:`~megaloss.PolicyLossOptions` from a TRL ``GRPOConfig`` (``epsilon`` is
+    ``epsilon_low``; ``epsilon_high`` defaults to it, as in TRL).
+
+    Raises:
+        ValueError: a setting the hook does not reproduce (module docstring), or an option out of
+            range.
+    """
+    if args.loss_type not in POLICY_LOSS_TYPES:
+        raise ValueError(f"loss_type={args.loss_type!r}: MegalossGRPOMixin supports "
+                         f"{POLICY_LOSS_TYPES}")
+    unsupported = {
+        "top_entropy_quantile": getattr(args, "top_entropy_quantile", 1.0) < 1.0,
+        "off_policy_mask_threshold": getattr(args, "off_policy_mask_threshold", None) is not None,
+        "vllm_importance_sampling_correction": bool(getattr(args, "use_vllm", False)) and bool(
+            getattr(args, "vllm_importance_sampling_correction", False)),
+        "use_adaptive_entropy": bool(getattr(args, "use_adaptive_entropy", False)),
+        "use_bias_correction_kl": bool(getattr(args, "use_bias_correction_kl", False)),
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise ValueError(f"MegalossGRPOMixin does not reproduce {', '.join(bad)}; unset them or "
+                         "use TRL's own loss")
+    spg, gas = getattr(args, "steps_per_generation", None), args.gradient_accumulation_steps
+    if spg is not None and spg != gas:
+        raise ValueError(f"steps_per_generation={spg} must equal gradient_accumulation_steps="
+                         f"{gas}: the completion counts are those of one generation batch, which "
+                         "must be one optimizer step")
+    eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    return PolicyLossOptions(
+        loss_type=args.loss_type, epsilon_low=args.epsilon, epsilon_high=eps_high,
+        delta=getattr(args, "delta", None), beta=args.beta,
+        entropy_coef=getattr(args, "entropy_coef", 0.0),
+        importance_sampling_level=args.importance_sampling_level,
+        max_completion_length=args.max_completion_length)
+
+
+def _mask(inputs: Dict[str, Any]) -> torch.Tensor:
+    mask = inputs["completion_mask"]
+    return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
+
+
+class MegalossGRPOMixin:
+    """Put before ``trl.GRPOTrainer`` in the bases (module docstring)."""
+
+    def _generate_and_score_completions(self, inputs: Any) -> Dict[str, Any]:
+        out = super()._generate_and_score_completions(inputs)
+        valid = _mask(out) != 0
+        local = torch.stack([valid.sum(), valid.any(-1).sum()]).to(torch.float64)
+        total = self.accelerator.reduce(local, reduction="sum")
+        for key, value in zip(_COUNT_KEYS, total):
+            out[key] = value.reshape(())
+        return out
+
+    def _compute_loss(self, model: Any, inputs: Dict[str, Any]) -> torch.Tensor:
+        opts = policy_options_from_grpo_args(self.args)
+        if getattr(self, "aux_loss_enabled", False):
+            raise ValueError("MegalossGRPOMixin does not add the MoE auxiliary loss")
+        # As TRL's _compute_loss: the completion's per-token log-probs and entropies.
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids = inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, inputs["completion_mask"]], dim=1)
+        extra = {k: inputs.get(k) for k in (
+            "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+            "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids",
+            "image_position_ids")}
+        log_probs, entropy, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+            compute_aux_loss=False, **extra)
+        mask = _mask(inputs)
+        valid = mask != 0
+        n_tokens, n_seqs = (inputs[k].to(torch.float64).clamp(min=1.0) for k in _COUNT_KEYS)
+        m = valid.to(torch.float64)
+        if opts.loss_type == "grpo":
+            loss_w = m / (m.sum(-1, keepdim=True).clamp(min=1.0) * n_seqs)
+        elif opts.loss_type == "dr_grpo":
+            loss_w = m / (n_seqs * opts.max_completion_length)
+        else:
+            loss_w = m / n_tokens
+        dtype = log_probs.dtype
+        weights = PolicyLossWeights(loss_w.to(dtype), (m / n_tokens).to(dtype))
+        out = policy_loss(log_probs, inputs.get("old_per_token_logps"), inputs["advantages"],
+                          mask, ref_log_probs=inputs.get("ref_per_token_logps"),
+                          entropy=entropy, weights=weights, options=opts)
+        mode = "train" if self.model.training else "eval"
+        stats = self.accelerator.reduce(out.stats, reduction="sum")
+        for name, value in policy_metrics(stats, opts, group=SINGLE_RANK).items():
+            self._metrics[mode][name].append(value)
+        return out.loss * self.accelerator.num_processes

@@ -111,8 +111,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--eval_every", type=int, default=10,
                    help="GRPO steps between held-out evaluations (0: only before and after)")
     add_llama_arguments(p)
-    p.set_defaults(hidden_size=64, num_layers=2)
+    p.set_defaults(model_size=None)  # None: 2 layers x 64 (the named sizes learn slower on CPU)
     args = p.parse_args(argv)
+    if args.model_size is None:
+        args.model_size = "small"  # its head layout; the width and depth below
+        args.hidden_size = args.hidden_size or 64
+        args.num_layers = args.num_layers or 2
     require_at_least(p, args, ("steps", "num_items", "list_length", "eval_prompts",
                                "num_iterations"))
     require_at_least(p, args, ("num_generations", ), 2)

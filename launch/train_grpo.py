@@ -262,7 +262,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         ref_model, _ = build_llama(args, tok.get_vocab_size())
         ref_model.load_state_dict(model.state_dict())
         ref_model.to(engine.device)
-        ref = CausalLMLogProbs(ref_model.requires_grad_(False).eval(), return_entropy=False)
+        ref = CausalLMLogProbs(ref_model.requires_grad_(False).eval(), return_entropy=False,
+                               temperature=args.temperature)
+    # the policy loss scores completions under the distribution they were sampled from
+    engine.module.temperature = args.temperature
 
     grpo_rows: List[Dict[str, Any]] = []
     for s in range(1, args.steps + 1):

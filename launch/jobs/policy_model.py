@@ -25,6 +25,9 @@ class CausalLMLogProbs(nn.Module):
     Args:
         model: the causal LM; it stays usable as is (``model.generate``).
         return_entropy: also return the per-token entropy (TRL's ``entropy`` metric).
+        temperature: the log-probs are those of ``softmax(logits / temperature)``: set it to the
+            sampling temperature for the policy loss (TRL does the same), 1 for SFT. An
+            attribute, so a job can switch it between phases.
 
     ``forward(input_ids [B, T], shift_labels [B, T], attention_mask=None, position_ids=None)``
     returns a :class:`megaloss.LogProbsOutput` of shape ``[B, T]`` (``log_probs`` fp32, 0 where
@@ -34,7 +37,8 @@ class CausalLMLogProbs(nn.Module):
         TypeError: ``model`` has no base model or no ``nn.Linear`` output embedding.
     """
 
-    def __init__(self, model: nn.Module, *, return_entropy: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, return_entropy: bool = True,
+                 temperature: float = 1.0) -> None:
         super().__init__()
         base = getattr(model, "base_model", None)
         if base is None or base is model:
@@ -45,6 +49,7 @@ class CausalLMLogProbs(nn.Module):
                             f"{type(model.get_output_embeddings()).__name__}")
         self.model = model
         self.return_entropy = return_entropy
+        self.temperature = temperature
 
     def forward(self, input_ids: torch.Tensor, shift_labels: torch.Tensor, *,
                 attention_mask: Optional[torch.Tensor] = None,
@@ -56,4 +61,4 @@ class CausalLMLogProbs(nn.Module):
                                        use_cache=False).last_hidden_state
         head = self.model.get_output_embeddings()
         return linear_log_probs(hidden, head.weight, shift_labels, bias=head.bias,
-                                return_entropy=self.return_entropy)
+                                temperature=self.temperature, return_entropy=self.return_entropy)

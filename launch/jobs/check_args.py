@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-JOBS = ("train_lm", "train_embed", "train_lm_hf", "train_embed_hf", "distill_lm")
+JOBS = ("train_lm", "train_embed", "train_lm_hf", "train_embed_hf", "distill_lm", "train_grpo")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -108,6 +108,7 @@ def _train_layout(dp, tp, stage, gas, tied, state, ids, labels):
         hf_parameter_name,
         llama_pipeline_layers,
     )
+    from megaloss.parallel import group_ranks
 
     layout = build_pipeline_layout(PP, tp)
     topo = layout.topology
@@ -144,6 +145,11 @@ def _train_layout(dp, tp, stage, gas, tied, state, ids, labels):
             full = torch.cat(parts)[:VOCAB]
         params[hf_parameter_name(name, LAYERS)] = full
     scale = (me.scale.gradient.loss_multiplier, me.scale.loss_log_multiplier)
+    # the tie group: this rank's (data, model) coordinate on the first and the last stage
+    tie = me.engine.module.tied_comms.get("embed_tokens", {}).get("ranks")
+    if tied and tie != group_ranks(topo.pp_group):
+        raise AssertionError(f"rank {dist.get_rank()}: tie group {tie}, want the pipeline "
+                             f"{group_ranks(topo.pp_group)}")
     me.engine.destroy()
     return params, losses, logged, scale
 

@@ -86,7 +86,8 @@ def add_llama_arguments(p: argparse.ArgumentParser, default_size: str = "small")
     g.add_argument("--num_heads", type=int, default=None, help="overrides --model_size")
     g.add_argument("--tie_word_embeddings", action="store_true",
                    help="tie the input embedding to the lm_head (Llama 3.2, Qwen2.5, Gemma); "
-                        "under TP both use one vocab shard per rank")
+                        "under TP both use one vocab shard per rank; under PP the first and the "
+                        "last stage hold it (DeepSpeed's TiedLayerSpec)")
 
 
 def add_pair_data_arguments(p: argparse.ArgumentParser) -> None:

@@ -35,7 +35,7 @@ class PipelineJob:
 
     me: Any  # MegalossPipelineEngine
     config: Any  # the LlamaConfig
-    parameters: int  # the whole model's (decoder + full lm_head)
+    parameters: int  # the whole model's (decoder + full lm_head; tied: counted once)
     train_step: Callable[[List[Mapping[str, Any]]], Any]
     evaluate: Callable[[List[Mapping[str, Any]]], Any]
 
@@ -77,7 +77,9 @@ def build_pipeline_job(args: argparse.Namespace, ds_config: Dict[str, Any], ml: 
     # own layers (LayerSpec), drawn from the seed of the layer.
     with torch.device("meta"):
         model, cfg = build_llama(args, vocab)
-    n_params = sum(p.numel() for p in model.base_model.parameters()) + vocab * cfg.hidden_size
+    # decoder + the full lm_head (a tied one is the embedding, counted once)
+    n_params = sum(p.numel() for p in model.base_model.parameters()) + (
+        0 if cfg.tie_word_embeddings else vocab * cfg.hidden_size)
     del model
     layers = llama_pipeline_layers(cfg, options=ml.ce.options(),
                                    tp_group=layout.topology.tp_group, seed=args.seed)

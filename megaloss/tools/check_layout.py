@@ -38,7 +38,8 @@ Models: ``--model tiny`` (default; a 2-layer Llama / 1-layer BERT from ``transfo
 configs, random init, no download) or a path to a ``transformers`` config (``config.json`` or
 its folder), built with random weights; ``--config_override`` shrinks it, or ties the
 embeddings (``'{"tie_word_embeddings": true}'``; a tied config, e.g. Qwen2.5's, is checked tied,
-also under TP: the input embedding then uses the lm_head's vocab shard). Data: random token
+also under TP: the input embedding then uses the lm_head's vocab shard; under PP the first and
+the last stage hold the tied weight, DeepSpeed's ``TiedLayerSpec``). Data: random token
 ids with a different number of ignored labels per row (LM) or of padded positions (embedding),
 so that a calibration counting tokens per rank, or per micro-batch, shows.
 
@@ -198,10 +199,6 @@ def model_config(spec: Dict[str, Any]):
         cfg = transformers.AutoConfig.from_pretrained(spec["model"])
     for key, value in spec["config_override"].items():
         setattr(cfg, key, value)
-    if (spec["job"] == "lm" and spec.get("pp", 1) > 1
-            and getattr(cfg, "tie_word_embeddings", False)):
-        # the pipeline puts the input embedding and the lm_head on two stages
-        cfg.tie_word_embeddings = False
     return cfg
 
 

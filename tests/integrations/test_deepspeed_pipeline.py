@@ -4,17 +4,24 @@ against single-process float64 training on the global batch.
 A tiny Llama (2 decoder layers, odd vocab 37 so TP=2 vocab shards need padding) split into
 pipeline stages (megaloss.integrations.deepspeed.pipeline_llama) trains 3 optimizer steps, one
 per reduction (``token``, ``sample``, ``square``), on the same global batches (8 sequences per
-step, uneven valid tokens, a micro-batch without any in step 0), under three layouts in one
-spawn of 4 processes: DP2 x PP2 with ZeRO-1 (GAS 2), and DP1 x PP2 x TP2 with ZeRO-1 (GAS 4)
-and ZeRO-0 (GAS 1). The reference is one process, no engine, float64: the calibrated CE
-(+ z-loss) over each step's global batch, SGD.
+step, uneven valid tokens, a micro-batch without any in step 0), under five layouts in one
+spawn of 4 processes: untied, DP2 x PP2 with ZeRO-1 (GAS 2), and DP1 x PP2 x TP2 with ZeRO-1
+(GAS 4) and ZeRO-0 (GAS 1); tied embeddings (the embedding on the first stage and the lm_head
+on the last, one weight through DeepSpeed's ``TiedLayerSpec``; under TP one vocab shard per TP
+rank), DP2 x PP2 with ZeRO-0 (GAS 4) and DP1 x PP2 x TP2 with ZeRO-1 (GAS 4). The reference is
+one process, no engine, float64, the same (tied or untied) ``LlamaForCausalLM``: the calibrated
+CE (+ z-loss) over each step's global batch, SGD.
+
+DP1 x PP2 without TP is not here: DeepSpeed's ``PipelineParallelGrid`` spans the whole world, so
+it needs a world of 2 (a second spawn).
 
 Tolerance: every parameter tensor within 1e-5 relative (Frobenius norm of the difference over
 that of the reference) after 3 steps of fp32 training; the step's global loss (float64 sums of
 the last stage) and the loss ``train_batch()`` returns and logs (fp32 sums) within 1e-5 relative
 of the reference's (measured: parameters within 1.5e-7, losses within 6e-8). A wrong GAS / DP
 factor, a per-micro-batch or per-rank normaliser, or the engine's own mean as the logged loss
-all fail it.
+all fail it; so does a tied weight whose two uses' gradients are not summed (or are summed
+across TP ranks).
 """
 import pytest
 import torch
@@ -28,21 +35,23 @@ STEPS, GLOBAL_ROWS = 3, 8
 LR, Z_LOSS = 0.5, 1e-3
 REDUCTIONS = ("token", "sample", "square")  # step s uses REDUCTIONS[s]
 REL_TOL = 1e-5
-LAYOUTS = [(2, 1, 1, 2), (1, 2, 1, 4), (1, 2, 0, 1)]  # (dp, tp, ZeRO, GAS); pp 2
+# (dp, tp, ZeRO, GAS, tied); pp 2
+LAYOUTS = [(2, 1, 1, 2, False), (1, 2, 1, 4, False), (1, 2, 0, 1, False), (2, 1, 0, 4, True),
+           (1, 2, 1, 4, True)]
 WORLD, PP = 4, 2
 
 
-def _llama_config():
+def _llama_config(tied):
     from transformers import LlamaConfig
     return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32,
                        num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=1,
-                       max_position_embeddings=SEQ, tie_word_embeddings=False)
+                       max_position_embeddings=SEQ, tie_word_embeddings=tied)
 
 
-def _initial_state():
+def _initial_state(tied):
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
-    model = LlamaForCausalLM(_llama_config())
+    model = LlamaForCausalLM(_llama_config(tied))
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -59,11 +68,11 @@ def _data():
     return ids, labels
 
 
-def _reference(state, ids, labels):
+def _reference(tied, state, ids, labels):
     """float64 single-process training; final params and per-step losses."""
     import torch.nn.functional as F
     from transformers import LlamaForCausalLM
-    model = LlamaForCausalLM(_llama_config())
+    model = LlamaForCausalLM(_llama_config(tied))
     model.load_state_dict(state)
     model.double()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -86,7 +95,7 @@ def _reference(state, ids, labels):
     return {k: v.detach() for k, v in model.named_parameters()}, losses
 
 
-def _train_layout(dp, tp, stage, gas, state, ids, labels):
+def _train_layout(dp, tp, stage, gas, tied, state, ids, labels):
     import torch.distributed as dist
 
     from megaloss.integrations.deepspeed import load_megaloss_config
@@ -99,6 +108,7 @@ def _train_layout(dp, tp, stage, gas, state, ids, labels):
         hf_parameter_name,
         llama_pipeline_layers,
     )
+    from megaloss.parallel import group_ranks
 
     layout = build_pipeline_layout(PP, tp)
     topo = layout.topology
@@ -113,7 +123,7 @@ def _train_layout(dp, tp, stage, gas, state, ids, labels):
                      "ce": {"chunk_size": 5, "z_loss": Z_LOSS}},
     }
     options = load_megaloss_config(ds_config).ce.options()
-    layers = llama_pipeline_layers(_llama_config(), options=options, tp_group=topo.tp_group,
+    layers = llama_pipeline_layers(_llama_config(tied), options=options, tp_group=topo.tp_group,
                                    state_dict=state)
     me = initialize_pipeline(layers, ds_config, layout=layout,
                              optimizer=lambda params: torch.optim.SGD(params, lr=LR))
@@ -135,15 +145,22 @@ def _train_layout(dp, tp, stage, gas, state, ids, labels):
             full = torch.cat(parts)[:VOCAB]
         params[hf_parameter_name(name, LAYERS)] = full
     scale = (me.scale.gradient.loss_multiplier, me.scale.loss_log_multiplier)
+    # the tie group: this rank's (data, model) coordinate on the first and the last stage
+    tie = me.engine.module.tied_comms.get("embed_tokens", {}).get("ranks")
+    if tied and tie != group_ranks(topo.pp_group):
+        raise AssertionError(f"rank {dist.get_rank()}: tie group {tie}, want the pipeline "
+                             f"{group_ranks(topo.pp_group)}")
     me.engine.destroy()
     return params, losses, logged, scale
 
 
 def _worker(rank, world):
-    state = _initial_state()
+    states = {tied: _initial_state(tied) for tied in (False, True)}
     ids, labels = _data()
-    reference = _reference(state, ids, labels) if rank == 0 else None
-    return reference, {layout: _train_layout(*layout, state, ids, labels) for layout in LAYOUTS}
+    reference = ({tied: _reference(tied, states[tied], ids, labels) for tied in (False, True)}
+                 if rank == 0 else None)
+    return reference, {layout: _train_layout(*layout, states[layout[-1]], ids, labels)
+                       for layout in LAYOUTS}
 
 
 def _rel(a, b):
@@ -153,11 +170,13 @@ def _rel(a, b):
 @pytest.mark.timeout(420)
 def test_pipeline_matches_single_process_training():
     results = run_distributed(_worker, WORLD, timeout=400)
-    ref_params, ref_losses = results[0][0]
+    references = results[0][0]
     failures = []
     for layout in LAYOUTS:
-        dp, tp, stage, gas = layout
-        where = f"DP={dp} x PP={PP} x TP={tp}, ZeRO-{stage}, GAS {gas}"
+        dp, tp, stage, gas, tied = layout
+        ref_params, ref_losses = references[tied]
+        where = (f"DP={dp} x PP={PP} x TP={tp}, ZeRO-{stage}, GAS {gas}, "
+                 f"{'tied' if tied else 'untied'}")
         merged = {}
         for rank, (_, per_layout) in enumerate(results):
             params, losses, logged, scale = per_layout[layout]
@@ -169,11 +188,13 @@ def test_pipeline_matches_single_process_training():
                         failures.append(f"{where}, rank {rank}: step {s} ({REDUCTIONS[s]}) "
                                         f"{what} {value} != {ref_losses[s]}")
             merged.update(params)
+            # every rank's copy (a tied weight is on the first and the last stage)
+            for name, value in params.items():
+                ref = ref_params.get(name)
+                rel = (float("inf") if ref is None or value.shape != ref.shape
+                       else _rel(value, ref))
+                if rel > REL_TOL:
+                    failures.append(f"{where}, rank {rank}: {name} relative error {rel:.2e}")
         if set(merged) != set(ref_params):
             failures.append(f"{where}: parameter names {sorted(set(merged) ^ set(ref_params))}")
-            continue
-        for name, ref in ref_params.items():
-            rel = _rel(merged[name], ref) if merged[name].shape == ref.shape else float("inf")
-            if rel > REL_TOL:
-                failures.append(f"{where}: {name} relative error {rel:.2e}")
     assert not failures, "\n".join(failures)

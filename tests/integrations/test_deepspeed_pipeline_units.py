@@ -77,6 +77,44 @@ def test_llama_stage_parameter_names():
             == "model.layers.1.self_attn.q_proj.weight")
     assert hf_parameter_name("3.norm.weight", 2) == "model.norm.weight"
     assert hf_parameter_name("3.lm_head.weight", 2) == "lm_head.weight"
+    # tied: the weight under PipelineModule.tied_modules, the norm a layer of its own
+    assert (hf_parameter_name("tied_modules.embed_tokens.lm_head.weight", 2)
+            == "model.embed_tokens.weight")
+
+
+def test_tied_llama_layers_share_one_weight_between_lookup_and_head():
+    from deepspeed.pipe import TiedLayerSpec
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megaloss.integrations.deepspeed.pipeline_llama import (
+        LlamaNormStage,
+        llama_pipeline_layers,
+    )
+    cfg = LlamaConfig(vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).double()
+    state = model.state_dict()
+    layers = llama_pipeline_layers(cfg, state_dict=state)
+    first, last = layers[0], layers[-1]
+    assert isinstance(first, TiedLayerSpec) and isinstance(last, TiedLayerSpec)
+    assert first.key == last.key and first.tied_weight_attr == ["lm_head.weight"]
+    assert first.forward_fn is not None and last.forward_fn is None
+    assert layers[-2].typename is LlamaNormStage and len(layers) == 4
+    tied = first.build().double()
+    assert tied.embed_tokens.weight is tied.lm_head.weight
+    ids = torch.tensor([[0, 3, 10, 7]])
+    labels = torch.tensor([[3, 10, 7, -100]])
+    hidden = first.forward_fn(tied, ids)
+    torch.testing.assert_close(hidden, model.model.embed_tokens(ids), rtol=0, atol=0)
+    h = torch.randn(1, 4, 8, dtype=torch.float64)
+    assert tied(h) is h  # the last place: no norm, the loss does the head
+    tied.loss(h, labels).loss.backward()
+    hidden.sum().backward()  # both uses accumulate into the one weight
+    ref_w = model.lm_head.weight.detach().clone().requires_grad_()
+    (F.cross_entropy(h[0] @ ref_w.T, labels[0], reduction="sum")
+     + F.embedding(ids, ref_w).sum()).backward()
+    torch.testing.assert_close(tied.lm_head.weight.grad, ref_w.grad, rtol=1e-12, atol=1e-12)
 
 
 def test_topology_has_no_pipeline_by_default():

@@ -1,6 +1,7 @@
 """The LM job under DeepSpeed's pipeline engine from the README command:
-``NUM_PROCS=4 bash launch/train_lm.sh --pipeline_parallel_size 2`` (DP=1 x TP=2 x PP=2; the
-default ZeRO-2 config runs at ZeRO-1, the pipeline engine's limit, and the job says so), a tiny
+``NUM_PROCS=4 bash launch/train_lm.sh --pipeline_parallel_size 2 --tie_word_embeddings``
+(DP=1 x TP=2 x PP=2; the default ZeRO-2 config runs at ZeRO-1, the pipeline engine's limit, and
+the job says so; the input embedding on the first stage tied to the lm_head on the last), a tiny
 model for a few steps; summary.json records the layout, every rank's peak memory, and the loss
 falls. (Exactness of the pipeline against one device:
 tests/integrations/test_deepspeed_pipeline.py.)"""
@@ -19,6 +20,7 @@ def test_lm_job_runs_with_pipeline_parallelism(tmp_path):
     env = script_env(NUM_PROCS="4")
     proc = subprocess.run(
         ["bash", str(REPO / "launch" / "train_lm.sh"), "--pipeline_parallel_size", "2",
+         "--tie_word_embeddings",
          "--model_size", "tiny", "--seq_len", "32", "--vocab_size", "320", "--steps", "6",
          "--max_train_bytes", "200000", "--eval_blocks", "8", "--output_dir", str(out),
          "--cache_dir", str(tmp_path / "cache"), "--no_progress"],

@@ -7,7 +7,8 @@ a few steps of the tiny model):
 
 - PASS on DP 2 x TP 2 (4 processes) under ZeRO-2 and ZeRO-3 (tied embeddings), the LM job;
 - PASS for the embedding job (gathered MNR) on DP 2;
-- PASS on DP 1 x TP 2 x PP 2 (DeepSpeed's pipeline engine; the ZeRO-2 config at ZeRO-1);
+- PASS on DP 1 x TP 2 x PP 2 (DeepSpeed's pipeline engine; the ZeRO-2 config at ZeRO-1), tied
+  embeddings (the weight on the first and the last stage);
 - FAIL, naming the cause, when the calibration is deliberately wrong (``--_inject_wrong_scale``
   multiplies the engine scale's loss multiplier by the world size).
 
@@ -196,10 +197,12 @@ def _pipeline_config(tmp_path) -> str:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_pipeline_layout_trains_like_one_device(tmp_path):
+    # tied: the embedding on stage 0 and the lm_head on stage 1 share one weight (TiedLayerSpec)
     proc = _run_tool(tmp_path, "--deepspeed_config", _pipeline_config(tmp_path), "--num_procs",
-                     "4", timeout=290)
+                     "4", "--config_override", '{"tie_word_embeddings": true}', timeout=290)
     out = proc.stdout
     assert proc.returncode == 0 and "PASS: DP 1 x TP 2 x PP 2 ZeRO-1" in out, out
+    assert "model tiny (tied embeddings)" in out, out
     assert "the config's ZeRO-2 runs at ZeRO-1" in out
     assert "deepspeed-pipeline-zero1/train_batch: gradient_factor 1/2" in out
 

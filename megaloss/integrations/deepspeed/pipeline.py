@@ -408,7 +408,9 @@ def initialize_pipeline(layers: Sequence[Any], ds_config: Union[str, os.PathLike
     Args:
         layers: the ``PipelineModule`` layers (modules or ``deepspeed.pipe.LayerSpec``, which
             build on their own stage only); the first takes the micro-batch's ``input_ids``,
-            the last must be a :class:`CrossEntropyHeadStage`.
+            the last must be a :class:`CrossEntropyHeadStage` (or a ``TiedLayerSpec`` of one
+            without ``forward_fn``: a head tied to the first stage's embedding, as
+            :func:`~.pipeline_llama.llama_pipeline_layers` builds it).
         ds_config: path or dict. ZeRO stage 0 or 1 (the pipeline engine's limit);
             ``megaloss.pipeline_parallel_size`` / ``tensor_parallel_size`` must match
             ``layout``; no sequence parallelism. ``pipeline.pipe_partitioned`` and
@@ -459,9 +461,12 @@ def initialize_pipeline(layers: Sequence[Any], ds_config: Union[str, os.PathLike
     pipe = cfg.setdefault("pipeline", {})
     pipe.setdefault("pipe_partitioned", False)
     pipe.setdefault("grad_partitioned", False)
-    module = PipelineModule(layers=list(layers), topology=layout.process_topology,
-                            partition_method=partition_method,
-                            activation_checkpoint_interval=activation_checkpoint_interval)
+    # no_grad: PipelineModule broadcasts tied weights (TiedLayerSpec) in place, and a c10d
+    # broadcast recorded by autograd warns at every backward
+    with torch.no_grad():
+        module = PipelineModule(layers=list(layers), topology=layout.process_topology,
+                                partition_method=partition_method,
+                                activation_checkpoint_interval=activation_checkpoint_interval)
     grid = module.mpu()
     mine = _grid_topology(grid)
     groups_differ = any(group_ranks(getattr(mine, g)) != group_ranks(getattr(topo, g))

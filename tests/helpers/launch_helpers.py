@@ -60,11 +60,33 @@ def run_jobs_in_one_launch(jobs: List[dict], spec: Path, *, timeout: float, num_
     A job is ``{"job": "train_lm" | "train_embed", "argv": [...]}``, plus optionally
     ``"expect_exit": path`` (it must stop with ``SystemExit``; rank 0 writes the message to
     ``path``) or ``"stop_after": k`` (its stop request fires at the k-th step boundary, as a
-    SIGTERM there would). ``spec`` is where the list is written for the launched processes.
+    SIGTERM there would), or ``"env": {name: value or None}`` (set, or with None unset, in the
+    ranks' environment for that job only, then restored). ``spec`` is where the list is written
+    for the launched processes. Before each job, local rank 0 prints :func:`job_marker` on stdout
+    (:func:`job_outputs` splits the output with it).
     """
     spec.write_text(json.dumps(jobs))
     return run_deepspeed_launcher(Path(__file__), ["--jobs", str(spec)], timeout=timeout,
                                   num_gpus=num_gpus, tail=tail)
+
+
+def job_marker(k: int) -> str:
+    """The stdout line local rank 0 prints before the ``k``-th job of a launch."""
+    return f"=== launch_helpers: job {k} ==="
+
+
+def job_outputs(stdout: str, n_jobs: int) -> List[str]:
+    """``stdout`` of :func:`run_jobs_in_one_launch` cut into the ``n_jobs`` jobs' parts (rank 0's
+    lines from its job's marker to the next one; lines of rank 1 that came late may sit in the
+    next part)."""
+    parts, rest = [], stdout
+    for k in range(n_jobs):
+        marker = job_marker(k) + "\n"
+        assert marker in rest, f"no output of job {k}"
+        rest = rest.split(marker, 1)[1]
+        nxt = job_marker(k + 1) + "\n"
+        parts.append(rest.split(nxt, 1)[0] if k + 1 < n_jobs else rest)
+    return parts
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str,
@@ -108,20 +130,39 @@ def _drive() -> None:
     p.add_argument("--jobs", type=str, required=True)
     args = p.parse_args()
     modules = {"train_lm": launch.train_lm, "train_embed": launch.train_embed}
-    for job in json.loads(Path(args.jobs).read_text()):
+    for k, job in enumerate(json.loads(Path(args.jobs).read_text())):
+        if args.local_rank == 0:
+            print(job_marker(k), flush=True)
         module = modules[job["job"]]
         argv = job["argv"] + ["--local_rank", str(args.local_rank)]
         module.StopRequest = (_stop_after(StopRequest, job["stop_after"]) if "stop_after" in job
                               else StopRequest)
-        if job.get("expect_exit"):
-            try:
-                module.main(argv)
-            except SystemExit as e:
-                if args.local_rank == 0:
-                    Path(job["expect_exit"]).write_text(str(e.code))
-                continue
-            raise AssertionError(f"{job} did not stop")
-        module.main(argv)
+        saved = {name: os.environ.get(name) for name in job.get("env", {})}
+        _set_env(job.get("env", {}))
+        try:
+            _run(module, argv, job, args.local_rank)
+        finally:
+            _set_env(saved)
+
+
+def _set_env(values: dict) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _run(module, argv, job: dict, local_rank: int) -> None:
+    if job.get("expect_exit"):
+        try:
+            module.main(argv)
+        except SystemExit as e:
+            if local_rank == 0:
+                Path(job["expect_exit"]).write_text(str(e.code))
+            return
+        raise AssertionError(f"{job} did not stop")
+    module.main(argv)
 
 
 if __name__ == "__main__":

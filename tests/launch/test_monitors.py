@@ -1,6 +1,7 @@
 """The monitors a user watches, end to end: a few steps of the LM job under ``deepspeed
 --num_gpus 2`` (TP=2, ZeRO-2) with the ds_config's ``wandb`` (``WANDB_MODE=offline``),
-``tensorboard`` and ``csv_monitor`` sections on.
+``tensorboard`` and ``csv_monitor`` sections on (a job of the launch several test files share,
+``shared_launch`` in conftest.py).
 
 The offline W&B run is read back with wandb's own reader (``wandb leet inspect --json``, the
 run's ``.wandb`` transaction log as JSON records): every megaloss series (loss, z-loss, tokens,
@@ -24,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from launch_helpers import REPO, run_deepspeed_launcher
+from launch_helpers import REPO
 
 from launch.jobs.code_search import stdlib_root
 
@@ -62,30 +63,43 @@ def tensorboard_scalars(log_dir: Path) -> dict:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.timeout(420)
-def test_wandb_and_tensorboard_get_every_series(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("WANDB_DIR", raising=False)
-    monkeypatch.delenv("WANDB_CACHE_DIR", raising=False)
-    home_cache = tmp_path / "xdg-cache"  # where wandb-core's debug log goes by default
-    monkeypatch.setenv("XDG_CACHE_HOME", str(home_cache))
+def _repo_wandb() -> list:
+    return sorted(str(p) for p in (REPO / "wandb").glob("*")) if (REPO / "wandb").exists() else []
+
+
+def shared_launch_jobs(tmp_path) -> list:
+    """The LM job with the monitors on, a job of the shared launch (conftest.py); W&B offline
+    and its default cache folder (``XDG_CACHE_HOME``) in ``tmp_path``, for this job only."""
     cfg = json.loads((REPO / "configs" / "zero2.json").read_text())
     cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
     cfg["wandb"].update(enabled=True, project="megaloss-test")
     cfg["tensorboard"]["enabled"] = True
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
-    out = tmp_path / "out"
-    repo_wandb_before = sorted((REPO / "wandb").glob("*")) if (REPO / "wandb").exists() else []
+    (tmp_path / "repo_wandb_before.json").write_text(json.dumps(_repo_wandb()))
     root = stdlib_root()
-    proc = run_deepspeed_launcher(
-        REPO / "launch" / "train_lm.py",
-        ["--deepspeed_config", str(tmp_path / "ds.json"), "--train_data", str(root / "json"),
-         "--eval_data", str(root / "textwrap.py"), "--steps", str(STEPS), "--model_size", "tiny",
-         "--seq_len", "32", "--vocab_size", "300", "--eval_blocks", "8", "--eval_every", "2",
-         "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"), "--no_progress"],
-        timeout=400)
-    output = proc.stdout + proc.stderr
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": None,
+           "WANDB_CACHE_DIR": None,
+           "XDG_CACHE_HOME": str(tmp_path / "xdg-cache")}  # wandb-core's debug log by default
+    return [{"job": "train_lm", "env": env, "argv": [
+        "--deepspeed_config", str(tmp_path / "ds.json"), "--train_data", str(root / "json"),
+        "--eval_data", str(root / "textwrap.py"), "--steps", str(STEPS), "--model_size", "tiny",
+        "--seq_len", "32", "--vocab_size", "300", "--eval_blocks", "8", "--eval_every", "2",
+        "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache"),
+        "--no_progress"]}]
+
+
+@pytest.mark.timeout(900)
+def test_wandb_and_tensorboard_get_every_series(shared_launch, monkeypatch):
+    run = shared_launch["test_monitors"]
+    tmp_path = run.tmp_path
+    home_cache = tmp_path / "xdg-cache"
+    for name, value in run.jobs[0]["env"].items():  # wandb's reader below: the job's environment
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    output = run.stdout + run.stderr  # the whole launch: no job's wandb warnings
     assert "less than the current step" not in output  # wandb dropped nothing
 
     with open(out / "metrics.csv") as f:
@@ -103,8 +117,7 @@ def test_wandb_and_tensorboard_get_every_series(tmp_path, monkeypatch):
     # W&B: its files under the run's folder, none in the working directory (the repo)
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((out / "wandb").iterdir())
-    now = sorted((REPO / "wandb").glob("*")) if (REPO / "wandb").exists() else []
-    assert now == repo_wandb_before
+    assert _repo_wandb() == json.loads((tmp_path / "repo_wandb_before.json").read_text())
     assert list((out / "wandb" / "logs").glob("core-debug-*.log"))  # beside the run, not in ~
     assert not (home_cache / "wandb").exists(), list((home_cache / "wandb").rglob("*"))
     history, steps = wandb_history(runs[0])

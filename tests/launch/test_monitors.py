@@ -12,7 +12,8 @@ with the values of ``metrics.csv``, on one monotone x-axis shared with DeepSpeed
 series (read with tensorboard's ``EventAccumulator``).
 
 Also: ``initialize`` without an ``output_dir`` puts the monitors' files in a fresh
-``runs/<date>-<time>`` folder, not the current directory (one process).
+``runs/<date>-<time>`` folder, not the current directory, and a second run its own (two runs in
+one process).
 """
 import csv
 import json
@@ -167,23 +168,23 @@ SCRIPT = textwrap.dedent("""
         def forward(self, x):
             return (self.w * x).sum()
 
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "csv_monitor": {"enabled": True, "output_path": "", "job_name": "j"}}
-    me = initialize(M(), cfg, topology=Topology.build(1))
-    write_metrics(me.engine, {"x": 1.0})
-    print("monitor:", me.ds_config["csv_monitor"]["output_path"])
+    for _ in range(2):  # a second run (here in the same second) gets a folder of its own
+        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+               "csv_monitor": {"enabled": True, "output_path": "", "job_name": "j"}}
+        me = initialize(M(), cfg, topology=Topology.build(1))
+        write_metrics(me.engine, {"x": 1.0})
+        print("monitor:", me.ds_config["csv_monitor"]["output_path"])
+        me.engine.destroy()
 """)
 
 
 @pytest.mark.timeout(240)
 def test_initialize_without_output_dir_writes_under_a_fresh_run_folder(tmp_path):
-    for _ in range(2):  # a second run gets a folder of its own
-        proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=200,
-                              env={**os.environ, "PYTHONPATH": str(REPO),
-                                   "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=200,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing in the cwd itself
     folders = sorted((tmp_path / "runs").iterdir())
     assert len(folders) == 2

@@ -35,36 +35,60 @@ def script_env(**extra: str) -> dict:
 
 
 def run_deepspeed_launcher(script: Path, args: Sequence[str], *, timeout: float,
-                           num_gpus: int = 2, tail: int = 4000) -> subprocess.CompletedProcess:
-    """Run ``deepspeed --num_gpus {num_gpus} script *args`` from the repo root, one thread per
-    process, and assert it exits with status 0 (the message shows the last ``tail`` characters
-    of stdout and stderr).
+                           num_gpus: int = 2, tail: int = 4000,
+                           cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run ``deepspeed --num_gpus {num_gpus} script *args`` in ``cwd`` (default the repo root),
+    one thread per process, and assert it exits with status 0 (the message shows the last
+    ``tail`` characters of stdout and stderr).
 
     Returns:
         the completed process (``stdout``/``stderr`` as text).
     """
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus),
            "--master_port", str(free_port()), str(script), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=cwd, env=launcher_env(), capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-tail:] + proc.stderr[-tail:]
     return proc
 
 
 def run_jobs_in_one_launch(jobs: List[dict], spec: Path, *, timeout: float, num_gpus: int = 2,
-                           tail: int = 6000) -> subprocess.CompletedProcess:
+                           tail: int = 6000, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """One ``deepspeed`` launch that runs every job of ``jobs`` in turn in the same processes
     (process start-up, i.e. importing torch / deepspeed / transformers, costs more than these
     tiny jobs, and the suite shares 2 cores).
 
-    A job is ``{"job": "train_lm" | "train_embed" | "distill_lm", "argv": [...]}``, plus optionally
+    A job is ``{"job": "train_lm" | "train_embed" | "train_embed_hf" | "distill_lm", "argv": [...]}``
+    (the module ``launch.<job>``, imported when a job needs it), plus optionally
     ``"expect_exit": path`` (it must stop with ``SystemExit``; rank 0 writes the message to
     ``path``) or ``"stop_after": k`` (its stop request fires at the k-th step boundary, as a
-    SIGTERM there would). ``spec`` is where the list is written for the launched processes.
+    SIGTERM there would), or ``"env": {name: value or None}`` (set, or with None unset, in the
+    ranks' environment for that job only, then restored). ``spec`` is where the list is written
+    for the launched processes. Before each job, local rank 0 prints :func:`job_marker` on stdout
+    (:func:`job_outputs` splits the output with it).
     """
     spec.write_text(json.dumps(jobs))
     return run_deepspeed_launcher(Path(__file__), ["--jobs", str(spec)], timeout=timeout,
-                                  num_gpus=num_gpus, tail=tail)
+                                  num_gpus=num_gpus, tail=tail, cwd=cwd)
+
+
+def job_marker(k: int) -> str:
+    """The stdout line local rank 0 prints before the ``k``-th job of a launch."""
+    return f"=== launch_helpers: job {k} ==="
+
+
+def job_outputs(stdout: str, n_jobs: int) -> List[str]:
+    """``stdout`` of :func:`run_jobs_in_one_launch` cut into the ``n_jobs`` jobs' parts (rank 0's
+    lines from its job's marker to the next one; lines of rank 1 that came late may sit in the
+    next part)."""
+    parts, rest = [], stdout
+    for k in range(n_jobs):
+        marker = job_marker(k) + "\n"
+        assert marker in rest, f"no output of job {k}"
+        rest = rest.split(marker, 1)[1]
+        nxt = job_marker(k + 1) + "\n"
+        parts.append(rest.split(nxt, 1)[0] if k + 1 < n_jobs else rest)
+    return parts
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str,
@@ -99,31 +123,49 @@ def _stop_after(base, k: int):
 
 def _drive() -> None:
     """Under the launcher (:func:`run_jobs_in_one_launch`): each job's ``main`` in turn."""
-    import launch.distill_lm
-    import launch.train_embed
-    import launch.train_lm
+    import importlib
+
     from launch.jobs.runs import StopRequest
 
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--jobs", type=str, required=True)
     args = p.parse_args()
-    modules = {"train_lm": launch.train_lm, "train_embed": launch.train_embed,
-               "distill_lm": launch.distill_lm}
-    for job in json.loads(Path(args.jobs).read_text()):
-        module = modules[job["job"]]
+    for k, job in enumerate(json.loads(Path(args.jobs).read_text())):
+        if args.local_rank == 0:
+            print(job_marker(k), flush=True)
+        module = importlib.import_module(f"launch.{job['job']}")
         argv = job["argv"] + ["--local_rank", str(args.local_rank)]
-        module.StopRequest = (_stop_after(StopRequest, job["stop_after"]) if "stop_after" in job
-                              else StopRequest)
-        if job.get("expect_exit"):
-            try:
-                module.main(argv)
-            except SystemExit as e:
-                if args.local_rank == 0:
-                    Path(job["expect_exit"]).write_text(str(e.code))
-                continue
-            raise AssertionError(f"{job} did not stop")
-        module.main(argv)
+        assert hasattr(module, "StopRequest") or "stop_after" not in job, job
+        if hasattr(module, "StopRequest"):
+            module.StopRequest = (_stop_after(StopRequest, job["stop_after"])
+                                  if "stop_after" in job else StopRequest)
+        saved = {name: os.environ.get(name) for name in job.get("env", {})}
+        _set_env(job.get("env", {}))
+        try:
+            _run(module, argv, job, args.local_rank)
+        finally:
+            _set_env(saved)
+
+
+def _set_env(values: dict) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _run(module, argv, job: dict, local_rank: int) -> None:
+    if job.get("expect_exit"):
+        try:
+            module.main(argv)
+        except SystemExit as e:
+            if local_rank == 0:
+                Path(job["expect_exit"]).write_text(str(e.code))
+            return
+        raise AssertionError(f"{job} did not stop")
+    module.main(argv)
 
 
 if __name__ == "__main__":

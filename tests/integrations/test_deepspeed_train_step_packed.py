@@ -81,38 +81,53 @@ def _reference_grads(model, mbs, samples, loss_reduction):
     return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-def _worker(rank, world_size, loss_reduction):
+REDUCTIONS = ("sample", "square")
+
+
+def _worker(rank, world_size, reductions):
+    """One process, one engine per calibration in turn (one spawn and one deepspeed import for
+    all): ``{loss_reduction: (loss, reference loss, relative update errors, weight dtype)}``."""
     import deepspeed
 
     from megaloss import Topology
     from megaloss.integrations.deepspeed import configure_launched_process, initialize, train_step
     configure_launched_process()
     deepspeed.init_distributed()
-    torch.manual_seed(0)
-    model = PackedLM()
-    initial = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-           "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
-           "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
-           "megaloss": {"ce": {"loss_reduction": loss_reduction}}}
-    me = initialize(model, cfg, topology=Topology.build(1),
-                    optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
-    mbs, samples = _micro_batches()
-    metrics = train_step(me, mbs, log=False)
-    ref = PackedLM().double()
-    ref.load_state_dict(initial)
-    ref_loss, grads = _reference_grads(ref, mbs, samples, loss_reduction)
-    errors = {k: float(((p.detach().double() - initial[k]) + grads[k]).norm() / grads[k].norm())
-              for k, p in me.engine.module.named_parameters()}
-    return metrics.loss, ref_loss, errors, me.calibrator.weight_dtype
+    out = {}
+    for loss_reduction in reductions:
+        torch.manual_seed(0)
+        model = PackedLM()
+        initial = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
+        cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+               "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
+               "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
+               "megaloss": {"ce": {"loss_reduction": loss_reduction}}}
+        me = initialize(model, cfg, topology=Topology.build(1),
+                        optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+        mbs, samples = _micro_batches()
+        metrics = train_step(me, mbs, log=False)
+        ref = PackedLM().double()
+        ref.load_state_dict(initial)
+        ref_loss, grads = _reference_grads(ref, mbs, samples, loss_reduction)
+        errors = {k: float(((p.detach().double() - initial[k]) + grads[k]).norm()
+                           / grads[k].norm())
+                  for k, p in me.engine.module.named_parameters()}
+        out[loss_reduction] = (metrics.loss, ref_loss, errors, me.calibrator.weight_dtype)
+        me.engine.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_worker, 1, REDUCTIONS, timeout=280)[0]
 
 
 @pytest.mark.deepspeed
 @pytest.mark.distributed
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("loss_reduction", ["sample", "square"])
-def test_packed_samples_by_position_ids(loss_reduction):
-    loss, ref_loss, errors, dtype = run_distributed(_worker, 1, loss_reduction, timeout=220)[0]
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("loss_reduction", REDUCTIONS)
+def test_packed_samples_by_position_ids(results, loss_reduction):
+    loss, ref_loss, errors, dtype = results[loss_reduction]
     assert dtype == torch.float32
     assert loss == pytest.approx(ref_loss, rel=1e-6, abs=0)
     assert max(errors.values()) < 1e-4, errors

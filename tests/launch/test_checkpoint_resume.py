@@ -8,8 +8,9 @@ the per-rank RNG states must be restored). The embedding job's cosine LR schedul
 uninterrupted run's final evaluation exactly, and a rerun into a folder holding a run is refused.
 
 One launcher run drives every job (``launch_helpers.run_jobs_in_one_launch`` calls the jobs'
-``main`` in turn, in the same processes: start-up costs more than these tiny jobs); the tests
-below assert on its outputs. A fresh process per run is covered by test_preemption.py, which
+``main`` in turn, in the same processes: start-up costs more than these tiny jobs), the launch
+other test files share (``shared_launch`` in conftest.py); the tests below assert on its
+outputs. A fresh process per run is covered by test_preemption.py, which
 resumes in a new launcher run.
 """
 import csv
@@ -96,12 +97,17 @@ def assert_checkpoints_equal(a, b) -> int:
     return compared
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The first launch: every layout's uninterrupted and interrupted + resumed runs, the ZeRO-3
-    checkpoint evaluated and a rerun refused, the embedding job stopped and resumed."""
-    tmp_path = tmp_path_factory.mktemp("resume")
-    cache, jobs, cases = tmp_path / "cache", [], []
+def _cases(tmp_path) -> list:
+    return [("lm", stage, tp, tmp_path / f"lm{stage}{tp}-full", tmp_path / f"lm{stage}{tp}-part")
+            for stage, tp in LM_LAYOUTS] + [("embed", 2, 1, tmp_path / "embed-full",
+                                              tmp_path / "embed-part")]
+
+
+def shared_launch_jobs(tmp_path) -> list:
+    """The jobs of the shared launch (conftest.py): every layout's uninterrupted and interrupted
+    + resumed runs, the ZeRO-3 checkpoint evaluated and a rerun refused, the embedding job
+    stopped and resumed, a branch."""
+    cache, jobs = tmp_path / "cache", []
     for stage, tp in LM_LAYOUTS:
         cfg = tmp_path / f"zero{stage}-tp{tp}.json"
         cfg.write_text(json.dumps(_lm_config(stage, tp)))
@@ -113,7 +119,6 @@ def runs(tmp_path_factory):
             {"job": "train_lm", "argv": _lm_args(cfg, part, cache, 2 * N, "--resume",
                                                  "--save_every", str(N))},
         ]
-        cases.append(("lm", stage, tp, full, part))
     # the ZeRO-3 layout: evaluate the resumed run's checkpoint; rerun without --resume: refused
     cfg3 = tmp_path / "zero3-tp1.json"
     part3 = tmp_path / "lm31-part"
@@ -133,7 +138,6 @@ def runs(tmp_path_factory):
         {"job": "train_embed", "argv": _embed_args(part, cache, 2 * N, "--resume",
                                                    "--eval_only")},
     ]
-    cases.append(("embed", 2, 1, full, part))
     # a branch: 4 steps saved every 2, then resumed from step_2 to step 3 without --save_every,
     # then --eval_only --resume (latest)
     cfg2 = tmp_path / "zero2-tp1.json"
@@ -145,15 +149,20 @@ def runs(tmp_path_factory):
         {"job": "train_lm", "argv": _lm_args(cfg2, branch, cache, 3, "--resume",
                                              "--eval_only")},
     ]
-    proc = run_jobs_in_one_launch(jobs, tmp_path / "jobs.json", timeout=560)
-    (tmp_path / "launch.log").write_text(proc.stdout + proc.stderr)
-    return tmp_path, {case[:3]: case[3:] for case in cases}
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def runs(shared_launch):
+    run = shared_launch["test_checkpoint_resume"]
+    (run.tmp_path / "launch.log").write_text(run.stdout + run.stderr)
+    return run.tmp_path, {case[:3]: case[3:] for case in _cases(run.tmp_path)}
 
 
 CASES = [("lm", stage, tp) for stage, tp in LM_LAYOUTS] + [("embed", 2, 1)]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("job,stage,tp", CASES, ids=lambda v: str(v))
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(runs, job, stage, tp):
     full, part = runs[1][job, stage, tp]
@@ -176,7 +185,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(runs, job, stage, t
     assert [float(ln.split(",")[1]) for ln in lines[1:]] == [float(r["loss"]) for r in a]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_eval_only_reproduces_the_final_evaluation_and_a_rerun_is_refused(runs):
     tmp_path = runs[0]
     part3, full3 = tmp_path / "lm31-part", tmp_path / "lm31-full"
@@ -190,7 +199,7 @@ def test_eval_only_reproduces_the_final_evaluation_and_a_rerun_is_refused(runs):
     assert "already holds a run" in refused and "--resume" in refused and "--overwrite" in refused
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_universal_checkpoint_from_tp2_resumes_on_one_process(runs):
     """TP=2 (2 processes) -> universal checkpoint -> TP=1 (1 process): evaluation and training
     continue where the TP=2 run stopped."""
@@ -224,7 +233,7 @@ def test_universal_checkpoint_from_tp2_resumes_on_one_process(runs):
     assert [r["loss"] for r in rows[:2 * N]] == [r["loss"] for r in _rows(tmp_path / "lm22-full")]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_a_branch_saves_its_last_step_and_latest_follows_it(runs):
     """``--resume .../step_2 --steps 3`` in a folder whose latest is step_4, without
     ``--save_every``: the resumed run saves step 3, ``latest`` names it (not the abandoned

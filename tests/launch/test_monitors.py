@@ -1,6 +1,7 @@
 """The monitors a user watches, end to end: a few steps of the LM job under ``deepspeed
 --num_gpus 2`` (TP=2, ZeRO-2) with the ds_config's ``wandb`` (``WANDB_MODE=offline``),
-``tensorboard`` and ``csv_monitor`` sections on.
+``tensorboard`` and ``csv_monitor`` sections on (a job of the launch several test files share,
+``shared_launch`` in conftest.py).
 
 The offline W&B run is read back with wandb's own reader (``wandb leet inspect --json``, the
 run's ``.wandb`` transaction log as JSON records): every megaloss series (loss, z-loss, tokens,
@@ -11,7 +12,8 @@ with the values of ``metrics.csv``, on one monotone x-axis shared with DeepSpeed
 series (read with tensorboard's ``EventAccumulator``).
 
 Also: ``initialize`` without an ``output_dir`` puts the monitors' files in a fresh
-``runs/<date>-<time>`` folder, not the current directory (one process).
+``runs/<date>-<time>`` folder, not the current directory, and a second run its own (two runs in
+one process).
 """
 import csv
 import json
@@ -24,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from launch_helpers import REPO, run_deepspeed_launcher
+from launch_helpers import REPO
 
 from launch.jobs.code_search import stdlib_root
 
@@ -62,30 +64,43 @@ def tensorboard_scalars(log_dir: Path) -> dict:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.timeout(420)
-def test_wandb_and_tensorboard_get_every_series(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("WANDB_DIR", raising=False)
-    monkeypatch.delenv("WANDB_CACHE_DIR", raising=False)
-    home_cache = tmp_path / "xdg-cache"  # where wandb-core's debug log goes by default
-    monkeypatch.setenv("XDG_CACHE_HOME", str(home_cache))
+def _repo_wandb() -> list:
+    return sorted(str(p) for p in (REPO / "wandb").glob("*")) if (REPO / "wandb").exists() else []
+
+
+def shared_launch_jobs(tmp_path) -> list:
+    """The LM job with the monitors on, a job of the shared launch (conftest.py); W&B offline
+    and its default cache folder (``XDG_CACHE_HOME``) in ``tmp_path``, for this job only."""
     cfg = json.loads((REPO / "configs" / "zero2.json").read_text())
     cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
     cfg["wandb"].update(enabled=True, project="megaloss-test")
     cfg["tensorboard"]["enabled"] = True
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
-    out = tmp_path / "out"
-    repo_wandb_before = sorted((REPO / "wandb").glob("*")) if (REPO / "wandb").exists() else []
+    (tmp_path / "repo_wandb_before.json").write_text(json.dumps(_repo_wandb()))
     root = stdlib_root()
-    proc = run_deepspeed_launcher(
-        REPO / "launch" / "train_lm.py",
-        ["--deepspeed_config", str(tmp_path / "ds.json"), "--train_data", str(root / "json"),
-         "--eval_data", str(root / "textwrap.py"), "--steps", str(STEPS), "--model_size", "tiny",
-         "--seq_len", "32", "--vocab_size", "300", "--eval_blocks", "8", "--eval_every", "2",
-         "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"), "--no_progress"],
-        timeout=400)
-    output = proc.stdout + proc.stderr
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": None,
+           "WANDB_CACHE_DIR": None,
+           "XDG_CACHE_HOME": str(tmp_path / "xdg-cache")}  # wandb-core's debug log by default
+    return [{"job": "train_lm", "env": env, "argv": [
+        "--deepspeed_config", str(tmp_path / "ds.json"), "--train_data", str(root / "json"),
+        "--eval_data", str(root / "textwrap.py"), "--steps", str(STEPS), "--model_size", "tiny",
+        "--seq_len", "32", "--vocab_size", "300", "--eval_blocks", "8", "--eval_every", "2",
+        "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache"),
+        "--no_progress"]}]
+
+
+@pytest.mark.timeout(900)
+def test_wandb_and_tensorboard_get_every_series(shared_launch, monkeypatch):
+    run = shared_launch["test_monitors"]
+    tmp_path = run.tmp_path
+    home_cache = tmp_path / "xdg-cache"
+    for name, value in run.jobs[0]["env"].items():  # wandb's reader below: the job's environment
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    output = run.stdout + run.stderr  # the whole launch: no job's wandb warnings
     assert "less than the current step" not in output  # wandb dropped nothing
 
     with open(out / "metrics.csv") as f:
@@ -103,8 +118,7 @@ def test_wandb_and_tensorboard_get_every_series(tmp_path, monkeypatch):
     # W&B: its files under the run's folder, none in the working directory (the repo)
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((out / "wandb").iterdir())
-    now = sorted((REPO / "wandb").glob("*")) if (REPO / "wandb").exists() else []
-    assert now == repo_wandb_before
+    assert _repo_wandb() == json.loads((tmp_path / "repo_wandb_before.json").read_text())
     assert list((out / "wandb" / "logs").glob("core-debug-*.log"))  # beside the run, not in ~
     assert not (home_cache / "wandb").exists(), list((home_cache / "wandb").rglob("*"))
     history, steps = wandb_history(runs[0])
@@ -154,23 +168,23 @@ SCRIPT = textwrap.dedent("""
         def forward(self, x):
             return (self.w * x).sum()
 
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "csv_monitor": {"enabled": True, "output_path": "", "job_name": "j"}}
-    me = initialize(M(), cfg, topology=Topology.build(1))
-    write_metrics(me.engine, {"x": 1.0})
-    print("monitor:", me.ds_config["csv_monitor"]["output_path"])
+    for _ in range(2):  # a second run (here in the same second) gets a folder of its own
+        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+               "csv_monitor": {"enabled": True, "output_path": "", "job_name": "j"}}
+        me = initialize(M(), cfg, topology=Topology.build(1))
+        write_metrics(me.engine, {"x": 1.0})
+        print("monitor:", me.ds_config["csv_monitor"]["output_path"])
+        me.engine.destroy()
 """)
 
 
 @pytest.mark.timeout(240)
 def test_initialize_without_output_dir_writes_under_a_fresh_run_folder(tmp_path):
-    for _ in range(2):  # a second run gets a folder of its own
-        proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=200,
-                              env={**os.environ, "PYTHONPATH": str(REPO),
-                                   "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=200,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing in the cwd itself
     folders = sorted((tmp_path / "runs").iterdir())
     assert len(folders) == 2

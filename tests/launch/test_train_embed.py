@@ -1,5 +1,6 @@
 """End to end: the embedding job (``launch.train_embed``) under ``deepspeed --num_gpus 2`` on
-CPU, shrunk; its three runs share one launch (process start-up costs more than these tiny jobs).
+CPU, shrunk; its three runs are jobs of the launch several test files share (``shared_launch``
+in conftest.py: process start-up costs more than these tiny jobs).
 
 - The job (tiny encoder, four stdlib packages as user data, 24 steps of micro-batch 8 x GAS 2 x
   DP 2). Checks what a user sees: exit status 0, ``metrics.csv`` with one row per optimizer step,
@@ -16,7 +17,7 @@ import csv
 import json
 
 import pytest
-from launch_helpers import monitor_column, run_jobs_in_one_launch
+from launch_helpers import monitor_column
 
 from launch.jobs.code_search import stdlib_root
 
@@ -33,31 +34,33 @@ def _grad_cache_args(out, cache, *extra):
             "--output_dir", str(out), "--cache_dir", str(cache), "--no_progress", *extra]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One launch: the job, then the plain and the GradCache run. Returns the launch's output
-    and the folder holding the runs' output folders."""
-    tmp_path = tmp_path_factory.mktemp("train_embed")
+def shared_launch_jobs(tmp_path) -> list:
+    """The job, then the plain and the GradCache run (in the shared launch, conftest.py)."""
     data = [str(stdlib_root() / d) for d in ("email", "asyncio", "http", "importlib")]
     job = ["--train_data", *data, "--eval_fraction", "0.2", "--max_eval", "96",
            "--steps", str(STEPS), "--micro_batch_size", "8", "--gradient_accumulation_steps",
            "2", "--model_size", "tiny", "--vocab_size", "512", "--max_doc_len", "64",
            "--lr", "3e-3", "--warmup_steps", "2", "--output_dir", str(tmp_path / "out"),
            "--cache_dir", str(tmp_path / "cache"), "--no_progress"]
-    proc = run_jobs_in_one_launch([
+    return [
         {"job": "train_embed", "argv": job},
         {"job": "train_embed", "argv": _grad_cache_args(tmp_path / "plain", tmp_path / "cache")},
         {"job": "train_embed", "argv": _grad_cache_args(tmp_path / "cached", tmp_path / "cache",
-                                                        "--mini_batch_size", "4")}],
-        tmp_path / "jobs.json", timeout=400)
-    return proc, tmp_path
+                                                        "--mini_batch_size", "4")}]
 
 
-@pytest.mark.timeout(420)
+@pytest.fixture(scope="module")
+def runs(shared_launch):
+    """Rank 0's output of the job and the folder holding the runs' output folders."""
+    run = shared_launch["test_train_embed"]
+    return run.outputs[0], run.tmp_path
+
+
+@pytest.mark.timeout(900)
 def test_train_embed_launcher(runs):
-    proc, tmp_path = runs
+    stdout, tmp_path = runs
     out = tmp_path / "out"
-    assert "before training: held-out MRR@10" in proc.stdout
+    assert "before training: held-out MRR@10" in stdout
 
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
@@ -93,7 +96,7 @@ def _outputs(out):
     return rows, json.loads((out / "summary.json").read_text())
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 def test_mini_batch_size_trains_like_plain(runs):
     plain, _ = _outputs(runs[1] / "plain")
     cached, summary = _outputs(runs[1] / "cached")

@@ -1,6 +1,7 @@
-"""End to end: ``bash launch/train_embed_hf.sh`` (``deepspeed --num_gpus 2`` on CPU, ZeRO-2 from
-``configs/zero2_hf.json``), as the README runs it, shrunk: a tiny BERT, four stdlib packages as
-user data (96 held-out pairs), 30 steps of 16 pairs per rank.
+"""End to end: the job ``bash launch/train_embed_hf.sh`` runs (``deepspeed --num_gpus 2`` on CPU,
+ZeRO-2 from ``configs/zero2_hf.json``; the script's command is checked with ``DRY_RUN=1``, and
+the two runs share one launch), as the README runs it, shrunk: a tiny BERT, four stdlib packages
+as user data (96 held-out pairs), 30 steps of 16 pairs per rank.
 
 Checks what a user sees: exit status 0, ``summary.json`` with finite metrics, held-out MRR@10
 rising, the logged MNR loss falling, ``metrics.csv`` and the plot. With ``--mini_batch_size``
@@ -11,10 +12,11 @@ rising, the logged MNR loss falling, ``metrics.csv`` and the plot. With ``--mini
 import csv
 import json
 import math
+import shlex
 import subprocess
 
 import pytest
-from launch_helpers import REPO, script_env
+from launch_helpers import REPO, job_outputs, run_jobs_in_one_launch, script_env
 
 from launch.jobs.code_search import stdlib_root
 
@@ -23,22 +25,59 @@ pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
 STEPS = 30
 
 
-def run_job(tmp_path, out, *extra, timeout=170):
+def _args(tmp_path, out, *extra):
     data = [str(stdlib_root() / d) for d in ("email", "asyncio", "http", "importlib")]
-    env = script_env(NUM_PROCS="2")
-    cmd = ["bash", str(REPO / "launch" / "train_embed_hf.sh"),
-           "--train_data", *data, "--eval_fraction", "0.2", "--max_eval", "96",
-           "--steps", str(STEPS), "--batch_size", "16", "--model_size", "tiny",
-           "--vocab_size", "512", "--max_seq_len", "64", "--lr", "3e-3", "--warmup_steps", "2",
-           "--logging_steps", "1", "--eval_batch_size", "64", "--output_dir", str(out),
-           "--cache_dir", str(tmp_path / "cache"), "--no_progress", *extra]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return ["--train_data", *data, "--eval_fraction", "0.2", "--max_eval", "96",
+            "--steps", str(STEPS), "--batch_size", "16", "--model_size", "tiny",
+            "--vocab_size", "512", "--max_seq_len", "64", "--lr", "3e-3", "--warmup_steps", "2",
+            "--logging_steps", "1", "--eval_batch_size", "64", "--output_dir", str(out),
+            "--cache_dir", str(tmp_path / "cache"), "--no_progress", *extra]
 
 
-def check_run(out, proc):
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "before training: held-out MRR@10" in proc.stdout
+def _has_cached_loss() -> bool:
+    try:
+        from megaloss.integrations.hf import sentence_transformers as st
+    except ImportError:
+        return False
+    return hasattr(st, "CachedGatheredMultipleNegativesRankingLoss")
+
+
+def test_script_launches_the_job_with_the_hf_config():
+    """What ``bash launch/train_embed_hf.sh ARGS`` runs (``DRY_RUN=1`` prints it): ``deepspeed
+    --num_gpus 2`` on train_embed_hf.py with configs/zero2_hf.json, then ARGS. The launch below
+    runs that command's job (its exec path, launch/multinode.sh, is the other scripts' too:
+    test_multinode.py, test_train_lm_hf.py)."""
+    env = {k: v for k, v in script_env().items()
+           if k not in ("NUM_PROCS", "DS_CONFIG", "NNODES", "PET_NNODES", "SLURM_NNODES",
+                        "SLURM_JOB_NUM_NODES", "HOSTFILE", "MASTER_PORT")}
+    proc = subprocess.run(["bash", str(REPO / "launch" / "train_embed_hf.sh"), "--steps", "3"],
+                          cwd=REPO, env={**env, "DRY_RUN": "1"}, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    cmd = shlex.split(proc.stdout.strip().splitlines()[-1])
+    assert cmd[:3] == ["deepspeed", "--num_gpus", "2"] and cmd[3] == "--master_port", cmd
+    assert cmd[5:] == [str(REPO / "launch" / "train_embed_hf.py"), "--deepspeed_config",
+                       str(REPO / "configs" / "zero2_hf.json"), "--steps", "3"], cmd
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One launch (start-up with transformers and sentence-transformers costs more than these
+    tiny jobs): the job as the script runs it (``--deepspeed_config configs/zero2_hf.json``),
+    then, where the cached loss exists, the same with ``--mini_batch_size 4``. Returns
+    ``{name: (output folder, rank 0's output)}``."""
+    tmp_path = tmp_path_factory.mktemp("train_embed_hf")
+    config = ["--deepspeed_config", str(REPO / "configs" / "zero2_hf.json")]
+    names = ["out"] + (["cached"] if _has_cached_loss() else [])
+    jobs = [{"job": "train_embed_hf", "argv": config + _args(tmp_path, tmp_path / name, *(
+        ["--mini_batch_size", "4"] if name == "cached" else []))} for name in names]
+    proc = run_jobs_in_one_launch(jobs, tmp_path / "jobs.json", timeout=560, cwd=tmp_path)
+    return {name: (tmp_path / name, part)
+            for name, part in zip(names, job_outputs(proc.stdout, len(jobs)))}
+
+
+def check_run(out, stdout):
+    assert "before training: held-out MRR@10" in stdout
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["eval_before"], summary["eval_after"]
     for m in (before, after):
@@ -58,20 +97,17 @@ def check_run(out, proc):
     return summary
 
 
-@pytest.mark.timeout(400)
-def test_train_embed_hf(tmp_path):
-    out = tmp_path / "out"
-    summary = check_run(out, run_job(tmp_path, out))
+@pytest.mark.timeout(600)
+def test_train_embed_hf(runs):
+    summary = check_run(*runs["out"])
     assert summary["loss"] == "GatheredMultipleNegativesRankingLoss"
     assert summary["loss_config"]["symmetric"] and summary["loss_config"]["scale"] == 20.0
 
 
-@pytest.mark.timeout(400)
-def test_train_embed_hf_cached_loss(tmp_path):
-    st = pytest.importorskip("megaloss.integrations.hf.sentence_transformers")
-    if not hasattr(st, "CachedGatheredMultipleNegativesRankingLoss"):
+@pytest.mark.timeout(600)
+def test_train_embed_hf_cached_loss(runs):
+    if "cached" not in runs:
         pytest.skip("CachedGatheredMultipleNegativesRankingLoss not in megaloss yet")
-    out = tmp_path / "cached"
-    summary = check_run(out, run_job(tmp_path, out, "--mini_batch_size", "4"))
+    summary = check_run(*runs["cached"])
     assert summary["loss"] == "CachedGatheredMultipleNegativesRankingLoss"
     assert summary["mini_batch_size"] == 4

@@ -58,8 +58,8 @@ def run_jobs_in_one_launch(jobs: List[dict], spec: Path, *, timeout: float, num_
     (process start-up, i.e. importing torch / deepspeed / transformers, costs more than these
     tiny jobs, and the suite shares 2 cores).
 
-    A job is ``{"job": "train_lm" | "train_embed" | "train_embed_hf" | "distill_lm", "argv": [...]}``
-    (the module ``launch.<job>``, imported when a job needs it), plus optionally
+    A job is ``{"job": "train_lm" | "train_embed" | "train_embed_hf" | "distill_lm",
+    "argv": [...]}`` (the module ``launch.<job>``, imported when a job needs it), plus optionally
     ``"expect_exit": path`` (it must stop with ``SystemExit``; rank 0 writes the message to
     ``path``) or ``"stop_after": k`` (its stop request fires at the k-th step boundary, as a
     SIGTERM there would), or ``"env": {name: value or None}`` (set, or with None unset, in the

@@ -12,8 +12,8 @@ rank), DP2 x PP2 with ZeRO-0 (GAS 4) and DP1 x PP2 x TP2 with ZeRO-1 (GAS 4). Th
 one process, no engine, float64, the same (tied or untied) ``LlamaForCausalLM``: the calibrated
 CE (+ z-loss) over each step's global batch, SGD.
 
-DP1 x PP2 without TP is not here: DeepSpeed's ``PipelineParallelGrid`` spans the whole world, so
-it needs a world of 2 (a second spawn).
+DP1 x PP2 without TP needs a world of 2 (DeepSpeed's ``PipelineParallelGrid`` spans the whole
+world): a second spawn of 2 processes, GAS 1 at ZeRO-0 untied and GAS 4 at ZeRO-1 tied.
 
 Tolerance: every parameter tensor within 1e-5 relative (Frobenius norm of the difference over
 that of the reference) after 3 steps of fp32 training; the step's global loss (float64 sums of
@@ -39,6 +39,7 @@ REL_TOL = 1e-5
 LAYOUTS = [(2, 1, 1, 2, False), (1, 2, 1, 4, False), (1, 2, 0, 1, False), (2, 1, 0, 4, True),
            (1, 2, 1, 4, True)]
 WORLD, PP = 4, 2
+LAYOUTS_WORLD_2 = [(1, 1, 0, 1, False), (1, 1, 1, 4, True)]  # DP1 x PP2, no TP
 
 
 def _llama_config(tied):
@@ -154,13 +155,13 @@ def _train_layout(dp, tp, stage, gas, tied, state, ids, labels):
     return params, losses, logged, scale
 
 
-def _worker(rank, world):
+def _worker(rank, world, layouts):
     states = {tied: _initial_state(tied) for tied in (False, True)}
     ids, labels = _data()
     reference = ({tied: _reference(tied, states[tied], ids, labels) for tied in (False, True)}
                  if rank == 0 else None)
     return reference, {layout: _train_layout(*layout, states[layout[-1]], ids, labels)
-                       for layout in LAYOUTS}
+                       for layout in layouts}
 
 
 def _rel(a, b):
@@ -169,10 +170,18 @@ def _rel(a, b):
 
 @pytest.mark.timeout(420)
 def test_pipeline_matches_single_process_training():
-    results = run_distributed(_worker, WORLD, timeout=400)
+    _check(run_distributed(_worker, WORLD, LAYOUTS, timeout=400), LAYOUTS)
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_without_tp_matches_single_process_training():
+    _check(run_distributed(_worker, 2, LAYOUTS_WORLD_2, timeout=280), LAYOUTS_WORLD_2)
+
+
+def _check(results, layouts):
     references = results[0][0]
     failures = []
-    for layout in LAYOUTS:
+    for layout in layouts:
         dp, tp, stage, gas, tied = layout
         ref_params, ref_losses = references[tied]
         where = (f"DP={dp} x PP={PP} x TP={tp}, ZeRO-{stage}, GAS {gas}, "

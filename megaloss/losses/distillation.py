@@ -30,7 +30,7 @@ from ..ops.validation import check_ce_tensors, first_bad_label, label_range_erro
 from ..parallel.comm import all_gather_dim0, all_reduce_max_, all_reduce_sum_
 from ..parallel.groups import group_rank, group_size, resolve_group
 from ..parallel.mappings import copy_to_region, gather_from_region
-from .vocab_parallel import VocabParallelOptions, vocab_shard_range
+from .vocab_parallel import VocabParallelOptions, _check_vocab_parallel_options, vocab_shard_range
 
 __all__ = ["DistillationOutput", "linear_distillation_loss", "linear_distillation_loss_with_stats",
            "LinearDistillationLoss"]
@@ -181,10 +181,7 @@ def linear_distillation_loss_with_stats(
         alpha=alpha, ignore_index=ignore_index, reduction=reduction,
         logit_softcapping=logit_softcapping, teacher_logit_softcapping=teacher_logit_softcapping,
         chunk_size=chunk_size, accum_dtype=accum_dtype))
-    if vocab_parallel_options is not None and not isinstance(vocab_parallel_options,
-                                                             VocabParallelOptions):
-        raise TypeError(f"vocab_parallel_options must be a VocabParallelOptions or None, got "
-                        f"{type(vocab_parallel_options).__name__}")
+    _check_vocab_parallel_options(vocab_parallel_options)
     args = (hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
             teacher_weight, teacher_bias, teacher_topk_ids, teacher_topk_log_probs)
     if vocab_parallel_options is None:

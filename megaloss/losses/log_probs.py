@@ -24,7 +24,12 @@ from ..ops.validation import check_ce_tensors, check_label_range, first_bad_labe
 from ..parallel.comm import all_gather_dim0, all_reduce_max_, all_reduce_sum_
 from ..parallel.groups import group_rank, group_size, resolve_group
 from ..parallel.mappings import copy_to_region, gather_from_region
-from .vocab_parallel import VocabParallelOptions, _check_across_ranks, vocab_shard_range
+from .vocab_parallel import (
+    VocabParallelOptions,
+    _check_across_ranks,
+    _check_vocab_parallel_options,
+    vocab_shard_range,
+)
 
 __all__ = ["LogProbsOutput", "linear_log_probs", "LinearLogProbs"]
 
@@ -122,10 +127,8 @@ def linear_log_probs(
         ignore_index=ignore_index, temperature=temperature, logit_softcapping=logit_softcapping,
         return_entropy=return_entropy, chunk_size=chunk_size, accum_dtype=accum_dtype,
         impl=impl))
+    _check_vocab_parallel_options(vocab_parallel_options)
     if vocab_parallel_options is not None:
-        if not isinstance(vocab_parallel_options, VocabParallelOptions):
-            raise TypeError(f"vocab_parallel_options must be a VocabParallelOptions or None, got "
-                            f"{type(vocab_parallel_options).__name__}")
         return _sharded_log_probs(hidden_states, weight, labels, bias, opts,
                                   vocab_parallel_options)
     check_ce_tensors(hidden_states, weight, labels, bias, None)
@@ -201,10 +204,7 @@ class LinearLogProbs(nn.Module):
             raise TypeError("pass either options or its fields as keyword arguments, not both")
         if options is not None and not isinstance(options, LogProbsOptions):
             raise TypeError(f"options must be a LogProbsOptions, got {type(options).__name__}")
-        if vocab_parallel_options is not None and not isinstance(vocab_parallel_options,
-                                                                 VocabParallelOptions):
-            raise TypeError(f"vocab_parallel_options must be a VocabParallelOptions or None, got "
-                            f"{type(vocab_parallel_options).__name__}")
+        _check_vocab_parallel_options(vocab_parallel_options)
         self.options = options if options is not None else LogProbsOptions(**option_fields)
         self.vocab_parallel_options = vocab_parallel_options
 

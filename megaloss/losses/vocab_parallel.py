@@ -79,6 +79,13 @@ class VocabParallelOptions:
             raise TypeError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
 
 
+def _check_vocab_parallel_options(value) -> None:
+    """The ``vocab_parallel_options=`` argument of an entry point: ``None`` or this class."""
+    if value is not None and not isinstance(value, VocabParallelOptions):
+        raise TypeError(f"vocab_parallel_options must be a VocabParallelOptions or None, got "
+                        f"{type(value).__name__}")
+
+
 def vocab_shard_range(vocab_size: int, tp_size: int, tp_rank: int) -> tuple:
     """``(start, stop, rows_per_rank)`` of this rank's real vocab rows: the vocab is padded to a
     multiple of ``tp_size`` and split evenly; ``stop - start`` may be < rows (padding) or 0."""

@@ -18,7 +18,6 @@ the top-k) is this rank's shard of the tokens.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -30,7 +29,12 @@ from ..ops.validation import check_ce_tensors, first_bad_label, label_range_erro
 from ..parallel.comm import all_gather_dim0, all_reduce_max_, all_reduce_sum_
 from ..parallel.groups import group_rank, group_size, resolve_group
 from ..parallel.mappings import copy_to_region, gather_from_region
-from .vocab_parallel import VocabParallelOptions, _check_vocab_parallel_options, vocab_shard_range
+from .vocab_parallel import (
+    VocabParallelOptions,
+    _check_vocab_parallel_options,
+    _shard_vocab_size,
+    vocab_shard_range,
+)
 
 __all__ = ["DistillationOutput", "linear_distillation_loss", "linear_distillation_loss_with_stats",
            "LinearDistillationLoss"]
@@ -206,11 +210,7 @@ def _sharded(hidden_states, weight, labels, bias, loss_weights, teacher_hidden_s
     vocab_size = bad = rows = 0
     try:
         rows = weight.shape[0] if isinstance(weight, torch.Tensor) else 0
-        vocab_size = rows * tp if parallel.vocab_size is None else parallel.vocab_size
-        if rows != math.ceil(vocab_size / tp):
-            raise ValueError(f"weight must have ceil(vocab_size / tp) = "
-                             f"{math.ceil(vocab_size / tp)} rows for vocab_size={vocab_size}, "
-                             f"tp={tp}; got {rows}")
+        vocab_size = _shard_vocab_size(rows, tp, parallel.vocab_size)
         _check_all(*args, opts, vocab_size)
         bad = first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
     except (ValueError, TypeError) as err:

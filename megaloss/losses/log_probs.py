@@ -12,7 +12,6 @@ logsumexp(logits)``) on ``logits / temperature``.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -28,6 +27,7 @@ from .vocab_parallel import (
     VocabParallelOptions,
     _check_across_ranks,
     _check_vocab_parallel_options,
+    _shard_vocab_size,
     vocab_shard_range,
 )
 
@@ -153,10 +153,7 @@ def _sharded_log_probs(hidden_states: torch.Tensor, weight: torch.Tensor, labels
     group = resolve_group(parallel.tp_group)
     tp, rank = group_size(group), group_rank(group)
     rows = weight.shape[0]
-    vocab_size = rows * tp if parallel.vocab_size is None else parallel.vocab_size
-    if rows != math.ceil(vocab_size / tp):
-        raise ValueError(f"weight must have ceil(vocab_size / tp) = {math.ceil(vocab_size / tp)} "
-                         f"rows for vocab_size={vocab_size}, tp={tp}; got {rows}")
+    vocab_size = _shard_vocab_size(rows, tp, parallel.vocab_size)
     flat_labels = labels.reshape(-1).long()
     hidden_size = hidden_states.shape[-1]
     _check_across_ranks(group, flat_labels.numel(), hidden_size, rows, vocab_size,

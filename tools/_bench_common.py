@@ -37,7 +37,7 @@ import sys
 from typing import Any, Dict, Iterable, Optional, Sequence
 
 __all__ = ["MALLOC_ENV", "MemoryProbe", "trim_memory", "median", "run_worker", "format_table",
-           "write_csv", "mib", "worker_env"]
+           "write_csv", "mib", "worker_env", "require_positive", "vocab_shard"]
 
 # Fixed glibc malloc behaviour in every worker process (see the module docstring).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
@@ -164,6 +164,27 @@ def run_worker(script: str, spec: Dict[str, Any], threads: int, timeout: float) 
         tail = (proc.stderr or "").strip().splitlines()[-5:]
         return {"error": f"exit code {proc.returncode}: " + " | ".join(tail)}
     return json.loads(lines[-1])
+
+
+def require_positive(parser: Any, args: Any, names: Sequence[str]) -> None:
+    """``parser.error`` for the first of the integer options ``names`` (attribute names of
+    ``args``, e.g. ``"chunk_size"`` for ``--chunk-size``) below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def vocab_shard(full: Any, tp: int, rank: int) -> Any:
+    """Rank ``rank``'s ``[ceil(V / tp), H]`` rows of the lm_head ``full [V, H]`` split over ``tp``
+    ranks as megaloss's vocab-parallel losses take it: rows ``[rank * Vp, (rank + 1) * Vp)``,
+    ``Vp = ceil(V / tp)``, zero past ``V`` (a new tensor, no grad)."""
+    import torch
+    vocab, rows = full.shape[0], math.ceil(full.shape[0] / tp)
+    start = min(rank * rows, vocab)
+    stop = min(start + rows, vocab)
+    out = torch.zeros(rows, full.shape[1], dtype=full.dtype)
+    out[:stop - start] = full[start:stop]
+    return out
 
 
 def _fmt(value: Any) -> str:

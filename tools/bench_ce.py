@@ -49,7 +49,16 @@ import time
 from typing import Any, Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import MALLOC_ENV, MemoryProbe, format_table, median, mib, run_worker, write_csv  # noqa: E402
+from _bench_common import (  # noqa: E402
+    MALLOC_ENV,
+    MemoryProbe,
+    format_table,
+    median,
+    mib,
+    require_positive,
+    run_worker,
+    write_csv,
+)
 
 BASE_IMPLS = ("eager", "megaloss")
 EXTRA_IMPLS = ("megaloss_torch", "megaloss_triton", "megaloss_compile", "liger", "cce")
@@ -411,9 +420,7 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(_worker(json.loads(args.worker))))
         return 0
-    for name in ("hidden", "vocab", "chunk_size", "repeats", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, ("hidden", "vocab", "chunk_size", "repeats", "threads"))
     if any(n < 1 for n in args.sizes):
         p.error("--sizes must be >= 1")
 

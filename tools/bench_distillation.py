@@ -40,7 +40,16 @@ import time
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import MALLOC_ENV, MemoryProbe, format_table, median, mib, run_worker, write_csv  # noqa: E402
+from _bench_common import (  # noqa: E402
+    MALLOC_ENV,
+    MemoryProbe,
+    format_table,
+    median,
+    mib,
+    run_worker,
+    vocab_shard,
+    write_csv,
+)
 
 METHODS = ("full_logits", "liger_torch", "megaloss")
 BETA = 0.5
@@ -172,15 +181,10 @@ def _tp_rank(rank: int, tp: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     from megaloss import VocabParallelOptions, linear_distillation_loss
     torch.set_num_threads(spec["threads"])
     vocab, chunk = spec["vocab"], spec["chunk_size"]
-    rows = math.ceil(vocab / tp)
     parallel = VocabParallelOptions(vocab_size=vocab)
 
     def shard(full):
-        out = torch.zeros(rows, full.shape[1])
-        start = min(rank * rows, vocab)
-        stop = min(start + rows, vocab)
-        out[:stop - start] = full[start:stop]
-        return out
+        return vocab_shard(full, tp, rank)
 
     def run(h, w, th, tw, y):
         return linear_distillation_loss(h, w, y, teacher_hidden_states=th, teacher_weight=tw,

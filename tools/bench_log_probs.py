@@ -38,7 +38,17 @@ import time
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import MALLOC_ENV, MemoryProbe, format_table, median, mib, run_worker, write_csv  # noqa: E402
+from _bench_common import (  # noqa: E402
+    MALLOC_ENV,
+    MemoryProbe,
+    format_table,
+    median,
+    mib,
+    require_positive,
+    run_worker,
+    vocab_shard,
+    write_csv,
+)
 
 METHODS = ("full_log_softmax", "full_selective", "megaloss", "megaloss_lp", "megaloss_ce_fwd")
 TEMPERATURE = 0.9
@@ -156,7 +166,6 @@ def _tp_rank(rank: int, tp: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     from megaloss import VocabParallelOptions, linear_log_probs
 
     n, hidden, vocab, chunk = spec["tokens"], spec["hidden"], spec["vocab"], spec["chunk_size"]
-    rows = math.ceil(vocab / tp)
 
     def step(h, w, y, a, c, v):
         out = linear_log_probs(h, w, y, temperature=TEMPERATURE, return_entropy=True,
@@ -171,10 +180,7 @@ def _tp_rank(rank: int, tp: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     step(hw, ww, torch.zeros(8, dtype=torch.long), torch.ones(8), torch.ones(8), 64)
     del hw, ww
     h, full, y, a, c = _inputs(n, hidden, vocab, spec["seed"])  # replicated over TP
-    start = min(rank * rows, vocab)
-    stop = min(start + rows, vocab)
-    w = torch.zeros(rows, hidden)
-    w[:stop - start] = full[start:stop]
+    w = vocab_shard(full, tp, rank)
     del full
     h.requires_grad_(), w.requires_grad_()
     h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)
@@ -284,9 +290,7 @@ def main(argv=None) -> int:
         import json
         print(json.dumps(_worker(json.loads(args.worker))))
         return 0
-    for name in ("hidden", "vocab", "chunk_size", "repeats", "threads", "cpus"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, ("hidden", "vocab", "chunk_size", "repeats", "threads", "cpus"))
     if any(s < 1 for s in args.sizes) or any(t < 1 for t in args.tp):
         p.error("--sizes and --tp must be >= 1")
 

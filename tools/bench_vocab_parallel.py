@@ -33,7 +33,16 @@ import time
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import MALLOC_ENV, MemoryProbe, format_table, median, mib, write_csv  # noqa: E402
+from _bench_common import (  # noqa: E402
+    MALLOC_ENV,
+    MemoryProbe,
+    format_table,
+    median,
+    mib,
+    require_positive,
+    vocab_shard,
+    write_csv,
+)
 
 COLUMNS = ["tp", "tokens", "hidden", "vocab", "chunk_size", "rows_per_rank", "threads_per_rank",
            "time_s", "repeats", "extra_MiB", "extra_MiB_min", "mem_vs_tp1", "fwd_B_per_token",
@@ -129,7 +138,6 @@ def _rank_bench(rank: int, tp: int, spec: Dict[str, Any]) -> Dict[str, Any]:
 
     group = dist.group.WORLD  # the spawned world is the TP group
     n, hidden, vocab, chunk = spec["tokens"], spec["hidden"], spec["vocab"], spec["chunk_size"]
-    rows = math.ceil(vocab / tp)
 
     def loss_fn(h, w, y, v):
         return linear_cross_entropy(h, w, y, chunk_size=chunk, vocab_parallel_options=(
@@ -148,10 +156,7 @@ def _rank_bench(rank: int, tp: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     # Every TP size shards the same full lm_head (padded rows 0), so the loss must not change
     # with TP; the full matrix is freed before the baseline.
     full = torch.randn(vocab, hidden, generator=shared).mul_(0.02)
-    start = min(rank * rows, vocab)
-    stop = min(start + rows, vocab)
-    w = torch.zeros(rows, hidden)
-    w[:stop - start] = full[start:stop]
+    w = vocab_shard(full, tp, rank)
     del full
     w.requires_grad_()
     h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)
@@ -243,9 +248,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per TP size")
     p.add_argument("--csv", metavar="PATH", help="write all columns as CSV")
     args = p.parse_args(argv)
-    for name in ("tokens", "hidden", "vocab", "chunk_size", "repeats", "cpus"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, ("tokens", "hidden", "vocab", "chunk_size", "repeats", "cpus"))
     if any(t < 1 for t in args.tp):
         p.error("--tp sizes must be >= 1")
 

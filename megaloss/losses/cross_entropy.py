@@ -21,7 +21,11 @@ from ..ops.chunked_linear_ce import chunked_linear_cross_entropy
 from ..ops.options import CrossEntropyOptions, resolve_options
 from ..ops.validation import check_ce_tensors, check_label_range
 from .ce_output import CrossEntropyOutput
-from .vocab_parallel import VocabParallelOptions, sharded_linear_cross_entropy
+from .vocab_parallel import (
+    VocabParallelOptions,
+    _check_vocab_parallel_options,
+    sharded_linear_cross_entropy,
+)
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss",
            "CrossEntropyOutput", "VocabParallelOptions"]
@@ -51,10 +55,8 @@ def linear_cross_entropy_with_stats(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         z_loss=z_loss, logit_softcapping=logit_softcapping, chunk_size=chunk_size,
         accum_dtype=accum_dtype, impl=impl))
+    _check_vocab_parallel_options(vocab_parallel_options)
     if vocab_parallel_options is not None:
-        if not isinstance(vocab_parallel_options, VocabParallelOptions):
-            raise TypeError(f"vocab_parallel_options must be a VocabParallelOptions or None, got "
-                            f"{type(vocab_parallel_options).__name__}")
         return sharded_linear_cross_entropy(hidden_states, weight, labels, bias, loss_weights,
                                             opts, vocab_parallel_options)
     check_ce_tensors(hidden_states, weight, labels, bias, loss_weights)

@@ -18,7 +18,6 @@ the top-k) is this rank's shard of the tokens.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -30,7 +29,12 @@ from ..ops.validation import check_ce_tensors, first_bad_label, label_range_erro
 from ..parallel.comm import all_gather_dim0, all_reduce_max_, all_reduce_sum_
 from ..parallel.groups import group_rank, group_size, resolve_group
 from ..parallel.mappings import copy_to_region, gather_from_region
-from .vocab_parallel import VocabParallelOptions, vocab_shard_range
+from .vocab_parallel import (
+    VocabParallelOptions,
+    _check_vocab_parallel_options,
+    _shard_vocab_size,
+    vocab_shard_range,
+)
 
 __all__ = ["DistillationOutput", "linear_distillation_loss", "linear_distillation_loss_with_stats",
            "LinearDistillationLoss"]
@@ -181,10 +185,7 @@ def linear_distillation_loss_with_stats(
         alpha=alpha, ignore_index=ignore_index, reduction=reduction,
         logit_softcapping=logit_softcapping, teacher_logit_softcapping=teacher_logit_softcapping,
         chunk_size=chunk_size, accum_dtype=accum_dtype))
-    if vocab_parallel_options is not None and not isinstance(vocab_parallel_options,
-                                                             VocabParallelOptions):
-        raise TypeError(f"vocab_parallel_options must be a VocabParallelOptions or None, got "
-                        f"{type(vocab_parallel_options).__name__}")
+    _check_vocab_parallel_options(vocab_parallel_options)
     args = (hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
             teacher_weight, teacher_bias, teacher_topk_ids, teacher_topk_log_probs)
     if vocab_parallel_options is None:
@@ -209,11 +210,7 @@ def _sharded(hidden_states, weight, labels, bias, loss_weights, teacher_hidden_s
     vocab_size = bad = rows = 0
     try:
         rows = weight.shape[0] if isinstance(weight, torch.Tensor) else 0
-        vocab_size = rows * tp if parallel.vocab_size is None else parallel.vocab_size
-        if rows != math.ceil(vocab_size / tp):
-            raise ValueError(f"weight must have ceil(vocab_size / tp) = "
-                             f"{math.ceil(vocab_size / tp)} rows for vocab_size={vocab_size}, "
-                             f"tp={tp}; got {rows}")
+        vocab_size = _shard_vocab_size(rows, tp, parallel.vocab_size)
         _check_all(*args, opts, vocab_size)
         bad = first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
     except (ValueError, TypeError) as err:

@@ -12,7 +12,6 @@ logsumexp(logits)``) on ``logits / temperature``.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -24,7 +23,13 @@ from ..ops.validation import check_ce_tensors, check_label_range, first_bad_labe
 from ..parallel.comm import all_gather_dim0, all_reduce_max_, all_reduce_sum_
 from ..parallel.groups import group_rank, group_size, resolve_group
 from ..parallel.mappings import copy_to_region, gather_from_region
-from .vocab_parallel import VocabParallelOptions, _check_across_ranks, vocab_shard_range
+from .vocab_parallel import (
+    VocabParallelOptions,
+    _check_across_ranks,
+    _check_vocab_parallel_options,
+    _shard_vocab_size,
+    vocab_shard_range,
+)
 
 __all__ = ["LogProbsOutput", "linear_log_probs", "LinearLogProbs"]
 
@@ -122,10 +127,8 @@ def linear_log_probs(
         ignore_index=ignore_index, temperature=temperature, logit_softcapping=logit_softcapping,
         return_entropy=return_entropy, chunk_size=chunk_size, accum_dtype=accum_dtype,
         impl=impl))
+    _check_vocab_parallel_options(vocab_parallel_options)
     if vocab_parallel_options is not None:
-        if not isinstance(vocab_parallel_options, VocabParallelOptions):
-            raise TypeError(f"vocab_parallel_options must be a VocabParallelOptions or None, got "
-                            f"{type(vocab_parallel_options).__name__}")
         return _sharded_log_probs(hidden_states, weight, labels, bias, opts,
                                   vocab_parallel_options)
     check_ce_tensors(hidden_states, weight, labels, bias, None)
@@ -150,10 +153,7 @@ def _sharded_log_probs(hidden_states: torch.Tensor, weight: torch.Tensor, labels
     group = resolve_group(parallel.tp_group)
     tp, rank = group_size(group), group_rank(group)
     rows = weight.shape[0]
-    vocab_size = rows * tp if parallel.vocab_size is None else parallel.vocab_size
-    if rows != math.ceil(vocab_size / tp):
-        raise ValueError(f"weight must have ceil(vocab_size / tp) = {math.ceil(vocab_size / tp)} "
-                         f"rows for vocab_size={vocab_size}, tp={tp}; got {rows}")
+    vocab_size = _shard_vocab_size(rows, tp, parallel.vocab_size)
     flat_labels = labels.reshape(-1).long()
     hidden_size = hidden_states.shape[-1]
     _check_across_ranks(group, flat_labels.numel(), hidden_size, rows, vocab_size,
@@ -201,10 +201,7 @@ class LinearLogProbs(nn.Module):
             raise TypeError("pass either options or its fields as keyword arguments, not both")
         if options is not None and not isinstance(options, LogProbsOptions):
             raise TypeError(f"options must be a LogProbsOptions, got {type(options).__name__}")
-        if vocab_parallel_options is not None and not isinstance(vocab_parallel_options,
-                                                                 VocabParallelOptions):
-            raise TypeError(f"vocab_parallel_options must be a VocabParallelOptions or None, got "
-                            f"{type(vocab_parallel_options).__name__}")
+        _check_vocab_parallel_options(vocab_parallel_options)
         self.options = options if options is not None else LogProbsOptions(**option_fields)
         self.vocab_parallel_options = vocab_parallel_options
 

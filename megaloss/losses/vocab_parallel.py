@@ -79,6 +79,25 @@ class VocabParallelOptions:
             raise TypeError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
 
 
+def _check_vocab_parallel_options(value) -> None:
+    """The ``vocab_parallel_options=`` argument of an entry point: ``None`` or this class."""
+    if value is not None and not isinstance(value, VocabParallelOptions):
+        raise TypeError(f"vocab_parallel_options must be a VocabParallelOptions or None, got "
+                        f"{type(value).__name__}")
+
+
+def _shard_vocab_size(rows: int, tp: int, vocab_size: Optional[int],
+                      weight_name: str = "weight") -> int:
+    """The full vocabulary of a ``[rows, H]`` lm_head shard: ``vocab_size``, or ``rows * tp``
+    when it is ``None``; ValueError unless ``rows == ceil(vocab_size / tp)``."""
+    vocab = rows * tp if vocab_size is None else vocab_size
+    if rows != math.ceil(vocab / tp):
+        raise ValueError(f"{weight_name} must have ceil(vocab_size / tp) = "
+                         f"{math.ceil(vocab / tp)} rows for vocab_size={vocab}, tp={tp}; "
+                         f"got {rows}")
+    return vocab
+
+
 def vocab_shard_range(vocab_size: int, tp_size: int, tp_rank: int) -> tuple:
     """``(start, stop, rows_per_rank)`` of this rank's real vocab rows: the vocab is padded to a
     multiple of ``tp_size`` and split evenly; ``stop - start`` may be < rows (padding) or 0."""
@@ -137,11 +156,7 @@ def sharded_linear_cross_entropy(
     group = resolve_group(parallel.tp_group)
     tp, rank = group_size(group), group_rank(group)
     rows = weight.shape[0]
-    vocab_size = rows * tp if parallel.vocab_size is None else parallel.vocab_size
-    if rows != math.ceil(vocab_size / tp):
-        raise ValueError(f"{weight_name} must have ceil(vocab_size / tp) = "
-                         f"{math.ceil(vocab_size / tp)} rows for vocab_size={vocab_size}, tp={tp}; "
-                         f"got {rows}")
+    vocab_size = _shard_vocab_size(rows, tp, parallel.vocab_size, weight_name)
     flat_labels = labels.reshape(-1).long()
     hidden_size = hidden_states.shape[-1]
     _check_across_ranks(group, flat_labels.numel(), hidden_size, rows, vocab_size, ignore_index,

@@ -72,26 +72,15 @@ class CrossEntropyOptions:
     impl: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.reduction not in CE_REDUCTIONS:
-            raise ValueError(f"reduction must be one of {CE_REDUCTIONS}, got {self.reduction!r}")
-        if not isinstance(self.impl, str) or self.impl not in CE_IMPLS:
-            raise ValueError(f"impl must be one of {CE_IMPLS}, got {self.impl!r}")
+        _check_choice("reduction", self.reduction, CE_REDUCTIONS)
+        _check_choice("impl", self.impl, CE_IMPLS)
         _check_float("label_smoothing", self.label_smoothing, 0.0, 1.0)
         _check_float("z_loss", self.z_loss, 0.0, float("inf"))
-        if self.logit_softcapping is not None:
-            _check_float("logit_softcapping", self.logit_softcapping, 0.0, float("inf"),
-                         open_low=True, none_ok=True)
-        if _bad_chunk_size(self.chunk_size):
-            raise ValueError(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
-        if not isinstance(self.accum_dtype, torch.dtype) or not self.accum_dtype.is_floating_point:
-            raise TypeError(f"accum_dtype must be a floating torch.dtype, got {self.accum_dtype!r}")
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
-            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        _check_softcapping(self, "logit_softcapping")
+        _check_chunk_fields(self)
         # Python floats whatever numeric type came in (ints, numpy scalars).
         object.__setattr__(self, "label_smoothing", float(self.label_smoothing))
         object.__setattr__(self, "z_loss", float(self.z_loss))
-        if self.logit_softcapping is not None:
-            object.__setattr__(self, "logit_softcapping", float(self.logit_softcapping))
 
     def replace(self, **changes: Any) -> "CrossEntropyOptions":
         """A copy with ``changes`` applied (validated)."""
@@ -113,6 +102,49 @@ def _check_float(name: str, value: Any, low: float, high: float, *, open_low: bo
 
 def _bad_chunk_size(value: Any) -> bool:
     return isinstance(value, bool) or not isinstance(value, int) or value < 1
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _finite_positive_error(name: str, value: Any) -> Optional[ValueError]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+            or math.isinf(value):
+        return ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return None
+
+
+def _check_finite_positive(name: str, value: Any) -> None:
+    error = _finite_positive_error(name, value)
+    if error is not None:
+        raise error
+
+
+def _check_softcapping(options: Any, name: str) -> None:
+    """A soft-capping field of a frozen options object: ``None``, or made a float ``> 0``."""
+    value = getattr(options, name)
+    if value is not None:
+        _check_float(name, value, 0.0, float("inf"), open_low=True, none_ok=True)
+        object.__setattr__(options, name, float(value))
+
+
+def _check_chunk_fields(options: Any) -> None:
+    """The fields every chunked lm_head loss has: ``chunk_size``, ``accum_dtype``,
+    ``ignore_index``."""
+    if _bad_chunk_size(options.chunk_size):
+        raise ValueError(f"chunk_size must be an int >= 1, got {options.chunk_size!r}")
+    dtype = options.accum_dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"accum_dtype must be a floating torch.dtype, got {dtype!r}")
+    if isinstance(options.ignore_index, bool) or not isinstance(options.ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {options.ignore_index!r}")
 
 
 @dataclass(frozen=True)
@@ -163,9 +195,7 @@ def mnr_option_error(name: str, value: Any) -> Optional[Exception]:
     message per bound, shared by :class:`MNROptions` and :func:`megaloss.mnr_loss`'s checks,
     which raise it on every rank)."""
     if name == "temperature":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-                or math.isinf(value):
-            return ValueError(f"temperature must be a finite number > 0, got {value!r}")
+        return _finite_positive_error(name, value)
     elif name == "similarity":
         if not isinstance(value, str) or value not in SIMILARITIES:
             return ValueError(f"similarity must be one of {SIMILARITIES}, got {value!r}")
@@ -213,25 +243,12 @@ class LogProbsOptions:
     impl: str = "auto"
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or math.isinf(t):
-            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
-        if self.logit_softcapping is not None:
-            _check_float("logit_softcapping", self.logit_softcapping, 0.0, float("inf"),
-                         open_low=True, none_ok=True)
-        if not isinstance(self.return_entropy, bool):
-            raise TypeError(f"return_entropy must be a bool, got {self.return_entropy!r}")
-        if not isinstance(self.impl, str) or self.impl not in CE_IMPLS:
-            raise ValueError(f"impl must be one of {CE_IMPLS}, got {self.impl!r}")
-        if _bad_chunk_size(self.chunk_size):
-            raise ValueError(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
-        if not isinstance(self.accum_dtype, torch.dtype) or not self.accum_dtype.is_floating_point:
-            raise TypeError(f"accum_dtype must be a floating torch.dtype, got {self.accum_dtype!r}")
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
-            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        _check_finite_positive("temperature", self.temperature)
+        _check_softcapping(self, "logit_softcapping")
+        _check_bool("return_entropy", self.return_entropy)
+        _check_choice("impl", self.impl, CE_IMPLS)
+        _check_chunk_fields(self)
         object.__setattr__(self, "temperature", float(self.temperature))
-        if self.logit_softcapping is not None:
-            object.__setattr__(self, "logit_softcapping", float(self.logit_softcapping))
 
     def replace(self, **changes: Any) -> "LogProbsOptions":
         """A copy with ``changes`` applied (validated)."""
@@ -293,13 +310,9 @@ class PolicyLossOptions:
     max_completion_length: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.loss_type, str) or self.loss_type not in POLICY_LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {POLICY_LOSS_TYPES}, got "
-                             f"{self.loss_type!r}")
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(f"importance_sampling_level must be one of "
-                             f"{IMPORTANCE_SAMPLING_LEVELS}, got "
-                             f"{self.importance_sampling_level!r}")
+        _check_choice("loss_type", self.loss_type, POLICY_LOSS_TYPES)
+        _check_choice("importance_sampling_level", self.importance_sampling_level,
+                      IMPORTANCE_SAMPLING_LEVELS)
         _check_float("epsilon_low", self.epsilon_low, 0.0, 1.0)
         _check_float("epsilon_high", self.epsilon_high, 0.0, float("inf"))
         if self.loss_type == "cispo" and not self.epsilon_high > 0:
@@ -351,11 +364,8 @@ class DPOOptions:
     beta: float = 0.1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.loss_type, str) or self.loss_type not in DPO_LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {self.loss_type!r}")
-        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) \
-                or not self.beta > 0 or math.isinf(self.beta):
-            raise ValueError(f"beta must be a finite number > 0, got {self.beta!r}")
+        _check_choice("loss_type", self.loss_type, DPO_LOSS_TYPES)
+        _check_finite_positive("beta", self.beta)
         object.__setattr__(self, "beta", float(self.beta))
 
     def replace(self, **changes: Any) -> "DPOOptions":
@@ -424,28 +434,15 @@ class DistillationOptions:
     accum_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        if not isinstance(self.kind, str) or self.kind not in DISTILLATION_KINDS:
-            raise ValueError(f"kind must be one of {DISTILLATION_KINDS}, got {self.kind!r}")
-        if self.reduction not in CE_REDUCTIONS:
-            raise ValueError(f"reduction must be one of {CE_REDUCTIONS}, got {self.reduction!r}")
+        _check_choice("kind", self.kind, DISTILLATION_KINDS)
+        _check_choice("reduction", self.reduction, CE_REDUCTIONS)
         _check_float("beta", self.beta, 0.0, 1.0)
         _check_float("alpha", self.alpha, 0.0, 1.0)
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or math.isinf(t):
-            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
-        if not isinstance(self.temperature_squared, bool):
-            raise TypeError(f"temperature_squared must be a bool, got {self.temperature_squared!r}")
-        for name in ("logit_softcapping", "teacher_logit_softcapping"):
-            if getattr(self, name) is not None:
-                _check_float(name, getattr(self, name), 0.0, float("inf"), open_low=True,
-                             none_ok=True)
-                object.__setattr__(self, name, float(getattr(self, name)))
-        if _bad_chunk_size(self.chunk_size):
-            raise ValueError(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
-        if not isinstance(self.accum_dtype, torch.dtype) or not self.accum_dtype.is_floating_point:
-            raise TypeError(f"accum_dtype must be a floating torch.dtype, got {self.accum_dtype!r}")
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
-            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        _check_finite_positive("temperature", self.temperature)
+        _check_bool("temperature_squared", self.temperature_squared)
+        _check_softcapping(self, "logit_softcapping")
+        _check_softcapping(self, "teacher_logit_softcapping")
+        _check_chunk_fields(self)
         for name in ("beta", "alpha", "temperature"):
             object.__setattr__(self, name, float(getattr(self, name)))
 

@@ -2,11 +2,11 @@
 ranks (vocab 37, padded to 38), replicated or Megatron-sequence-parallel input, every kind and
 both teacher forms in ONE spawn, vs the float64 single-process reference on the unsharded
 heads; and a bad input on one rank raising on both."""
-import math
 
 import pytest
 import torch
 from distillation_reference import reference_distillation, teacher_topk
+from vocab_shards import shard_rows
 
 from megaloss.testing import run_distributed
 
@@ -28,13 +28,6 @@ def _inputs():
                 labels=labels)
 
 
-def _shard(t, tp, rank):
-    rows = math.ceil(t.shape[0] / tp)
-    padded = torch.zeros((rows * tp,) + tuple(t.shape[1:]), dtype=t.dtype)
-    padded[: t.shape[0]] = t
-    return padded[rank * rows: (rank + 1) * rows]
-
-
 def _opts(case):
     kind, beta, t, topk, _ = case
     return dict(kind=kind, beta=beta, temperature=t, alpha=0.25, reduction="sum",
@@ -46,7 +39,7 @@ def _teacher(inp, case, tokens=slice(None), tp_rank=None, tp=1):
     if topk:
         ids, lp = teacher_topk(inp["t_hidden"], inp["t_weight"], K, t)
         return dict(teacher_topk_ids=ids[tokens], teacher_topk_log_probs=lp[tokens])
-    w = inp["t_weight"] if tp_rank is None else _shard(inp["t_weight"], tp, tp_rank)
+    w = inp["t_weight"] if tp_rank is None else shard_rows(inp["t_weight"], tp, tp_rank)
     return dict(teacher_hidden_states=inp["t_hidden"][tokens], teacher_weight=w)
 
 
@@ -58,8 +51,8 @@ def _worker(rank, world):
         sp = case[4]
         tokens = slice(rank * N // world, (rank + 1) * N // world) if sp else slice(None)
         h = inp["hidden"][tokens].clone().requires_grad_(True)
-        w = _shard(inp["weight"], world, rank).requires_grad_(True)
-        b = _shard(inp["bias"], world, rank).requires_grad_(True)
+        w = shard_rows(inp["weight"], world, rank).requires_grad_(True)
+        b = shard_rows(inp["bias"], world, rank).requires_grad_(True)
         parallel = megaloss.VocabParallelOptions(vocab_size=V, sequence_parallel=sp)
         res = megaloss.linear_distillation_loss_with_stats(
             h, w, inp["labels"][tokens], bias=b, vocab_parallel_options=parallel, chunk_size=3,
@@ -74,7 +67,7 @@ def _worker(rank, world):
         ids[0, 0] = V + 3
     try:
         megaloss.linear_distillation_loss(
-            inp["hidden"], _shard(inp["weight"], world, rank), inp["labels"],
+            inp["hidden"], shard_rows(inp["weight"], world, rank), inp["labels"],
             teacher_topk_ids=ids, teacher_topk_log_probs=lp,
             vocab_parallel_options=megaloss.VocabParallelOptions(vocab_size=V))
         raised = None
@@ -104,7 +97,7 @@ def test_tp2_matches_the_reference_for_every_case():
             torch.testing.assert_close(grads[0], ref_grads[0][tokens], rtol=1e-10, atol=1e-10,
                                        msg=msg)
             for got, full in zip(grads[1:], ref_grads[1:]):
-                torch.testing.assert_close(got, _shard(full, 2, rank), rtol=1e-10, atol=1e-10,
+                torch.testing.assert_close(got, shard_rows(full, 2, rank), rtol=1e-10, atol=1e-10,
                                            msg=msg)
     raised = [r for _, r in results]
     assert raised[1] is not None and "teacher_topk_ids" in raised[1]

@@ -2,11 +2,11 @@
 vocab_parallel_options=VocabParallelOptions(...))`` on 2 spawned gloo ranks (vocab 37, padded to
 38) vs the float64 single-process reference on the unsharded lm_head; and the deprecated
 ``vocab_parallel_linear_cross_entropy`` giving the same numbers on the same ranks."""
-import math
 
 import pytest
 import torch
 from ce_reference import reference_linear_ce
+from vocab_shards import shard_rows
 
 from megaloss.testing import run_distributed
 
@@ -27,13 +27,6 @@ def _inputs():
     return hidden, weight, bias, labels
 
 
-def _shard(t, tp, rank):
-    rows = math.ceil(t.shape[0] / tp)
-    padded = torch.zeros((rows * tp,) + tuple(t.shape[1:]), dtype=t.dtype)
-    padded[: t.shape[0]] = t
-    return padded[rank * rows: (rank + 1) * rows]
-
-
 def _worker(rank, world):
     import warnings
 
@@ -42,8 +35,8 @@ def _worker(rank, world):
     out = []
     for old in (False, True):
         h = hidden.clone().requires_grad_(True)
-        w = _shard(weight, world, rank).requires_grad_(True)
-        b = _shard(bias, world, rank).requires_grad_(True)
+        w = shard_rows(weight, world, rank).requires_grad_(True)
+        b = shard_rows(bias, world, rank).requires_grad_(True)
         if old:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -70,9 +63,9 @@ def test_unified_entry_point_under_tp2_matches_the_reference():
         (loss, grads), (old_loss, old_grads) = per_rank
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(grads[0], ref_grads[0], rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(grads[1], _shard(ref_grads[1], 2, rank), rtol=1e-10,
+        torch.testing.assert_close(grads[1], shard_rows(ref_grads[1], 2, rank), rtol=1e-10,
                                    atol=1e-10)
-        torch.testing.assert_close(grads[2], _shard(ref_grads[2], 2, rank), rtol=1e-10,
+        torch.testing.assert_close(grads[2], shard_rows(ref_grads[2], 2, rank), rtol=1e-10,
                                    atol=1e-10)
         assert torch.equal(old_loss, loss)  # the deprecated name: the same computation
         assert all(torch.equal(a, b) for a, b in zip(old_grads, grads))

@@ -4,11 +4,11 @@ lm_head: values, and gradients of hidden_states / weight shard / bias shard for 
 upstream gradients of log_probs and entropy together. Cases: an uneven vocab (37, padded to 38),
 a vocab of 1 (rank 1 holds no real row), Megatron sequence-parallel input, fp32, and a bad label
 on one rank raising on both."""
-import math
 
 import pytest
 import torch
 from log_probs_reference import reference
+from vocab_shards import shard_rows
 
 from megaloss.testing import run_distributed
 
@@ -44,13 +44,6 @@ def _n_total(case, world):
     return case["n"] * (world if case.get("sequence_parallel") else 1)
 
 
-def _shard(t, tp, rank):
-    rows = math.ceil(t.shape[0] / tp)
-    padded = torch.zeros((rows * tp,) + tuple(t.shape[1:]), dtype=t.dtype)
-    padded[: t.shape[0]] = t
-    return padded[rank * rows: (rank + 1) * rows]
-
-
 def _worker(rank, world):
     import megaloss
     results = {}
@@ -64,9 +57,9 @@ def _worker(rank, world):
         else:
             labels_in = labels
         h = hidden.to(dtype).requires_grad_(True)
-        leaves = [h, _shard(weight, world, rank).to(dtype).requires_grad_(True)]
+        leaves = [h, shard_rows(weight, world, rank).to(dtype).requires_grad_(True)]
         if bias is not None:
-            leaves.append(_shard(bias, world, rank).to(dtype).requires_grad_(True))
+            leaves.append(shard_rows(bias, world, rank).to(dtype).requires_grad_(True))
         parallel = megaloss.VocabParallelOptions(vocab_size=case["v"], sequence_parallel=sp)
         out = megaloss.linear_log_probs(
             h, leaves[1], labels_in, bias=leaves[2] if bias is not None else None,
@@ -113,7 +106,7 @@ def test_log_probs_under_tp2_match_the_float64_reference():
                 d_hidden = d_hidden[rank * case["n"]:(rank + 1) * case["n"]]
             torch.testing.assert_close(grads[0].double(), d_hidden, **tol, msg=msg)
             for got, full in zip(grads[1:], ref_grads[1:]):
-                torch.testing.assert_close(got.double(), _shard(full, world, rank), **tol,
+                torch.testing.assert_close(got.double(), shard_rows(full, world, rank), **tol,
                                            msg=msg)
     for rank in range(world):
         assert results[rank]["bad_label"] is not None

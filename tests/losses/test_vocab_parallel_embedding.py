@@ -8,6 +8,7 @@ import pytest
 import torch
 from ce_reference import reference_linear_ce
 from torch import nn
+from vocab_shards import shard_rows
 
 from megaloss import VocabParallelEmbedding, VocabParallelLMHead
 from megaloss.testing import run_distributed
@@ -72,13 +73,6 @@ def _model_loss(emb_out, mix, head_loss, labels):
     return [head_loss(hidden[i], labels[i]) for i in range(labels.shape[0])]
 
 
-def _shard(t, tp, rank):
-    rows = math.ceil(t.shape[0] / tp)
-    padded = torch.zeros((rows * tp,) + tuple(t.shape[1:]), dtype=t.dtype)
-    padded[: t.shape[0]] = t
-    return padded[rank * rows: (rank + 1) * rows]
-
-
 def _worker(rank, world):
     table, head_w, mix, ids, labels = _inputs()
     out = {}
@@ -126,9 +120,9 @@ def test_tied_and_untied_under_tp2_match_the_float64_reference():
                 for got, want in zip(losses, ref_losses):
                     torch.testing.assert_close(got, want, **tol)
                 # the embedding shard (tied: the sum of the lookup's and the head's gradients)
-                torch.testing.assert_close(grads[0], _shard(ref_grads[0], 2, rank), **tol)
+                torch.testing.assert_close(grads[0], shard_rows(ref_grads[0], 2, rank), **tol)
                 torch.testing.assert_close(grads[1], ref_grads[1], **tol)  # replicated layer
                 if not tied:
-                    torch.testing.assert_close(grads[2], _shard(ref_grads[2], 2, rank), **tol)
+                    torch.testing.assert_close(grads[2], shard_rows(ref_grads[2], 2, rank), **tol)
             if tied:  # the lookup's padding row still trains through the head, as unsharded
                 assert ref_grads[0][PAD].abs().sum() > 0

@@ -177,6 +177,14 @@ class _OptionsSection(_Strict):
         names = {f.name for f in dataclasses.fields(self._options_cls)}
         return {k: _option_value(k, v) for k, v in self.model_dump().items() if k in names}
 
+    def _summed_options(self, ignore_index: Optional[int]) -> Any:
+        """The options of a calibrated step's call: ``reduction="sum"`` (the calibration weights
+        the tokens), ``ignore_index`` (when given) overriding the section's."""
+        fields = self._option_fields()
+        if ignore_index is not None:
+            fields["ignore_index"] = ignore_index
+        return self._options_cls(reduction="sum", **fields)
+
 
 class _CESection(_OptionsSection):
     _options_cls: ClassVar[type] = CrossEntropyOptions
@@ -194,10 +202,7 @@ class _CESection(_OptionsSection):
     def options(self, ignore_index: Optional[int] = None) -> CrossEntropyOptions:
         """The per-call CE options (``reduction="sum"``: the calibration weights the tokens);
         ``ignore_index`` overrides the section's."""
-        fields = self._option_fields()
-        if ignore_index is not None:
-            fields["ignore_index"] = ignore_index
-        return CrossEntropyOptions(reduction="sum", **fields)
+        return self._summed_options(ignore_index)
 
 
 CEConfig = create_model(
@@ -317,10 +322,7 @@ class _DistillationSection(_OptionsSection):
     def options(self, ignore_index: Optional[int] = None) -> DistillationOptions:
         """The per-call distillation options (``reduction="sum"``: the calibration weights the
         tokens); ``ignore_index`` overrides the section's."""
-        fields = self._option_fields()
-        if ignore_index is not None:
-            fields["ignore_index"] = ignore_index
-        return DistillationOptions(reduction="sum", **fields)
+        return self._summed_options(ignore_index)
 
 
 DistillationConfig = create_model(

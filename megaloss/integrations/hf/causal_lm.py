@@ -67,6 +67,59 @@ class LinearCrossEntropyHead(nn.Module):
         return f"vocab_size={v}, hidden_size={h}, {self.options!r}"
 
 
+def _linear_lm_head(model: nn.Module) -> nn.Linear:
+    """``model``'s output embedding, the lm_head a loss wrapper replaces.
+
+    Raises:
+        TypeError: ``model`` has no base model (``model.base_model`` missing or ``model`` itself)
+            or its output embedding is not an ``nn.Linear``.
+    """
+    base = getattr(model, "base_model", None)
+    if base is None or base is model:
+        raise TypeError(f"model must be a *ForCausalLM with a base model, got "
+                        f"{type(model).__name__}")
+    lm_head = model.get_output_embeddings()
+    if not isinstance(lm_head, nn.Linear):
+        raise TypeError(f"model's output embedding must be an nn.Linear, got "
+                        f"{type(lm_head).__name__}")
+    return lm_head
+
+
+def _wrapper_options(options, cls: type):
+    """A wrapper's loss options: ``options``, or ``cls(reduction="sum")`` when ``None`` (the
+    calibrated training step weights tokens itself).
+
+    Raises:
+        TypeError: ``options`` is not a ``cls``.
+    """
+    options = options if options is not None else cls(reduction="sum")
+    if not isinstance(options, cls):
+        raise TypeError(f"options must be a {cls.__name__}, got {type(options).__name__}")
+    return options
+
+
+def _shifted_targets(input_ids: torch.Tensor, labels: Optional[torch.Tensor],
+                    shift_labels: Optional[torch.Tensor], ignore_index: int) -> torch.Tensor:
+    """The ``[B, T]`` shifted targets of a wrapper's forward: ``causal_shift(labels)`` (Hugging
+    Face's unshifted labels) or ``shift_labels`` as given; exactly one of the two.
+
+    Raises:
+        ValueError: neither or both given; a shape other than that of ``input_ids``.
+    """
+    if (labels is None) == (shift_labels is None):
+        raise ValueError("pass exactly one of labels (unshifted, Hugging Face convention) and "
+                         "shift_labels (already shifted)")
+    if shift_labels is None:
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
+                             f"{tuple(input_ids.shape)}")
+        return causal_shift(labels, ignore_index)
+    if shift_labels.shape != input_ids.shape:
+        raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must have the shape of "
+                         f"input_ids {tuple(input_ids.shape)}")
+    return shift_labels
+
+
 def _is_tied(model: nn.Module, lm_head: nn.Linear) -> bool:
     inp = model.get_input_embeddings()
     return inp is not None and getattr(inp, "weight", None) is lm_head.weight
@@ -143,18 +196,8 @@ class CausalLMWithLoss(nn.Module):
     def __init__(self, model: nn.Module, *, options: Optional[CrossEntropyOptions] = None,
                  tp_group: GroupLike = SINGLE_RANK) -> None:
         super().__init__()
-        base = getattr(model, "base_model", None)
-        if base is None or base is model:
-            raise TypeError(f"model must be a *ForCausalLM with a base model, got "
-                            f"{type(model).__name__}")
-        lm_head = model.get_output_embeddings()
-        if not isinstance(lm_head, nn.Linear):
-            raise TypeError(f"model's output embedding must be an nn.Linear, got "
-                            f"{type(lm_head).__name__}")
-        self.options = options if options is not None else CrossEntropyOptions(reduction="sum")
-        if not isinstance(self.options, CrossEntropyOptions):
-            raise TypeError(f"options must be a CrossEntropyOptions, got "
-                            f"{type(self.options).__name__}")
+        lm_head = _linear_lm_head(model)
+        self.options = _wrapper_options(options, CrossEntropyOptions)
         self.ignore_index = self.options.ignore_index
         self.tp_size = group_size(tp_group)
         vocab_size, hidden_size = lm_head.weight.shape
@@ -233,17 +276,7 @@ class CausalLMWithLoss(nn.Module):
             ValueError: neither or both of ``labels`` / ``shift_labels``; a shape other than
                 that of ``input_ids``.
         """
-        if (labels is None) == (shift_labels is None):
-            raise ValueError("pass exactly one of labels (unshifted, Hugging Face convention) and "
-                             "shift_labels (already shifted)")
-        if shift_labels is None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
-                                 f"{tuple(input_ids.shape)}")
-            shift_labels = causal_shift(labels, self.ignore_index)
-        elif shift_labels.shape != input_ids.shape:
-            raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must have the shape of "
-                             f"input_ids {tuple(input_ids.shape)}")
+        shift_labels = _shifted_targets(input_ids, labels, shift_labels, self.ignore_index)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids, use_cache=False)
         return self.head(out.last_hidden_state, shift_labels, loss_weights=loss_weights)

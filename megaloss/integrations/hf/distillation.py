@@ -20,9 +20,9 @@ from torch import nn
 
 from ...losses.distillation import DistillationOutput, linear_distillation_loss_with_stats
 from ...losses.vocab_parallel import VocabParallelLMHead, vocab_shard_range
-from ...ops.labels import causal_shift
 from ...ops.options import CrossEntropyOptions, DistillationOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
+from .causal_lm import _linear_lm_head, _shifted_targets, _wrapper_options
 
 __all__ = ["CausalLMWithDistillation", "LinearDistillationHead"]
 
@@ -102,18 +102,8 @@ class CausalLMWithDistillation(nn.Module):
                  options: Optional[DistillationOptions] = None,
                  tp_group: GroupLike = SINGLE_RANK) -> None:
         super().__init__()
-        base = getattr(model, "base_model", None)
-        if base is None or base is model:
-            raise TypeError(f"model must be a *ForCausalLM with a base model, got "
-                            f"{type(model).__name__}")
-        lm_head = model.get_output_embeddings()
-        if not isinstance(lm_head, nn.Linear):
-            raise TypeError(f"model's output embedding must be an nn.Linear, got "
-                            f"{type(lm_head).__name__}")
-        self.options = options if options is not None else DistillationOptions(reduction="sum")
-        if not isinstance(self.options, DistillationOptions):
-            raise TypeError(f"options must be a DistillationOptions, got "
-                            f"{type(self.options).__name__}")
+        lm_head = _linear_lm_head(model)
+        self.options = _wrapper_options(options, DistillationOptions)
         vocab_size, hidden_size = lm_head.weight.shape
         if teacher is not None:
             t_head = teacher.get_output_embeddings()
@@ -190,13 +180,7 @@ class CausalLMWithDistillation(nn.Module):
             ValueError: neither or both of ``labels`` / ``shift_labels``; a top-k teacher
                 together with a teacher module, or neither; shapes (from the loss).
         """
-        if (labels is None) == (shift_labels is None):
-            raise ValueError("pass exactly one of labels (unshifted, Hugging Face convention) and "
-                             "shift_labels (already shifted)")
-        target = shift_labels if labels is None else causal_shift(labels, self.ignore_index)
-        if target.shape != input_ids.shape:
-            raise ValueError(f"labels {tuple(target.shape)} must have the shape of input_ids "
-                             f"{tuple(input_ids.shape)}")
+        target = _shifted_targets(input_ids, labels, shift_labels, self.ignore_index)
         topk = teacher_topk_ids is not None or teacher_topk_log_probs is not None
         if (self.teacher is not None) == topk:
             raise ValueError("give the teacher either as the wrapper's teacher module or as "

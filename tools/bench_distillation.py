@@ -226,6 +226,10 @@ def main(argv=None) -> int:
         return 0
     script = os.path.abspath(__file__)
     rows: List[Dict[str, Any]] = []
+
+    def _ratio(a: float, b: float) -> float:  # a tiny size can measure 0 extra bytes
+        return a / b if b else math.nan
+
     for n in args.sizes:
         spec = dict(tokens=n, hidden=args.hidden, vocab=args.vocab, chunk_size=args.chunk,
                     threads=args.threads, seed=args.seed, repeats=args.repeats,
@@ -241,8 +245,9 @@ def main(argv=None) -> int:
             b = mem[m].get("extra_bytes", math.nan)
             loss = mem[m].get("loss", math.nan)
             rows.append(dict(tokens=n, hidden=args.hidden, vocab=args.vocab,
-                             chunk_size=args.chunk, method=m, time_s=t, time_vs_full=t / full_t,
-                             extra_MiB=mib(b), mem_vs_full=b / full_m, loss=loss,
+                             chunk_size=args.chunk, method=m, time_s=t,
+                             time_vs_full=_ratio(t, full_t), extra_MiB=mib(b),
+                             mem_vs_full=_ratio(b, full_m), loss=loss,
                              loss_diff_vs_full=abs(loss - full_loss),
                              repeats=len(timing.get("times", {}).get(m, [])),
                              mem_method=mem[m].get("mem_method", mem[m].get("error", ""))))

@@ -62,7 +62,9 @@ def test_dry_run_writes_every_table(tmp_path):
     assert "fake_pkg" in log
 
     tests = _rows(out / "pytest_cuda.csv")
-    assert len(tests) >= 10 and all("test_cuda_epilogue" in t["test"] for t in tests)
+    assert len(tests) >= 10 and all(".test_cuda_" in t["test"] for t in tests)
+    assert {t["test"].split("::")[0] for t in tests} == {"tests.ops.test_cuda_epilogue",
+                                                         "tests.ops.test_cuda_log_probs"}
     if not torch.cuda.is_available():
         assert {t["outcome"] for t in tests} == {"skipped"}
 

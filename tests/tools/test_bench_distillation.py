@@ -17,7 +17,6 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 @pytest.mark.timeout(300)
 def test_bench_distillation_losses_and_memory(tmp_path):
     import torch.nn.functional as F
-
     from bench_distillation import BETA, METHODS, _inputs
 
     spec = dict(tokens=1024, hidden=16, vocab=2000, chunk_size=64, seed=3)

@@ -352,9 +352,10 @@ def linear_distillation_loss(
         bias: optional ``[V]`` student bias (``[Vp]`` shard).
         loss_weights: optional ``[...]`` per-token weights (e.g. from
             :class:`megaloss.LossCalibrator`, with ``reduction="sum"``).
-        kind, beta, temperature, temperature_squared, alpha, ignore_index, reduction,
-            logit_softcapping, teacher_logit_softcapping, chunk_size, accum_dtype: the fields
-            of :class:`~megaloss.ops.options.DistillationOptions`, documented there.
+        kind: this and ``beta``, ``temperature``, ``temperature_squared``, ``alpha``,
+            ``ignore_index``, ``reduction``, ``logit_softcapping``,
+            ``teacher_logit_softcapping``, ``chunk_size``, ``accum_dtype`` are the fields of
+            :class:`~megaloss.ops.options.DistillationOptions`, documented there.
         options: those fields as one :class:`~megaloss.ops.options.DistillationOptions`
             (e.g. ``MegalossConfig.distillation.options()``), instead of the keywords.
         vocab_parallel_options: a :class:`megaloss.VocabParallelOptions`: both heads are this

@@ -234,9 +234,9 @@ def policy_loss(
         weights: this micro-batch's :class:`PolicyLossWeights` from
             :func:`policy_loss_weights` (global normalisation over the step). ``None``: this
             call is the whole batch (weights from this call's mask alone, no collective).
-        loss_type, epsilon_low, epsilon_high, delta, beta, entropy_coef,
-            importance_sampling_level, max_completion_length: the fields of
-            :class:`~megaloss.ops.options.PolicyLossOptions`, documented there.
+        loss_type: this and ``epsilon_low``, ``epsilon_high``, ``delta``, ``beta``,
+            ``entropy_coef``, ``importance_sampling_level``, ``max_completion_length`` are the
+            fields of :class:`~megaloss.ops.options.PolicyLossOptions`, documented there.
         options: these fields as one :class:`PolicyLossOptions` instead of the keywords.
 
     Returns:

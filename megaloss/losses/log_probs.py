@@ -93,7 +93,8 @@ def linear_log_probs(
         bias: optional ``[V]`` (``[Vp]`` with ``vocab_parallel_options``).
         ignore_index: this and ``temperature``, ``logit_softcapping``, ``return_entropy``,
             ``chunk_size``, ``accum_dtype``, ``impl`` are the fields of
-            :class:`~megaloss.ops.options.LogProbsOptions`, documented there (``impl="auto"``: the fused Triton kernels of
+            :class:`~megaloss.ops.options.LogProbsOptions`, documented there
+            (``impl="auto"``: the fused Triton kernels of
             :mod:`megaloss.ops.triton_log_probs` on CUDA, the torch epilogue elsewhere).
         options: these fields as one :class:`~megaloss.ops.options.LogProbsOptions`, instead
             of the keywords.

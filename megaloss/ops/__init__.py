@@ -4,6 +4,8 @@ groups: cross-rank combination comes in as ``reduce_max`` / ``reduce_sum`` calla
 - :mod:`.options`: :class:`CrossEntropyOptions`, :class:`MNROptions`, :class:`LogProbsOptions`,
   :class:`DistillationOptions` (and the policy / DPO options), the validated options of the
   losses, and :func:`~.options.resolve_options` (``options=`` or keywords).
+- :mod:`.chunk_gradients`: the head's input / weight / bias gradients accumulated chunk by chunk
+  (shared by the CE, log-probs and distillation chunk loops).
 - :mod:`.chunk_stats`: the per-token statistics of a CE chunk and the loss from them (the leaf
   both epilogues import): :class:`ChunkResult`, :func:`~.chunk_stats.loss_from_stats`.
 - :mod:`.cross_entropy_chunk`: loss, log-sum-exp and logit gradient of one chunk of tokens: the

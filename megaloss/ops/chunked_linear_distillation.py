@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .chunk_gradients import HeadGradients
 from .chunk_stats import Reduce, no_reduce
 from .distillation_chunk import TopKTeacher, chunk_distillation
 from .options import DistillationOptions
@@ -65,40 +66,23 @@ def _run_chunks(plan: _Plan, hidden, weight, bias, labels, coef, need):
     top1_match; d_hidden, d_weight, d_bias)``."""
     opts = plan.opts
     n_tokens = hidden.shape[0]
-    compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    w = weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
-    b = None if bias is None else bias.to(compute_dtype)
-    need_h, need_w, need_b = need
-    accum = torch.promote_types(opts.accum_dtype, compute_dtype)
-    d_hidden = torch.empty_like(hidden) if need_h else None
-    d_weight = torch.zeros(weight.shape, dtype=accum, device=weight.device) if need_w else None
-    d_bias = torch.zeros(bias.shape, dtype=accum, device=bias.device) if need_b else None
+    grads = HeadGradients(hidden, weight, bias, opts.accum_dtype, need)
     rows = []
     for start in range(0, n_tokens, opts.chunk_size):
         stop = min(start + opts.chunk_size, n_tokens)
-        h = hidden[start:stop].to(compute_dtype)
+        h = hidden[start:stop].to(grads.dtype)
         res = chunk_distillation(
-            h, w, b, plan.teacher.chunk(start, stop), labels[start:stop],
+            h, grads.weight, grads.bias, plan.teacher.chunk(start, stop), labels[start:stop],
             None if coef is None else coef[start:stop], opts, vocab_size=plan.vocab_size,
             vocab_start=plan.vocab_start,
             reduce_max=plan.reduce_max, reduce_sum=plan.reduce_sum)
         rows.append(torch.stack([res.loss, res.divergence, res.ce, res.top1_match]))
-        if res.grad_logits is None:
-            continue
-        g = res.grad_logits.to(compute_dtype)
-        if need_h:
-            d_hidden[start:stop] = torch.mm(g, w)
-        if need_w:
-            if d_weight.dtype == compute_dtype:
-                d_weight.addmm_(g.t(), h)
-            else:
-                d_weight.add_(torch.mm(g.t(), h))
-        if need_b:
-            d_bias.add_(res.grad_logits.sum(dim=0, dtype=d_bias.dtype))
-        del res, g  # free this chunk's [C, V] buffers before the next chunk's
-    sdt = torch.promote_types(compute_dtype, torch.float32)
+        if res.grad_logits is not None:
+            grads.add(start, stop, h, res.grad_logits)
+        del res  # free this chunk's [C, V] buffers before the next chunk's
+    sdt = torch.promote_types(grads.dtype, torch.float32)
     per_token = torch.cat(rows, dim=1) if rows else hidden.new_zeros(4, 0, dtype=sdt)
-    return per_token, d_hidden, d_weight, d_bias
+    return per_token, grads.d_hidden, grads.d_weight, grads.d_bias
 
 
 class _ChunkedLinearDistillation(torch.autograd.Function):

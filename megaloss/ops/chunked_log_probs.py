@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .chunk_gradients import HeadGradients, compute_operands
 from .chunk_stats import Reduce, no_reduce
 from .cross_entropy_chunk import epilogue_impl
 from .log_probs_chunk import LogProbsChunk, chunk_log_probs, chunk_log_probs_grad
@@ -48,15 +49,9 @@ def _logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torc
     return torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
 
 
-def _compute(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-    dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    w = weight if weight.dtype == dtype else weight.to(dtype)
-    return dtype, w, None if bias is None else bias.to(dtype)
-
-
 def _forward_chunks(plan: _Plan, hidden: torch.Tensor, weight: torch.Tensor,
                     bias: Optional[torch.Tensor], labels: torch.Tensor) -> LogProbsChunk:
-    dtype, w, b = _compute(hidden, weight, bias)
+    dtype, w, b = compute_operands(hidden, weight, bias)
     parts = []
     for start in range(0, hidden.shape[0], plan.opts.chunk_size):
         stop = min(start + plan.opts.chunk_size, hidden.shape[0])
@@ -76,34 +71,21 @@ def _forward_chunks(plan: _Plan, hidden: torch.Tensor, weight: torch.Tensor,
 
 def _backward_chunks(plan: _Plan, hidden, weight, bias, labels, lse, mean_logit, grad_lp,
                      grad_ent, need: Tuple[bool, bool, bool]):
-    dtype, w, b = _compute(hidden, weight, bias)
-    need_h, need_w, need_b = need
-    accum = torch.promote_types(plan.opts.accum_dtype, dtype)
-    d_hidden = torch.empty_like(hidden) if need_h else None
-    d_weight = torch.zeros(weight.shape, dtype=accum, device=weight.device) if need_w else None
-    d_bias = torch.zeros(bias.shape, dtype=accum, device=bias.device) if need_b else None
+    grads = HeadGradients(hidden, weight, bias, plan.opts.accum_dtype, need)
     for start in range(0, hidden.shape[0], plan.opts.chunk_size):
         stop = min(start + plan.opts.chunk_size, hidden.shape[0])
-        h = hidden[start:stop].to(dtype)
-        logits = _logits(h, w, b)
+        h = hidden[start:stop].to(grads.dtype)
+        logits = _logits(h, grads.weight, grads.bias)
         _, gradient = _epilogues(plan.opts, logits)
         grad = gradient(logits, labels[start:stop], lse[start:stop],
                         None if grad_ent is None else mean_logit[start:stop],
                         grad_lp[start:stop], None if grad_ent is None else grad_ent[start:stop],
                         plan.opts, vocab_start=plan.vocab_start)
         del logits
-        if need_b:  # summed in the accumulation dtype, before the cast to the compute dtype
-            d_bias.add_(grad.sum(dim=0, dtype=d_bias.dtype))
-        g = grad.to(dtype)
-        if need_h:
-            d_hidden[start:stop] = torch.mm(g, w)
-        if need_w:
-            if d_weight.dtype == dtype:
-                d_weight.addmm_(g.t(), h)
-            else:  # bf16 GEMM, fp32 accumulation across chunks
-                d_weight.add_(torch.mm(g.t(), h))
-        del grad, g
-    return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
+        grads.add(start, stop, h, grad)
+        del grad
+    d_weight, d_bias = grads.d_weight, grads.d_bias
+    return (grads.d_hidden, None if d_weight is None else d_weight.to(weight.dtype),
             None if d_bias is None else d_bias.to(bias.dtype))
 
 

@@ -58,18 +58,58 @@ def run_jobs_in_one_launch(jobs: List[dict], spec: Path, *, timeout: float, num_
     (process start-up, i.e. importing torch / deepspeed / transformers, costs more than these
     tiny jobs, and the suite shares 2 cores).
 
-    A job is ``{"job": "train_lm" | "train_embed" | "train_embed_hf" | "distill_lm",
-    "argv": [...]}`` (the module ``launch.<job>``, imported when a job needs it), plus optionally
-    ``"expect_exit": path`` (it must stop with ``SystemExit``; rank 0 writes the message to
-    ``path``) or ``"stop_after": k`` (its stop request fires at the k-th step boundary, as a
-    SIGTERM there would), or ``"env": {name: value or None}`` (set, or with None unset, in the
-    ranks' environment for that job only, then restored). ``spec`` is where the list is written
-    for the launched processes. Before each job, local rank 0 prints :func:`job_marker` on stdout
-    (:func:`job_outputs` splits the output with it).
+    A job is ``{"job": "train_lm" | "train_embed" | "train_embed_hf" | "distill_lm" |
+    "train_grpo" | ..., "argv": [...]}`` (the module ``launch.<job>``, imported when a job needs
+    it), plus optionally:
+
+    - ``"expect_exit": path``: it must stop with ``SystemExit``; rank 0 writes the message to
+      ``path``, and every rank the message it got to ``<path>.rank<global rank>``;
+    - ``"truncate": file``: local rank 0 cuts ``file`` to half its length before the job
+      starts, as a crash while writing it would;
+    - ``"stop_after": k``: its stop request fires at the k-th step boundary, as a SIGTERM there
+      would;
+    - ``"env": {name: value or None}``: set, or with None unset, in the ranks' environment for
+      that job only, then restored.
+
+    ``spec`` is where the list is written for the launched processes. Before each job, local
+    rank 0 prints :func:`job_marker` on stdout (:func:`job_outputs` splits the output with it).
     """
     spec.write_text(json.dumps(jobs))
     return run_deepspeed_launcher(Path(__file__), ["--jobs", str(spec)], timeout=timeout,
                                   num_gpus=num_gpus, tail=tail, cwd=cwd)
+
+
+def run_jobs_in_one_process(jobs: List[dict], spec: Path, *, timeout: float, tail: int = 6000,
+                            cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """:func:`run_jobs_in_one_launch` on one process started as plain ``python`` (the jobs'
+    single-process mode: world size 1, no launcher), which saves the launcher's and
+    ``deepspeed.launcher.launch``'s start-up; asserts exit status 0.
+
+    Returns:
+        the completed process (``stdout``/``stderr`` as text).
+    """
+    spec.write_text(json.dumps(jobs))
+    env = {k: v for k, v in launcher_env().items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(Path(__file__)), "--jobs", str(spec)], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-tail:] + proc.stderr[-tail:]
+    return proc
+
+
+def script_command(script: str, *args: str, **env: str) -> List[str]:
+    """The command ``bash launch/<script> *args`` runs (``DRY_RUN=1`` makes launch/multinode.sh
+    print it instead), split into words; single node, ``env`` added to :func:`script_env`."""
+    import shlex
+
+    base = {k: v for k, v in script_env().items()
+            if k not in ("NUM_PROCS", "DS_CONFIG", "NNODES", "PET_NNODES", "SLURM_NNODES",
+                         "SLURM_JOB_NUM_NODES", "HOSTFILE", "MASTER_PORT")}
+    proc = subprocess.run(["bash", str(REPO / "launch" / script), *args], cwd=REPO,
+                          env={**base, **env, "DRY_RUN": "1"}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return shlex.split(proc.stdout.strip().splitlines()[-1])
 
 
 def job_marker(k: int) -> str:
@@ -140,6 +180,9 @@ def _drive() -> None:
         if hasattr(module, "StopRequest"):
             module.StopRequest = (_stop_after(StopRequest, job["stop_after"])
                                   if "stop_after" in job else StopRequest)
+        if job.get("truncate") and args.local_rank == 0:
+            data = Path(job["truncate"]).read_bytes()
+            Path(job["truncate"]).write_bytes(data[:len(data) // 2])
         saved = {name: os.environ.get(name) for name in job.get("env", {})}
         _set_env(job.get("env", {}))
         try:
@@ -163,6 +206,10 @@ def _run(module, argv, job: dict, local_rank: int) -> None:
         except SystemExit as e:
             if local_rank == 0:
                 Path(job["expect_exit"]).write_text(str(e.code))
+            # the other ranks of a failure found on one (launch.jobs.runs.agreed) exit with
+            # an AgreedExit naming that rank and the cause
+            Path(f"{job['expect_exit']}.rank{os.environ['RANK']}").write_text(
+                str(getattr(e, "message", e.code)))
             return
         raise AssertionError(f"{job} did not stop")
     module.main(argv)

@@ -1,7 +1,8 @@
 """End to end: the job ``bash launch/train_embed_hf.sh`` runs (``deepspeed --num_gpus 2`` on CPU,
 ZeRO-2 from ``configs/zero2_hf.json``; the script's command is checked with ``DRY_RUN=1``, and
-the two runs share one launch), as the README runs it, shrunk: a tiny BERT, four stdlib packages
-as user data (96 held-out pairs), 30 steps of 16 pairs per rank.
+the two runs are jobs of the Trainer jobs' shared launch, ``shared_launch_hf`` in conftest.py),
+as the README runs it, shrunk: a tiny BERT, four stdlib packages as user data (96 held-out
+pairs), 30 steps of 16 pairs per rank.
 
 Checks what a user sees: exit status 0, ``summary.json`` with finite metrics, held-out MRR@10
 rising, the logged MNR loss falling, ``metrics.csv`` and the plot. With ``--mini_batch_size``
@@ -12,15 +13,14 @@ rising, the logged MNR loss falling, ``metrics.csv`` and the plot. With ``--mini
 import csv
 import json
 import math
-import shlex
-import subprocess
 
 import pytest
-from launch_helpers import REPO, job_outputs, run_jobs_in_one_launch, script_env
+from launch_helpers import REPO, script_command
 
 from launch.jobs.code_search import stdlib_root
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
+              pytest.mark.xdist_group("shared_launch_hf")]
 
 STEPS = 30
 
@@ -47,33 +47,31 @@ def test_script_launches_the_job_with_the_hf_config():
     --num_gpus 2`` on train_embed_hf.py with configs/zero2_hf.json, then ARGS. The launch below
     runs that command's job (its exec path, launch/multinode.sh, is the other scripts' too:
     test_multinode.py, test_train_lm_hf.py)."""
-    env = {k: v for k, v in script_env().items()
-           if k not in ("NUM_PROCS", "DS_CONFIG", "NNODES", "PET_NNODES", "SLURM_NNODES",
-                        "SLURM_JOB_NUM_NODES", "HOSTFILE", "MASTER_PORT")}
-    proc = subprocess.run(["bash", str(REPO / "launch" / "train_embed_hf.sh"), "--steps", "3"],
-                          cwd=REPO, env={**env, "DRY_RUN": "1"}, capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    cmd = shlex.split(proc.stdout.strip().splitlines()[-1])
+    cmd = script_command("train_embed_hf.sh", "--steps", "3")
     assert cmd[:3] == ["deepspeed", "--num_gpus", "2"] and cmd[3] == "--master_port", cmd
     assert cmd[5:] == [str(REPO / "launch" / "train_embed_hf.py"), "--deepspeed_config",
                        str(REPO / "configs" / "zero2_hf.json"), "--steps", "3"], cmd
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One launch (start-up with transformers and sentence-transformers costs more than these
-    tiny jobs): the job as the script runs it (``--deepspeed_config configs/zero2_hf.json``),
-    then, where the cached loss exists, the same with ``--mini_batch_size 4``. Returns
-    ``{name: (output folder, rank 0's output)}``."""
-    tmp_path = tmp_path_factory.mktemp("train_embed_hf")
+def _names() -> list:
+    return ["out"] + (["cached"] if _has_cached_loss() else [])
+
+
+def shared_launch_hf_jobs(tmp_path) -> list:
+    """The Trainer jobs' launch (``shared_launch_hf`` in conftest.py: start-up with transformers
+    and sentence-transformers costs more than these tiny jobs): the job as the script runs it
+    (``--deepspeed_config configs/zero2_hf.json``), then, where the cached loss exists, the same
+    with ``--mini_batch_size 4``."""
     config = ["--deepspeed_config", str(REPO / "configs" / "zero2_hf.json")]
-    names = ["out"] + (["cached"] if _has_cached_loss() else [])
-    jobs = [{"job": "train_embed_hf", "argv": config + _args(tmp_path, tmp_path / name, *(
-        ["--mini_batch_size", "4"] if name == "cached" else []))} for name in names]
-    proc = run_jobs_in_one_launch(jobs, tmp_path / "jobs.json", timeout=560, cwd=tmp_path)
-    return {name: (tmp_path / name, part)
-            for name, part in zip(names, job_outputs(proc.stdout, len(jobs)))}
+    return [{"job": "train_embed_hf", "argv": config + _args(tmp_path, tmp_path / name, *(
+        ["--mini_batch_size", "4"] if name == "cached" else []))} for name in _names()]
+
+
+@pytest.fixture(scope="module")
+def runs(shared_launch_hf):
+    """``{name: (output folder, rank 0's output)}`` of the runs."""
+    run = shared_launch_hf["test_train_embed_hf"]
+    return {name: (run.tmp_path / name, part) for name, part in zip(_names(), run.outputs)}
 
 
 def check_run(out, stdout):
@@ -97,14 +95,14 @@ def check_run(out, stdout):
     return summary
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_train_embed_hf(runs):
     summary = check_run(*runs["out"])
     assert summary["loss"] == "GatheredMultipleNegativesRankingLoss"
     assert summary["loss_config"]["symmetric"] and summary["loss_config"]["scale"] == 20.0
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_train_embed_hf_cached_loss(runs):
     if "cached" not in runs:
         pytest.skip("CachedGatheredMultipleNegativesRankingLoss not in megaloss yet")

@@ -1,5 +1,7 @@
 """End to end: ``bash launch/train_lm_hf.sh`` (``deepspeed --num_gpus 2`` on CPU, ZeRO-2 from
-``configs/zero2_hf.json``, ``MegalossTrainer``), as the README runs it, shrunk: a tiny Llama,
+``configs/zero2_hf.json``, ``MegalossTrainer``), as the README runs it (the script's command is
+checked with ``DRY_RUN=1``; its job is one of the Trainer jobs' shared launch,
+``shared_launch_hf`` in conftest.py), shrunk: a tiny Llama,
 32-token blocks, 12 steps on 200 kB of the built-in stdlib text, with ``--report_to wandb`` under
 ``WANDB_MODE=offline``.
 
@@ -9,15 +11,17 @@ global batch's tokens: micro-batch 4 x GAS 2 x DP 2 x 32), the plot, and the off
 ``<output_dir>/wandb`` holding the Trainer's ``train/loss`` and the held-out ``eval/loss``.
 """
 import csv
+import importlib.util
 import json
 import math
 import subprocess
 import sys
 
 import pytest
-from launch_helpers import REPO, script_env
+from launch_helpers import REPO, script_command
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
+              pytest.mark.xdist_group("shared_launch_hf")]
 
 STEPS = 12
 
@@ -35,24 +39,41 @@ def wandb_tags(run_dir):
     return tags
 
 
-@pytest.mark.timeout(400)
-def test_train_lm_hf(tmp_path):
+def _args(tmp_path) -> list:
+    return ["--steps", str(STEPS), "--model_size", "tiny", "--seq_len", "32",
+            "--vocab_size", "320", "--max_train_bytes", "200000", "--eval_blocks", "16",
+            "--eval_every", "6", "--lr", "1e-2", "--warmup_steps", "2", "--logging_steps", "1",
+            "--report_to", "wandb", "--output_dir", str(tmp_path / "out"),
+            "--cache_dir", str(tmp_path / "cache"), "--no_progress"]
+
+
+def shared_launch_hf_jobs(tmp_path) -> list:
+    """``NUM_PROCS=2 bash launch/train_lm_hf.sh ARGS``'s job (the arguments the script gives
+    train_lm_hf.py), in the Trainer jobs' shared launch (conftest.py); W&B offline, its folders
+    unset and its default cache folder (``XDG_CACHE_HOME``) in ``tmp_path``, for this job only
+    (the job sets ``WANDB_DIR`` / ``WANDB_PROJECT`` where unset: restored after it)."""
+    if importlib.util.find_spec("wandb") is None:
+        return []
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": None,
+           "WANDB_CACHE_DIR": None, "WANDB_PROJECT": None,
+           "XDG_CACHE_HOME": str(tmp_path / "xdg-cache")}  # wandb-core's default log folder
+    cmd = script_command("train_lm_hf.sh", *_args(tmp_path), NUM_PROCS="2")
+    return [{"job": "train_lm_hf", "env": env, "argv": cmd[6:]}]
+
+
+def test_script_launches_the_job_with_the_hf_config(tmp_path):
+    cmd = script_command("train_lm_hf.sh", *_args(tmp_path), NUM_PROCS="2")
+    assert cmd[:3] == ["deepspeed", "--num_gpus", "2"] and cmd[3] == "--master_port", cmd
+    assert cmd[5:] == [str(REPO / "launch" / "train_lm_hf.py"), "--deepspeed_config",
+                       str(REPO / "configs" / "zero2_hf.json"), *_args(tmp_path)], cmd
+
+
+@pytest.mark.timeout(900)
+def test_train_lm_hf(shared_launch_hf):
     pytest.importorskip("wandb")
-    out = tmp_path / "out"
-    env = script_env(NUM_PROCS="2", WANDB_MODE="offline", WANDB_SILENT="true")
-    env.pop("WANDB_DIR", None)
-    env.pop("WANDB_CACHE_DIR", None)
-    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg-cache")  # wandb-core's default log folder
-    proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "train_lm_hf.sh"), "--steps", str(STEPS),
-         "--model_size", "tiny", "--seq_len", "32", "--vocab_size", "320",
-         "--max_train_bytes", "200000", "--eval_blocks", "16", "--eval_every", "6",
-         "--lr", "1e-2", "--warmup_steps", "2", "--logging_steps", "1",
-         "--report_to", "wandb", "--output_dir", str(out),
-         "--cache_dir", str(tmp_path / "cache"), "--no_progress"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=380)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "Gradient accumulation steps mismatch" not in proc.stdout + proc.stderr
+    run = shared_launch_hf["test_train_lm_hf"]
+    tmp_path, out = run.tmp_path, run.tmp_path / "out"
+    assert "Gradient accumulation steps mismatch" not in run.stdout + run.stderr
 
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["eval_before"], summary["eval_after"]

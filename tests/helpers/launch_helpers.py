@@ -185,10 +185,23 @@ def _drive() -> None:
             Path(job["truncate"]).write_bytes(data[:len(data) // 2])
         saved = {name: os.environ.get(name) for name in job.get("env", {})}
         _set_env(job.get("env", {}))
+        attention = dict(_attention_functions())
         try:
             _run(module, argv, job, args.local_rank)
         finally:
             _set_env(saved)
+            _attention_functions().clear()
+            _attention_functions().update(attention)
+
+
+def _attention_functions() -> dict:
+    """The overrides in transformers' attention registry (``ALL_ATTENTION_FUNCTIONS``), restored
+    after each job as a fresh process would have them (the LM job's Ulysses SP wraps its
+    ``"sdpa"`` entry and leaves it wrapped; a later job's model would run it); ``{}`` (a
+    throwaway) while transformers is not imported."""
+    module = sys.modules.get("transformers.modeling_utils")
+    functions = getattr(module, "ALL_ATTENTION_FUNCTIONS", None)
+    return {} if functions is None else functions._local_mapping
 
 
 def _set_env(values: dict) -> None:

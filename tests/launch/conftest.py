@@ -14,17 +14,29 @@ the jobs themselves take seconds).
 
 Each fixture runs the jobs of every such module collected in this session, module by module in
 collection order, jobs with an ``"env"`` (wandb) last, in one launch, and returns
-``{module name: SharedRun}``. Running one file alone launches only its jobs. The tests that use
-them set ``timeout(900)``: the first one pays for the launch (limit 840 s), and mark
-``xdist_group("<fixture name>")`` (under pytest-xdist's
-``--dist loadgroup`` one worker runs the launch for all of them).
+``{module name: SharedRun}``. Running one file alone launches only its jobs. The first of them a
+test asks for starts every launch the session's modules need, at most two at a time (the one
+asked for first), in background threads: their start-up (the launcher and
+``deepspeed.launcher.launch`` start one after the other on one core) and single-rank phases
+overlap on the suite's 2 cores, and a test asking for another launch waits only for the rest of
+that launch. Under pytest-xdist each worker starts only the launches its tests ask for; the tests
+mark ``xdist_group("<fixture name>")`` (``--dist loadgroup``: one worker runs a launch for all
+of them). The tests that use them set ``timeout(900)``: the first one pays for the launch (limit
+840 s).
 """
 import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import pytest
 from launch_helpers import job_outputs, run_jobs_in_one_launch
+
+# fixture name -> (the modules' function giving its jobs, processes, runs in its own folder)
+LAUNCHES = {"shared_launch": ("shared_launch_jobs", 2, False),
+            "shared_launch_hf": ("shared_launch_hf_jobs", 2, True),
+            "shared_launch_4procs": ("shared_launch_4procs_jobs", 4, False)}
+MAX_CONCURRENT = 2  # launches at a time: the suite runs on 2 cores
 
 
 @dataclasses.dataclass
@@ -36,51 +48,86 @@ class SharedRun:
     stderr: str
 
 
-def _shared(request, tmp_path_factory, attr: str, folder: str, num_gpus: int,
-            in_folder: bool = False) -> Dict[str, SharedRun]:
-    """One launch of ``num_gpus`` processes running the jobs ``module.<attr>(tmp_path)`` of
-    every collected module that defines it (working directory: the repository, or with
-    ``in_folder`` the launch's own temporary folder)."""
+@dataclasses.dataclass
+class _Launch:
+    entries: List[Tuple[str, int, dict]]  # (module name, index in the module's list, job)
+    folders: Dict[str, Path]  # module name -> its folder
+    future: Future  # of the launch's CompletedProcess
+
+    def runs(self) -> Dict[str, SharedRun]:
+        proc = self.future.result()
+        parts = job_outputs(proc.stdout, len(self.entries))
+        runs = {}
+        for name, path in self.folders.items():
+            mine = [(i, job, part) for (owner, i, job), part in zip(self.entries, parts)
+                    if owner == name]
+            mine.sort(key=lambda m: m[0])
+            runs[name] = SharedRun(path, [m[1] for m in mine], [m[2] for m in mine],
+                                   proc.stdout, proc.stderr)
+        return runs
+
+
+def _start(request, tmp_path_factory, pool: ThreadPoolExecutor, fixture: str) -> _Launch:
+    """Collect the jobs of launch ``fixture`` (in this thread: the modules' functions write their
+    configs) and queue the launch on ``pool``."""
+    attr, num_gpus, in_folder = LAUNCHES[fixture]
     modules = []
     for item in request.session.items:
         module = getattr(item, "module", None)
         if hasattr(module, attr) and module not in modules:
             modules.append(module)
-    entries = []  # (module name, index in the module's list, job)
-    folders = {}
+    entries, folders = [], {}
     for module in modules:
         name = module.__name__.rsplit(".", 1)[-1]
         folders[name] = tmp_path_factory.mktemp(name)
         entries += [(name, i, job) for i, job in enumerate(getattr(module, attr)(
             folders[name]))]
     entries.sort(key=lambda e: "env" in e[2])  # stable: wandb's run stays open to the end
-    root = tmp_path_factory.mktemp(folder)
-    proc = run_jobs_in_one_launch([job for _, _, job in entries], root / "jobs.json",
-                                  timeout=840, num_gpus=num_gpus,
-                                  **({"cwd": root} if in_folder else {}))
-    (root / "launch.log").write_text(proc.stdout + proc.stderr)
-    parts = job_outputs(proc.stdout, len(entries))
-    runs = {}
-    for name, path in folders.items():
-        mine = sorted((i, part) for (owner, i, _), part in zip(entries, parts) if owner == name)
-        runs[name] = SharedRun(path, [e[2] for e in sorted(
-            (e for e in entries if e[0] == name), key=lambda e: e[1])],
-            [part for _, part in mine], proc.stdout, proc.stderr)
-    return runs
+    root = tmp_path_factory.mktemp(fixture)
+
+    def launch():
+        proc = run_jobs_in_one_launch([job for _, _, job in entries], root / "jobs.json",
+                                      timeout=840, num_gpus=num_gpus,
+                                      **({"cwd": root} if in_folder else {}))
+        (root / "launch.log").write_text(proc.stdout + proc.stderr)
+        return proc
+
+    return _Launch(entries, folders, pool.submit(launch))
 
 
 @pytest.fixture(scope="session")
-def shared_launch(request, tmp_path_factory) -> Dict[str, SharedRun]:
-    return _shared(request, tmp_path_factory, "shared_launch_jobs", "shared_launch", 2)
+def _launches(request, tmp_path_factory):
+    """``start(fixture)``: the launch ``fixture``, started (with, outside pytest-xdist, every
+    other launch the session's modules need) on its first call."""
+    started: Dict[str, _Launch] = {}
+    pool = ThreadPoolExecutor(MAX_CONCURRENT, thread_name_prefix="shared-launch")
+
+    def start(fixture: str) -> _Launch:
+        if fixture not in started:
+            wanted = [fixture]
+            if not hasattr(request.config, "workerinput"):  # not an xdist worker
+                wanted += [f for f in LAUNCHES if f != fixture and any(
+                    hasattr(getattr(item, "module", None), LAUNCHES[f][0])
+                    for item in request.session.items)]
+            for f in wanted:
+                if f not in started:
+                    started[f] = _start(request, tmp_path_factory, pool, f)
+        return started[fixture]
+
+    yield start
+    pool.shutdown(wait=True, cancel_futures=True)  # a queued launch no test waited for: dropped
 
 
 @pytest.fixture(scope="session")
-def shared_launch_4procs(request, tmp_path_factory) -> Dict[str, SharedRun]:
-    return _shared(request, tmp_path_factory, "shared_launch_4procs_jobs",
-                   "shared_launch_4procs", 4)
+def shared_launch(_launches) -> Dict[str, SharedRun]:
+    return _launches("shared_launch").runs()
 
 
 @pytest.fixture(scope="session")
-def shared_launch_hf(request, tmp_path_factory) -> Dict[str, SharedRun]:
-    return _shared(request, tmp_path_factory, "shared_launch_hf_jobs", "shared_launch_hf", 2,
-                   in_folder=True)
+def shared_launch_hf(_launches) -> Dict[str, SharedRun]:
+    return _launches("shared_launch_hf").runs()
+
+
+@pytest.fixture(scope="session")
+def shared_launch_4procs(_launches) -> Dict[str, SharedRun]:
+    return _launches("shared_launch_4procs").runs()

@@ -5,7 +5,9 @@ and ZeRO-2 with TP=2 (vocab-parallel head), and for the embedding job (ZeRO-2, D
 the per-rank RNG states must be restored). The embedding job's cosine LR schedule depends on
 ``--steps``, so its first half is a 2N-step run stopped after step N the way SIGTERM stops it
 (the stop request is injected at that step boundary). Also: ``--eval_only --resume`` reproduces the
-uninterrupted run's final evaluation exactly, and a rerun into a folder holding a run is refused.
+uninterrupted run's final evaluation exactly, a rerun into a folder holding a run is refused,
+and a resume from a checkpoint whose file was cut short (as a crash while saving leaves it) is
+refused on every rank with a message naming the file.
 
 One launcher run drives every job (``launch_helpers.run_jobs_in_one_launch`` calls the jobs'
 ``main`` in turn, in the same processes: start-up costs more than these tiny jobs), the launch
@@ -20,11 +22,12 @@ import sys
 
 import pytest
 import torch
-from launch_helpers import REPO, run_jobs_in_one_launch
+from launch_helpers import REPO, run_jobs_in_one_process
 
 from launch.jobs.code_search import stdlib_root
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
+              pytest.mark.xdist_group("shared_launch")]
 
 N = 3  # steps before the interruption; the runs go to 2N
 LM_LAYOUTS = [(2, 1), (3, 1), (2, 2)]  # (ZeRO stage, TP) on 2 processes
@@ -138,6 +141,14 @@ def shared_launch_jobs(tmp_path) -> list:
         {"job": "train_embed", "argv": _embed_args(part, cache, 2 * N, "--resume",
                                                    "--eval_only")},
     ]
+    # the ZeRO-2 layout's step N (read by no test once resumed from), its model file cut in half
+    # on local rank 0 just before the job: every rank exits naming the file
+    step = tmp_path / "lm21-part" / "checkpoints" / f"step_{N}"
+    jobs += [{"job": "train_lm", "argv": _lm_args(tmp_path / "zero2-tp1.json",
+                                                  tmp_path / "lm21-part", cache, 2 * N,
+                                                  "--resume", str(step)),
+              "truncate": str(step / "mp_rank_00_model_states.pt"),
+              "expect_exit": str(tmp_path / "truncated.txt")}]
     # a branch: 4 steps saved every 2, then resumed from step_2 to step 3 without --save_every,
     # then --eval_only --resume (latest)
     cfg2 = tmp_path / "zero2-tp1.json"
@@ -200,9 +211,21 @@ def test_eval_only_reproduces_the_final_evaluation_and_a_rerun_is_refused(runs):
 
 
 @pytest.mark.timeout(900)
+def test_a_truncated_checkpoint_file_is_refused_with_its_path_on_every_rank(runs):
+    tmp_path = runs[0]
+    cut = tmp_path / "lm21-part" / "checkpoints" / f"step_{N}" / "mp_rank_00_model_states.pt"
+    # rank 0 checked the files; rank 1 exits with rank 0's message (launch.jobs.runs.agreed)
+    for rank, start in ((0, f"--resume {cut.parent}: "),
+                        (1, f"error on rank 0 (--resume {cut.parent}): --resume {cut.parent}: ")):
+        message = (tmp_path / f"truncated.txt.rank{rank}").read_text()
+        assert message.startswith(start + f"checkpoint file {cut} is truncated or corrupted"), \
+            (rank, message)
+
+
+@pytest.mark.timeout(900)
 def test_universal_checkpoint_from_tp2_resumes_on_one_process(runs):
-    """TP=2 (2 processes) -> universal checkpoint -> TP=1 (1 process): evaluation and training
-    continue where the TP=2 run stopped."""
+    """TP=2 (2 processes) -> universal checkpoint -> TP=1 (1 process, plain ``python``, the
+    jobs' single-process mode): evaluation and training continue where the TP=2 run stopped."""
     tmp_path = runs[0]
     cache = tmp_path / "cache"
     src = tmp_path / "lm22-full" / "checkpoints"
@@ -217,12 +240,12 @@ def test_universal_checkpoint_from_tp2_resumes_on_one_process(runs):
     cfg1 = tmp_path / "universal-tp1.json"
     cfg1.write_text(json.dumps(cfg))
     one = tmp_path / "lm-universal"
-    run_jobs_in_one_launch([
+    run_jobs_in_one_process([
         {"job": "train_lm", "argv": _lm_args(cfg1, one, cache, 2 * N, "--eval_only",
                                              "--resume", str(src / "universal"))},
         {"job": "train_lm", "argv": _lm_args(cfg1, one, cache, 2 * N + 2, "--resume",
                                              str(src / "universal"))}],
-        tmp_path / "universal.json", timeout=300, num_gpus=1)
+        tmp_path / "universal.json", timeout=300)
     full = json.loads((tmp_path / "lm22-full" / "summary.json").read_text())
     report = json.loads((one / f"eval_step{2 * N}.json").read_text())
     assert report["eval"]["loss"] == full["eval_after"]["loss"]

@@ -1,8 +1,9 @@
 """End to end: ``launch/distill_lm.py`` under ``deepspeed --num_gpus 2`` on CPU with the default
 ``configs/zero2.json`` (TP=2: both lm_heads vocab-parallel; no warm-up, 48-token chunks), shrunk:
-a tiny teacher, a smaller student, 32-token blocks, 200 kB of the built-in stdlib text. One
-launch runs the job twice: first without ``--teacher`` (it trains and saves its teacher), then
-with ``--teacher`` pointing at that checkpoint (another divergence and temperature).
+a tiny teacher, a smaller student, 32-token blocks, 200 kB of the built-in stdlib text. The
+launch several test files share (``shared_launch`` in conftest.py) runs the job twice: first
+without ``--teacher`` (it trains and saves its teacher), then with ``--teacher`` pointing at
+that checkpoint (another divergence and temperature).
 
 Checks the summary table's fields (not that distillation wins at this size): three rows with
 sizes, parameters, steps and finite held-out perplexity / CE; both students start from the same
@@ -14,9 +15,10 @@ import json
 import math
 
 import pytest
-from launch_helpers import REPO, run_jobs_in_one_launch
+from launch_helpers import REPO
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
+              pytest.mark.xdist_group("shared_launch")]
 
 TEACHER_STEPS, STEPS, REUSE_STEPS = 4, 3, 2
 SHRUNK = ["--seq_len", "32", "--vocab_size", "320", "--max_train_bytes", "200000",
@@ -24,9 +26,9 @@ SHRUNK = ["--seq_len", "32", "--vocab_size", "320", "--max_train_bytes", "200000
           "--teacher_model_size", "tiny", "--hidden_size", "16", "--num_layers", "1"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("distill_lm")
+def shared_launch_jobs(tmp) -> list:
+    """The two runs, in the shared launch (conftest.py): ``first`` trains its teacher, ``second``
+    reuses that teacher's checkpoint."""
     first, second = tmp / "first", tmp / "second"
     # the default config without its warm-up (the loss must move within a few steps), and
     # several chunks per micro-batch
@@ -36,7 +38,7 @@ def runs(tmp_path_factory):
     cfg["megaloss"]["ce"]["chunk_size"] = 48
     (tmp / "zero2.json").write_text(json.dumps(cfg))
     cache = ["--cache_dir", str(tmp / "cache"), "--deepspeed_config", str(tmp / "zero2.json")]
-    run_jobs_in_one_launch([
+    return [
         {"job": "distill_lm", "argv": SHRUNK + cache + [
             "--teacher_steps", str(TEACHER_STEPS), "--steps", str(STEPS),
             "--output_dir", str(first)]},
@@ -44,8 +46,14 @@ def runs(tmp_path_factory):
             "--teacher", str(first / "teacher" / "checkpoints"), "--steps", str(REUSE_STEPS),
             "--kind", "jsd", "--temperature", "2", "--alpha", "0.25",
             "--output_dir", str(second)]},
-    ], tmp / "jobs.json", timeout=560)
-    return first, second
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(shared_launch):
+    """The output folders of the first and the second run."""
+    tmp = shared_launch["test_distill_lm"].tmp_path
+    return tmp / "first", tmp / "second"
 
 
 def _summary(out):
@@ -75,7 +83,7 @@ def _check_table(summary, teacher_steps, steps):
     assert kd["eval_after"]["loss"] != pytest.approx(ce["eval_after"]["loss"], rel=1e-4)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_distill_lm_trains_its_teacher(runs):
     first, _ = runs
     summary = _summary(first)
@@ -90,7 +98,7 @@ def test_distill_lm_trains_its_teacher(runs):
     assert (first / "loss_curve.png").stat().st_size > 0
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_distill_lm_reuses_a_teacher_checkpoint(runs):
     first, second = runs
     summary = _summary(second)

@@ -30,7 +30,8 @@ from launch_helpers import REPO
 
 from launch.jobs.code_search import stdlib_root
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
+              pytest.mark.xdist_group("shared_launch")]
 
 STEPS = 4
 TRAIN_SERIES = ("loss", "z_loss", "num_tokens", "lr", "grad_norm", "tokens_per_s",

@@ -21,7 +21,8 @@ from launch_helpers import monitor_column
 
 from launch.jobs.code_search import stdlib_root
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
+              pytest.mark.xdist_group("shared_launch")]
 
 STEPS = 24
 

@@ -3,30 +3,47 @@
 steps of two optimizer steps per rollout (so the old policy's log-probs and the PPO ratio act)
 with the shipped config's KL to the SFT model. Checks what a user reads in summary.json and
 metrics.csv, and that GRPO raised the held-out reward above the SFT model's. The task, reward and
-advantages themselves: tests/launch/test_grpo_task.py."""
+advantages themselves: tests/launch/test_grpo_task.py.
+
+The script's command (``DRY_RUN=1`` prints it: ``deepspeed --num_gpus 2 ... train_grpo.py
+--deepspeed_config configs/grpo.json ARGS``) is what the test runs: its job arguments are a job
+of the launch several test files share (``shared_launch`` in conftest.py)."""
 import csv
 import json
-import subprocess
 
 import pytest
-from launch_helpers import REPO, script_env
+from launch_helpers import REPO, script_command
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
+pytestmark = [pytest.mark.deepspeed, pytest.mark.slow, pytest.mark.xdist_group("shared_launch")]
 
 SFT_STEPS, STEPS = 20, 20
 
 
-@pytest.mark.timeout(600)
-def test_grpo_job_raises_the_held_out_reward(tmp_path):
-    out = tmp_path / "grpo"
-    proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "train_grpo.sh"), "--vocab_size", "1024",
-         "--max_train_bytes", "200000", "--num_items", "8", "--list_length", "4",
-         "--sft_steps", str(SFT_STEPS), "--steps", str(STEPS), "--num_iterations", "2",
-         "--eval_prompts", "128", "--eval_every", "10", "--output_dir", str(out),
-         "--cache_dir", str(tmp_path / "cache"), "--no_progress"],
-        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=580)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def _args(tmp_path) -> list:
+    return ["--vocab_size", "1024", "--max_train_bytes", "200000", "--num_items", "8",
+            "--list_length", "4", "--sft_steps", str(SFT_STEPS), "--steps", str(STEPS),
+            "--num_iterations", "2", "--eval_prompts", "128", "--eval_every", "10",
+            "--output_dir", str(tmp_path / "grpo"), "--cache_dir", str(tmp_path / "cache"),
+            "--no_progress"]
+
+
+def shared_launch_jobs(tmp_path) -> list:
+    """``bash launch/train_grpo.sh ARGS``'s job: the arguments the script gives train_grpo.py."""
+    cmd = script_command("train_grpo.sh", *_args(tmp_path))
+    return [{"job": "train_grpo", "argv": cmd[6:]}]
+
+
+def test_script_launches_the_job_with_the_grpo_config(tmp_path):
+    cmd = script_command("train_grpo.sh", *_args(tmp_path))
+    assert cmd[:3] == ["deepspeed", "--num_gpus", "2"] and cmd[3] == "--master_port", cmd
+    assert cmd[5:] == [str(REPO / "launch" / "train_grpo.py"), "--deepspeed_config",
+                       str(REPO / "configs" / "grpo.json"), *_args(tmp_path)], cmd
+
+
+@pytest.mark.timeout(900)
+def test_grpo_job_raises_the_held_out_reward(shared_launch):
+    run = shared_launch["test_train_grpo"]
+    out = run.tmp_path / "grpo"
     s = json.loads((out / "summary.json").read_text())
     assert (s["dp"], s["zero_stage"], s["sft_steps"], s["steps"]) == (2, 2, SFT_STEPS, STEPS)
     assert s["prompts_per_step"] * s["num_generations"] == 2 * 32 * 2  # DP x micro x GAS
@@ -50,4 +67,4 @@ def test_grpo_job_raises_the_held_out_reward(tmp_path):
     assert any(float(r["kl"]) > 0 for r in grpo)
     assert float(grpo[9]["eval_reward"]) == s["evals"][2]["reward"]
     assert (out / "loss_curve.png").stat().st_size > 0
-    assert "after GRPO" in proc.stdout
+    assert "after GRPO" in run.outputs[0]

@@ -6,18 +6,19 @@ calibrated metrics, the ``csv_monitor`` files DeepSpeed writes from ``engine.mon
 plot, and that training works: held-out cross-entropy and the train loss both fall.
 Layouts: ZeRO-0, ZeRO-1 and ZeRO-3 with DP=2 x TP=1 (ZeRO really partitions), ZeRO-2 with
 DP=1 x TP=2 (the main job's layout: vocab-parallel CE, here with ``--tie_word_embeddings``: the
-input embedding on the lm_head's vocab shard). One launcher run drives all four jobs
-(``launch_helpers.run_jobs_in_one_launch`` calls ``launch.train_lm.main`` per layout): process
-start-up dominates the cost.
+input embedding on the lm_head's vocab shard). The four layouts are jobs of the launch several
+test files share (``shared_launch`` in conftest.py: process start-up costs more than these tiny
+jobs).
 """
 import csv
 import json
 from pathlib import Path
 
 import pytest
-from launch_helpers import REPO, monitor_column, run_jobs_in_one_launch
+from launch_helpers import REPO, monitor_column
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
+              pytest.mark.xdist_group("shared_launch")]
 
 STEPS = 6
 
@@ -43,25 +44,21 @@ def _job_args(ds_config, out, cache) -> list:
             "--cache_dir", str(cache), "--no_progress"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One launcher run of the four layouts; their output folders by (stage, TP)."""
-    tmp = tmp_path_factory.mktemp("train_lm")
-    jobs, outs = [], {}
+def shared_launch_jobs(tmp_path) -> list:
+    """The four layouts, in the shared launch (conftest.py); output in ``out-zero<stage>``."""
+    jobs = []
     for stage, tp in LAYOUTS:
-        ds_config = tmp / f"zero{stage}-tp{tp}.json"
+        ds_config = tmp_path / f"zero{stage}-tp{tp}.json"
         ds_config.write_text(json.dumps(_ds_config(stage, tp)))
-        outs[stage, tp] = tmp / f"out-zero{stage}"
-        argv = _job_args(ds_config, outs[stage, tp], tmp / "cache")
+        argv = _job_args(ds_config, tmp_path / f"out-zero{stage}", tmp_path / "cache")
         jobs.append({"job": "train_lm", "argv": argv + ["--tie_word_embeddings"] * (tp == 2)})
-    run_jobs_in_one_launch(jobs, tmp / "jobs.json", timeout=560)
-    return outs
+    return jobs
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("stage,tp", LAYOUTS, ids=lambda v: str(v))
-def test_train_lm_under_deepspeed_launcher(runs, stage, tp):
-    _check_outputs(runs[stage, tp], stage, tp)
+def test_train_lm_under_deepspeed_launcher(shared_launch, stage, tp):
+    _check_outputs(shared_launch["test_train_lm"].tmp_path / f"out-zero{stage}", stage, tp)
 
 
 def _check_outputs(out: Path, stage: int, tp: int) -> None:

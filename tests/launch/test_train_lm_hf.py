@@ -1,9 +1,8 @@
 """End to end: ``bash launch/train_lm_hf.sh`` (``deepspeed --num_gpus 2`` on CPU, ZeRO-2 from
 ``configs/zero2_hf.json``, ``MegalossTrainer``), as the README runs it (the script's command is
 checked with ``DRY_RUN=1``; its job is one of the Trainer jobs' shared launch,
-``shared_launch_hf`` in conftest.py), shrunk: a tiny Llama,
-32-token blocks, 12 steps on 200 kB of the built-in stdlib text, with ``--report_to wandb`` under
-``WANDB_MODE=offline``.
+``shared_launch_hf`` in conftest.py), shrunk: a tiny Llama, 32-token blocks, 12 steps on 200 kB
+of the built-in stdlib text, with ``--report_to wandb`` under ``WANDB_MODE=offline``.
 
 Checks what a user sees: exit status 0, ``summary.json`` with finite held-out CE / perplexity
 that fall, the logged train loss falling, ``metrics.csv`` (global valid tokens per step = the

@@ -4,31 +4,35 @@
 the job says so; the input embedding on the first stage tied to the lm_head on the last), a tiny
 model for a few steps; summary.json records the layout, every rank's peak memory, and the loss
 falls. (Exactness of the pipeline against one device:
-tests/integrations/test_deepspeed_pipeline.py.)"""
+tests/integrations/test_deepspeed_pipeline.py.)
+
+The script's command (``DRY_RUN=1`` prints it; checked in test_train_lm_sequence_parallel.py) is
+what runs: its job arguments are a job of the 4-process launch that file shares
+(``shared_launch_4procs`` in conftest.py)."""
 import json
-import subprocess
 
 import pytest
-from launch_helpers import REPO, script_env
+from launch_helpers import script_command
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
+pytestmark = [pytest.mark.deepspeed, pytest.mark.slow,
+              pytest.mark.xdist_group("shared_launch_4procs")]
 
 
-@pytest.mark.timeout(400)
-def test_lm_job_runs_with_pipeline_parallelism(tmp_path):
-    out = tmp_path / "pp"
-    env = script_env(NUM_PROCS="4")
-    proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "train_lm.sh"), "--pipeline_parallel_size", "2",
-         "--tie_word_embeddings",
-         "--model_size", "tiny", "--seq_len", "32", "--vocab_size", "320", "--steps", "6",
-         "--max_train_bytes", "200000", "--eval_blocks", "8", "--output_dir", str(out),
-         "--cache_dir", str(tmp_path / "cache"), "--no_progress"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=380)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "asks for ZeRO-2, running at ZeRO-1" in log
-    summary = json.loads((out / "summary.json").read_text())
+def shared_launch_4procs_jobs(tmp_path) -> list:
+    """``NUM_PROCS=4 bash launch/train_lm.sh ARGS``'s job: the arguments it gives train_lm.py."""
+    args = ["--pipeline_parallel_size", "2", "--tie_word_embeddings", "--model_size", "tiny",
+            "--seq_len", "32", "--vocab_size", "320", "--steps", "6",
+            "--max_train_bytes", "200000", "--eval_blocks", "8",
+            "--output_dir", str(tmp_path / "pp"), "--cache_dir", str(tmp_path / "cache"),
+            "--no_progress"]
+    return [{"job": "train_lm", "argv": script_command("train_lm.sh", *args, NUM_PROCS="4")[6:]}]
+
+
+@pytest.mark.timeout(900)
+def test_lm_job_runs_with_pipeline_parallelism(shared_launch_4procs):
+    run = shared_launch_4procs["test_train_lm_pipeline"]
+    assert "asks for ZeRO-2, running at ZeRO-1" in run.outputs[0]
+    summary = json.loads((run.tmp_path / "pp" / "summary.json").read_text())
     assert (summary["dp"], summary["tp"], summary["pp"], summary["zero_stage"]) == (1, 2, 2, 1)
     assert len(summary["peak_memory_mib_per_rank"]) == 4
     assert summary["last_loss"] < summary["first_loss"]

@@ -2,27 +2,43 @@
 ``NUM_PROCS=4 bash launch/train_lm.sh --sequence_parallel_size 2`` (DP=1 x SP=2 x TP=2 with the
 default ZeRO-2 config), a tiny model for a few steps; summary.json records the layout and the loss
 falls; the 12 held-out blocks make a full and a partial evaluation batch. (Exactness of SP against
-one device: tests/integrations/test_deepspeed_sequence_parallel.py.)"""
+one device: tests/integrations/test_deepspeed_sequence_parallel.py.)
+
+The script's command (``DRY_RUN=1`` prints it: ``deepspeed --num_gpus 4 ... train_lm.py
+--deepspeed_config configs/zero2.json ARGS``) is what runs: its job arguments are a job of the
+4-process launch test_train_lm_pipeline.py shares (``shared_launch_4procs`` in conftest.py)."""
 import json
-import subprocess
 
 import pytest
-from launch_helpers import REPO, script_env
+from launch_helpers import REPO, script_command
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
+pytestmark = [pytest.mark.deepspeed, pytest.mark.slow,
+              pytest.mark.xdist_group("shared_launch_4procs")]
 
 
-@pytest.mark.timeout(400)
-def test_lm_job_runs_with_sequence_parallelism(tmp_path):
-    out = tmp_path / "sp"
-    env = script_env(NUM_PROCS="4")
-    proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "train_lm.sh"), "--sequence_parallel_size", "2",
-         "--model_size", "tiny", "--seq_len", "32", "--vocab_size", "320", "--steps", "6",
-         "--max_train_bytes", "200000", "--eval_blocks", "12", "--output_dir", str(out),
-         "--cache_dir", str(tmp_path / "cache"), "--no_progress"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=380)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def _args(tmp_path) -> list:
+    return ["--sequence_parallel_size", "2", "--model_size", "tiny", "--seq_len", "32",
+            "--vocab_size", "320", "--steps", "6", "--max_train_bytes", "200000",
+            "--eval_blocks", "12", "--output_dir", str(tmp_path / "sp"),
+            "--cache_dir", str(tmp_path / "cache"), "--no_progress"]
+
+
+def shared_launch_4procs_jobs(tmp_path) -> list:
+    """``NUM_PROCS=4 bash launch/train_lm.sh ARGS``'s job: the arguments it gives train_lm.py."""
+    return [{"job": "train_lm", "argv": script_command("train_lm.sh", *_args(tmp_path),
+                                                       NUM_PROCS="4")[6:]}]
+
+
+def test_script_launches_four_processes_with_the_zero2_config(tmp_path):
+    cmd = script_command("train_lm.sh", *_args(tmp_path), NUM_PROCS="4")
+    assert cmd[:3] == ["deepspeed", "--num_gpus", "4"] and cmd[3] == "--master_port", cmd
+    assert cmd[5:] == [str(REPO / "launch" / "train_lm.py"), "--deepspeed_config",
+                       str(REPO / "configs" / "zero2.json"), *_args(tmp_path)], cmd
+
+
+@pytest.mark.timeout(900)
+def test_lm_job_runs_with_sequence_parallelism(shared_launch_4procs):
+    out = shared_launch_4procs["test_train_lm_sequence_parallel"].tmp_path / "sp"
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["dp"], summary["sp"], summary["tp"]) == (1, 2, 2)
     assert summary["last_loss"] < summary["first_loss"]

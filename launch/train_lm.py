@@ -144,6 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     tok, train_blocks, held_blocks, info, data_key = load_blocks(args, log)
     vocab = tok.get_vocab_size()
 
+    restore_attention = lambda: None  # noqa: E731
     if pp > 1:  # DeepSpeed's pipeline engine: the Llama in stages (launch/jobs/lm_pipeline.py)
         pipe = build_pipeline_job(args, ds_config, ml, vocab, str(out_dir), log)
         me, cfg, n_params, topo = pipe.me, pipe.config, pipe.parameters, pipe.me.topology
@@ -152,7 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         model, cfg = build_llama(args, vocab, "sdpa" if topo.sp_size > 1 else None)
         # With SP each rank runs the decoder on its slice of every sample; attention all-to-alls
         # heads over the SP group (DeepSpeed's UlyssesSPAttentionHF).
-        enable_ulysses_attention(model, topo, micro_batch_size=micro)
+        # (process-global: restored when the job ends, for a caller that goes on in-process)
+        restore_attention = enable_ulysses_attention(model, topo, micro_batch_size=micro)
         wrapper = CausalLMWithLoss(model, options=ml.ce.options(), tp_group=topo.tp_group)
         # decoder + the full (unsharded) lm_head, whatever the TP size (a tied one is the
         # embedding)
@@ -244,6 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     finish_run(out_dir, rank, lambda: write_lm_outputs(
         out_dir, rows, evals, summary, f"megaloss LM: {summary['model']} on {summary['data']}"),
         lambda: print_summary(summary), log, engine=engine, stop=stop)
+    restore_attention()
     return summary
 
 

@@ -31,6 +31,8 @@ from megaloss.configs import config_path
 from megaloss.tools import check_layout
 
 TIED = '{"tie_word_embeddings": true}'
+# the tests reading the 4-process run: on one pytest-xdist worker, so that it runs once
+FOUR_PROCS = pytest.mark.xdist_group("check_layout_four_procs")
 
 
 def _config(tmp_path, stage: int, tp: int = 2) -> str:
@@ -78,6 +80,7 @@ def four_procs(tmp_path_factory):
 @pytest.mark.deepspeed
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
+@FOUR_PROCS
 @pytest.mark.parametrize("stage", [2, 3])
 def test_dp2_tp2_trains_like_one_device(four_procs, stage):
     # ZeRO-3 with the input embedding tied to the lm_head (the embedding on the head's shard)
@@ -96,6 +99,7 @@ def test_dp2_tp2_trains_like_one_device(four_procs, stage):
 @pytest.mark.deepspeed
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
+@FOUR_PROCS
 def test_wrong_calibration_fails_and_names_the_cause(four_procs):
     proc, sections = four_procs
     out = sections[3]
@@ -223,6 +227,7 @@ def _pipeline_config(tmp_path) -> str:
 @pytest.mark.deepspeed
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
+@FOUR_PROCS
 def test_pipeline_layout_trains_like_one_device(four_procs):
     # tied: the embedding on stage 0 and the lm_head on stage 1 share one weight (TiedLayerSpec)
     proc, sections = four_procs

@@ -20,9 +20,10 @@ back-propagates the loss ``sum(a * log_probs) + sum(c * entropy)`` with random p
 
 Measured as ``tools/bench_ce.py`` does (method in ``tools/_bench_common.py``): extra peak memory
 above inputs, weight and their preallocated ``.grad`` in a fresh process per method and size;
-time as the median of ``--repeats`` interleaved rounds in one more process, ratios taken within
-a round. ``--tp`` then runs ``megaloss`` (log-probs + entropy) vocab-parallel over TP spawned
-gloo ranks sharing this machine's cores: extra peak memory per rank (max over ranks) and time.
+time as the median of ``--repeats`` interleaved rounds (after a discarded full-size one) in
+the last of those processes once its peak is read, ratios taken within a round. ``--tp`` then
+runs ``megaloss`` (log-probs + entropy) vocab-parallel over TP spawned gloo ranks sharing
+this machine's cores: extra peak memory per rank (max over ranks) and time.
 
     python3 tools/bench_log_probs.py          # N in {4096, 16384}, H=1024, V=32000, TP 1 2 4
     python3 tools/bench_log_probs.py --sizes 1024 --hidden 256 --vocab 8000 --tp 1 2 --csv lp.csv
@@ -116,19 +117,22 @@ def _loss_fn(method: str, chunk: int):
 
 
 def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """``mode="memory"``: one fwd+bwd of ``spec["method"]`` under the memory probe;
-    ``mode="timing"``: interleaved warm rounds of every method."""
+    """``mode="memory"``: one fwd+bwd of ``spec["method"]`` under the memory probe (with
+    ``then_timing``, the timing rounds after it in the same process, the other methods warmed up
+    then); ``mode="timing"``: interleaved warm rounds of every method."""
     import torch
     torch.set_num_threads(spec["threads"])
     n, hidden, vocab, chunk = spec["tokens"], spec["hidden"], spec["vocab"], spec["chunk_size"]
     methods = [spec["method"]] if spec["mode"] == "memory" else list(spec["methods"])
     fns = {m: _loss_fn(m, chunk) for m in methods}
-    # Warm-up on min(N, chunk) tokens at the real H and V (thread pool, allocator state).
-    hw, ww, yw, aw, cw = _inputs(min(n, chunk), hidden, vocab, spec["seed"] + 1)
-    hw.requires_grad_(), ww.requires_grad_()
-    for fn in fns.values():
-        fn(hw, ww, yw, aw, cw).backward()
-    del hw, ww, yw, aw, cw
+
+    def warm_up(names):  # on min(N, chunk) tokens at the real H and V (thread pool, allocator)
+        hw, ww, yw, aw, cw = _inputs(min(n, chunk), hidden, vocab, spec["seed"] + 1)
+        hw.requires_grad_(), ww.requires_grad_()
+        for m in names:
+            fns[m](hw, ww, yw, aw, cw).backward()
+
+    warm_up(methods)
     h, w, y, a, c = _inputs(n, hidden, vocab, spec["seed"])
     h.requires_grad_(), w.requires_grad_()
     h.grad, w.grad = torch.zeros_like(h), torch.zeros_like(w)
@@ -139,23 +143,35 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         probe.start()
         loss = fns[spec["method"]](h, w, y, a, c)
         loss.backward()
-        return {"extra_bytes": probe.peak_above_baseline(), "loss": float(loss.detach()),
-                "mem_method": probe.method}
+        memory = {"extra_bytes": probe.peak_above_baseline(), "loss": float(loss.detach()),
+                  "mem_method": probe.method}
+        if not spec.get("then_timing"):
+            return memory
+        # the peak is read: this process times every method too (one start-up less a size)
+        others = [m for m in spec["methods"] if m not in fns]
+        fns.update({m: _loss_fn(m, chunk) for m in others})
+        warm_up(others)
+        methods = list(spec["methods"])
+        return {**memory, "times": _times(fns, methods, (h, w, y, a, c), spec)}
+    return {"times": _times(fns, methods, (h, w, y, a, c), spec)}
 
+
+def _times(fns, methods: List[str], inputs, spec: Dict[str, Any]) -> Dict[str, List[float]]:
+    """Seconds of fwd+bwd per method: interleaved rounds (order rotated), round 0 discarded."""
     times: Dict[str, List[float]] = {m: [] for m in methods}
     spent = 0.0
     for r in range(spec["repeats"] + 1):  # round 0: full-size warm-up
         k = r % len(methods)
         for m in methods[k:] + methods[:k]:
             t0 = time.perf_counter()
-            fns[m](h, w, y, a, c).backward()
+            fns[m](*inputs).backward()
             dt = time.perf_counter() - t0
             if r > 0:
                 times[m].append(dt)
                 spent += dt
         if r > 0 and spent >= spec["budget"]:
             break
-    return {"times": times}
+    return times
 
 
 def _tp_rank(rank: int, tp: int, spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -204,9 +220,11 @@ def _single_device_rows(args, n: int) -> List[Dict[str, Any]]:
     base = {"tokens": n, "hidden": args.hidden, "vocab": args.vocab,
             "chunk_size": args.chunk_size, "threads": args.threads, "seed": args.seed,
             "repeats": args.repeats, "budget": args.time_budget, "methods": args.methods}
-    memory = {m: run_worker(script, {**base, "mode": "memory", "method": m}, args.threads,
+    # a fresh process per method for its peak; the last of them then times every method
+    memory = {m: run_worker(script, {**base, "mode": "memory", "method": m,
+                                     "then_timing": m == args.methods[-1]}, args.threads,
                             args.timeout) for m in args.methods}
-    timing = run_worker(script, {**base, "mode": "timing"}, args.threads, args.timeout)
+    timing = memory[args.methods[-1]]
     times = timing.get("times", {})
     full_mem = memory.get("full_log_softmax", {}).get("extra_bytes", math.nan)
     full_loss = memory.get("full_log_softmax", {}).get("loss", math.nan)

@@ -6,11 +6,11 @@ Arctic Long Sequence Training recipe), side by side on the same shapes.
 Under Ulysses SP each rank computes the loss of its ``tokens / sp`` slice. Both losses avoid the
 whole ``[tokens, vocab]`` logits: DeepSpeed cuts the slice into ``shards`` and runs
 ``lm_head`` + ``F.cross_entropy`` with autograd per shard (backward inside forward); megaloss runs
-its chunk kernel (gradients formed in forward, one ``[chunk, V]`` working set). Each case runs in
-a fresh process; memory is the peak above inputs, weight and their gradients
+its chunk kernel (gradients formed in forward, one ``[chunk, V]`` working set). Each loss's
+memory is measured in a fresh process: the peak above inputs, weight and their gradients
 (``tools/_bench_common.py`` explains the method); time is the median fwd+bwd of interleaved
-runs. Shards for DeepSpeed are chosen so its tile holds the same number of tokens as megaloss's
-chunk.
+runs, in the last of those processes once its peak is read (both losses warmed up there).
+Shards for DeepSpeed are chosen so its tile holds the same number of tokens as megaloss's chunk.
 
     python3 tools/bench_sp_loss.py                         # sequence 16384 over SP 1, 2, 4
     python3 tools/bench_sp_loss.py --seq 8192 --sp 2 --hidden 512 --vocab 16000
@@ -69,15 +69,25 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         probe.start()
         loss = fns[spec["method"]](h, y)
         loss.backward()
-        return {"extra_bytes": probe.peak_above_baseline(), "loss": float(loss)}
+        memory = {"extra_bytes": probe.peak_above_baseline(), "loss": float(loss)}
+        if not spec.get("then_timing"):
+            return memory
+        # the peak is read: this process (both losses warmed up as a timing process's are)
+        # times them too, one process start-up less per SP size
+        return {**memory, "times": _times(fns, h, y, spec["repeats"])}
+    return {"times": _times(fns, h, y, spec["repeats"])}
+
+
+def _times(fns, h, y, repeats: int) -> Dict[str, List[float]]:
+    """fwd+bwd seconds of every loss, ``repeats`` interleaved rounds after a discarded one."""
     times: Dict[str, List[float]] = {m: [] for m in fns}
-    for r in range(spec["repeats"] + 1):
+    for r in range(repeats + 1):
         for m in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
             t0 = time.perf_counter()
             fns[m](h, y).backward()
             if r:
                 times[m].append(time.perf_counter() - t0)
-    return {"times": times}
+    return times
 
 
 def main(argv=None) -> int:
@@ -101,10 +111,12 @@ def main(argv=None) -> int:
     for sp in args.sp:
         base = dict(tokens=args.seq // sp, hidden=args.hidden, vocab=args.vocab, chunk=args.chunk,
                     threads=args.threads, repeats=args.repeats)
-        mem = {m: run_worker(script, {**base, "mode": "memory", "method": m}, args.threads,
-                             args.timeout) for m in ("megaloss", "tiled")}
-        tim = run_worker(script, {**base, "mode": "timing"}, args.threads, args.timeout)
-        for name, res in [*mem.items(), ("timing", tim)]:
+        # a fresh process per loss for its peak; the last one then times both
+        mem = {m: run_worker(script, {**base, "mode": "memory", "method": m,
+                                      "then_timing": m == "tiled"}, args.threads, args.timeout)
+               for m in ("megaloss", "tiled")}
+        tim = mem["tiled"]
+        for name, res in mem.items():
             if "error" in res:
                 print(f"# sp={sp} {name}: {res['error']}", file=sys.stderr)
         t = {m: median(tim.get("times", {}).get(m, [])) for m in ("megaloss", "tiled")}

@@ -6,6 +6,7 @@
     megaloss-check-layout --deepspeed_config my_ds.json --num_procs 4 --job embed
     megaloss-check-layout --deepspeed_config my_ds.json --model path/to/config.json \
         --config_override '{"num_hidden_layers": 2}'
+    megaloss-check-layout --deepspeed_config zero2.json zero3.json --num_procs 4  # both at once
 
 What it does:
 
@@ -43,7 +44,14 @@ the last stage hold the tied weight, DeepSpeed's ``TiedLayerSpec``). Data: rando
 ids with a different number of ignored labels per row (LM) or of padded positions (embedding),
 so that a calibration counting tokens per rank, or per micro-batch, shows.
 
-Exit status: 0 PASS, 1 FAIL, 2 error (the layout did not run; its log is printed).
+Several layouts at once: ``--deepspeed_config a.json b.json ...`` (and ``--config_override``
+once for all of them, or once per config) checks every config on the same ``--num_procs``
+processes in ONE launch (the ranks run the layouts one after the other), with one one-device
+run per distinct reference (configs that differ only in their layout share it); a report per
+layout, then a summary line.
+
+Exit status: 0 PASS (every layout), 1 FAIL (any layout), 2 error (the layout run did not run;
+its log is printed).
 """
 from __future__ import annotations
 
@@ -157,8 +165,27 @@ def read_user_config(path: Optional[str]) -> Dict[str, Any]:
         raise SystemExit(f"--deepspeed_config {path}: not valid JSON ({err})") from None
 
 
-def make_spec(args: argparse.Namespace, out_dir: Path) -> Dict[str, Any]:
-    user = read_user_config(args.deepspeed_config)
+def make_specs(args: argparse.Namespace, out_dir: Path) -> List[Dict[str, Any]]:
+    """One spec per ``--deepspeed_config`` (the shipped zero2.json when none is given). Exits
+    with a message when ``--config_override`` is given neither once nor once per config, or
+    ``--_inject_wrong_scale`` names no layout."""
+    n = len(args.deepspeed_config or [None])
+    overrides = args.config_override or [None]
+    if len(overrides) not in (1, n):
+        raise SystemExit(f"--config_override: give it once (for every config) or once per "
+                         f"--deepspeed_config ({n}), got {len(overrides)}")
+    if args._inject_wrong_scale is not None and not 1 <= args._inject_wrong_scale <= n:
+        raise SystemExit(f"--_inject_wrong_scale {args._inject_wrong_scale}: a layout number "
+                         f"1..{n}")
+    return [make_spec(args, out_dir, i) for i in range(n)]
+
+
+def make_spec(args: argparse.Namespace, out_dir: Path, index: int = 0) -> Dict[str, Any]:
+    """The spec of the ``index``-th ``--deepspeed_config`` (both runs read it)."""
+    path = (args.deepspeed_config or [None])[index]
+    overrides = args.config_override or [None]
+    override_json = overrides[index if len(overrides) > 1 else 0]
+    user = read_user_config(path)
     layout = layout_config(user, args.job, args.num_procs)
     tp = int(layout["megaloss"].get("tensor_parallel_size", 1))
     pp = int(layout["megaloss"].get("pipeline_parallel_size", 1))
@@ -167,14 +194,14 @@ def make_spec(args: argparse.Namespace, out_dir: Path) -> Dict[str, Any]:
                          f"megaloss.tensor_parallel_size={tp}"
                          + (f" x pipeline_parallel_size={pp}" if pp > 1 else ""))
     dp = args.num_procs // (tp * pp)
-    override = json.loads(args.config_override) if args.config_override else {}
+    override = json.loads(override_json) if override_json else {}
     notes = pipeline_config_notes(layout, args.job) if pp > 1 else []
     if "optimizer" not in user:
         notes.append(f"the config has no optimizer: both runs use {DEFAULT_OPTIMIZER}")
     if args.job == "embed" and int(user.get("megaloss", {}).get("tensor_parallel_size", 1)) > 1:
         notes.append("the embedding job is data parallel only: tensor_parallel_size set to 1")
     return {
-        "notes": notes,
+        "notes": notes, "index": index, "config_name": path or "zero2.json (shipped)",
         "job": args.job, "model": args.model, "config_override": override,
         "num_procs": args.num_procs, "tp": tp, "dp": dp, "pp": pp, "steps": args.steps,
         "seed": args.seed,
@@ -182,8 +209,8 @@ def make_spec(args: argparse.Namespace, out_dir: Path) -> Dict[str, Any]:
         "reference_config": reference_config(layout, dp), "dtype": training_dtype(layout),
         "micro": int(layout["train_micro_batch_size_per_gpu"]),
         "gas": int(layout["gradient_accumulation_steps"]),
-        "inject_wrong_scale": bool(args._inject_wrong_scale),
-        "result": str(out_dir / "layout.pt"),
+        "inject_wrong_scale": args._inject_wrong_scale == index + 1,
+        "result": str(out_dir / f"layout-{index + 1}.pt"),
     }
 
 
@@ -355,7 +382,15 @@ def run_training(spec: Dict[str, Any], role: str) -> Dict[str, Any]:
         gas=int(engine.gradient_accumulation_steps()), micro=micro,
         measured_scale=dataclasses.asdict(measured), used_scale=dataclasses.asdict(used),
         torch=torch.__version__)
+    engine.destroy()  # the next layout (or reference) builds its own engine in this process
     return record
+
+
+def reference_key(spec: Dict[str, Any]) -> str:
+    """What the one-device run of ``spec`` depends on: layouts with the same key share it."""
+    return json.dumps({k: spec[k] for k in ("reference_config", "job", "model",
+                                            "config_override", "steps", "seed", "seq_len",
+                                            "micro", "dp", "gas")}, sort_keys=True)
 
 
 def _init_single_process() -> None:
@@ -370,7 +405,7 @@ def _init_single_process() -> None:
 
 
 def layout_worker(spec_path: str) -> None:
-    """Entry point of every launched rank."""
+    """Entry point of every launched rank: the layouts of the spec file one after the other."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -378,11 +413,11 @@ def layout_worker(spec_path: str) -> None:
     from megaloss.integrations.deepspeed import configure_launched_process
     configure_launched_process()
     deepspeed.init_distributed()
-    spec = json.loads(Path(spec_path).read_text())
-    record = run_training(spec, "layout")
-    if dist.get_rank() == 0:
-        torch.save(record, spec["result"])
-    dist.barrier()
+    for spec in json.loads(Path(spec_path).read_text()):
+        record = run_training(spec, "layout")
+        if dist.get_rank() == 0:
+            torch.save(record, spec["result"])
+        dist.barrier()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -592,6 +627,7 @@ examples:
   megaloss-check-layout                                    # the shipped zero2.json, 2 processes
   megaloss-check-layout --deepspeed_config my_ds.json --num_procs 4
   megaloss-check-layout --deepspeed_config my_ds.json --job embed --num_procs 2
+  megaloss-check-layout --deepspeed_config zero2.json zero3.json --num_procs 4  # both, one launch
 
 exit status: 0 PASS, 1 FAIL, 2 the layout did not run (its log is printed)."""
 
@@ -600,9 +636,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="megaloss-check-layout", formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n\n")[0] + "\n\n" + HELP_DESCRIPTION, epilog=HELP_EPILOG)
-    p.add_argument("--deepspeed_config", default=None,
+    p.add_argument("--deepspeed_config", nargs="+", default=None, metavar="JSON",
                    help="your ds_config JSON (default: megaloss's shipped zero2.json, "
-                        "DP x TP 2 under ZeRO-2)")
+                        "DP x TP 2 under ZeRO-2); several: every layout checked in one launch "
+                        "on the same --num_procs, a report each")
     p.add_argument("--num_procs", type=int, default=2,
                    help="processes of the layout (GPUs; CPU processes without GPUs); DP = "
                         "num_procs / megaloss.tensor_parallel_size (default 2)")
@@ -611,9 +648,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "calibration; embed: bi-encoder with the gathered MNR loss (TP 1)")
     p.add_argument("--model", default="tiny",
                    help="'tiny' (built-in) or a transformers config.json / folder")
-    p.add_argument("--config_override", default=None,
+    p.add_argument("--config_override", nargs="+", default=None, metavar="JSON",
                    help="JSON of model config fields to override, e.g. "
-                        "'{\"num_hidden_layers\": 2}'")
+                        "'{\"num_hidden_layers\": 2}'; once for every config, or once per "
+                        "--deepspeed_config (in their order; '{}' for none)")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps K (default 4)")
     p.add_argument("--seq_len", type=int, default=32, help="tokens per sequence (default 32)")
     p.add_argument("--seed", type=int, default=0)
@@ -621,7 +659,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--keep", metavar="DIR", default=None,
                    help="write the layout's log and results to DIR (default: a temp dir)")
     p.add_argument("--verbose", action="store_true", help="print the launcher's output")
-    p.add_argument("--_inject_wrong_scale", action="store_true", help=argparse.SUPPRESS)
+    # the tool's own tests: the N-th layout (1 when no N) gets a wrong engine scale
+    p.add_argument("--_inject_wrong_scale", type=int, nargs="?", const=1, default=None,
+                   metavar="N", help=argparse.SUPPRESS)
     p.add_argument("--_worker", metavar="SPEC", default=None, help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -662,24 +702,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="check_layout-")
         out_dir = Path(tmp.name)
     try:
-        spec = make_spec(args, out_dir)
+        specs = make_specs(args, out_dir)
         spec_path = out_dir / "spec.json"
-        spec_path.write_text(json.dumps(spec, indent=1))
+        spec_path.write_text(json.dumps(specs, indent=1))
         log_path = out_dir / "layout.log"
-        pp = f" x PP {spec['pp']}" if spec.get("pp", 1) > 1 else ""
-        print(f"check_layout: DP {spec['dp']} x TP {spec['tp']}{pp} on {spec['num_procs']} "
-              f"processes through the deepspeed launcher, and one device in this process "
-              f"({spec['steps']} steps, {spec['dtype']})", flush=True)
-        for note in spec["notes"]:
-            print(f"note: {note}", flush=True)
-        proc, cmd = _launch_layout(spec_path, spec, log_path, args.verbose)
+        for spec in specs:
+            pp = f" x PP {spec['pp']}" if spec.get("pp", 1) > 1 else ""
+            name = f"layout {spec['index'] + 1} ({spec['config_name']}): " if len(specs) > 1 \
+                else ""
+            print(f"check_layout: {name}DP {spec['dp']} x TP {spec['tp']}{pp} on "
+                  f"{spec['num_procs']} processes through the deepspeed launcher, and one device "
+                  f"in this process ({spec['steps']} steps, {spec['dtype']})", flush=True)
+            for note in spec["notes"]:
+                print(f"note: {note}", flush=True)
+        proc, cmd = _launch_layout(spec_path, specs[0], log_path, args.verbose)
         try:
             threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(
-                1, (os.cpu_count() or 1) // (spec["num_procs"] + 1))
+                1, (os.cpu_count() or 1) // (specs[0]["num_procs"] + 1))
             if not torch.cuda.is_available():
                 torch.set_num_threads(threads)
             _init_single_process()
-            ref = run_training(spec, "reference")
+            refs: Dict[str, Dict[str, Any]] = {}
+            for spec in specs:  # one one-device run per distinct reference
+                key = reference_key(spec)
+                if key not in refs:
+                    refs[key] = run_training(spec, "reference")
             rc = proc.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - t0)))
         except BaseException:
             if proc.poll() is None:
@@ -687,16 +734,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             raise
-        if rc != 0 or not Path(spec["result"]).exists():
+        if rc != 0 or not all(Path(s["result"]).exists() for s in specs):
             log = "" if args.verbose else log_path.read_text(errors="replace")
             print(log[-6000:], file=sys.stderr)
             print(f"ERROR: the layout run failed (exit status {rc}): {' '.join(cmd)}",
                   file=sys.stderr)
             return 2
-        lay = torch.load(spec["result"], weights_only=False)
-        result = compare(lay, ref, spec["dtype"])
-        print(report(spec, lay, ref, result, time.perf_counter() - t0), flush=True)
-        return 0 if not result["failures"] else 1
+        failed = []
+        for spec in specs:
+            lay = torch.load(spec["result"], weights_only=False)
+            result = compare(lay, refs[reference_key(spec)], spec["dtype"])
+            if len(specs) > 1:
+                print(f"\n=== layout {spec['index'] + 1} of {len(specs)}: "
+                      f"{spec['config_name']} ===", flush=True)
+            print(report(spec, lay, refs[reference_key(spec)], result,
+                         time.perf_counter() - t0), flush=True)
+            if result["failures"]:
+                failed.append(f"layout {spec['index'] + 1} ({spec['config_name']})")
+        if len(specs) > 1:
+            print(f"\nsummary: {len(specs) - len(failed)} of {len(specs)} layouts PASS"
+                  + (f"; FAIL: {', '.join(failed)}" if failed else ""), flush=True)
+        return 0 if not failed else 1
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -120,4 +120,5 @@ def run_pipeline_training(spec: Dict[str, Any], model_config, global_batches, ro
         gas=int(engine.gradient_accumulation_steps()), micro=micro,
         measured_scale=dataclasses.asdict(measured), used_scale=dataclasses.asdict(used),
         torch=torch.__version__)
+    engine.destroy()  # the check's next layout builds its own engine in this process
     return record

@@ -1,21 +1,26 @@
 """``megaloss-check-layout`` (``megaloss.tools.check_layout``): "does my layout train like one
 device?".
 
-Slow tier (each runs the tool as a user does, from a directory outside the checkout: the
-layout through the ``deepspeed`` launcher on CPU, the one-device reference in the tool's process,
-a few steps of the tiny model):
+Slow tier: the tool runs twice as a user runs it, from a directory outside the checkout (the
+layouts through the ``deepspeed`` launcher on CPU, the one-device references in the tool's
+process, two steps of the tiny model). The 4-process run checks four layouts in ONE launch
+(``--deepspeed_config a.json b.json ...``, an override per config), the tests read its report
+per layout:
 
-- PASS on DP 2 x TP 2 (4 processes) under ZeRO-2 and ZeRO-3 (tied embeddings), the LM job;
-- PASS for the embedding job (gathered MNR) on DP 2;
+- PASS on DP 2 x TP 2 under ZeRO-2 and ZeRO-3 (tied embeddings), the LM job;
+- FAIL, naming the cause, when the calibration is deliberately wrong (``--_inject_wrong_scale 3``
+  multiplies the third layout's engine-scale loss multiplier by the world size), and the run's
+  exit status 1 with the summary naming that layout only;
 - PASS on DP 1 x TP 2 x PP 2 (DeepSpeed's pipeline engine; the ZeRO-2 config at ZeRO-1), tied
-  embeddings (the weight on the first and the last stage);
-- FAIL, naming the cause, when the calibration is deliberately wrong (``--_inject_wrong_scale``
-  multiplies the engine scale's loss multiplier by the world size).
+  embeddings (the weight on the first and the last stage).
+
+The 2-process run: PASS (exit status 0) for the embedding job (gathered MNR) on DP 2.
 
 Fast tier: the comparison and the diagnosis on hand-made records.
 """
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +29,10 @@ import pytest
 
 from megaloss.configs import config_path
 from megaloss.tools import check_layout
+
+TIED = '{"tie_word_embeddings": true}'
+# the tests reading the 4-process run: on one pytest-xdist worker, so that it runs once
+FOUR_PROCS = pytest.mark.xdist_group("check_layout_four_procs")
 
 
 def _config(tmp_path, stage: int, tp: int = 2) -> str:
@@ -38,7 +47,7 @@ def _config(tmp_path, stage: int, tp: int = 2) -> str:
     return str(path)
 
 
-def _run_tool(tmp_path, *args, timeout=230):
+def _run_tool(tmp_path, *args, timeout):
     t0 = time.perf_counter()
     # from the test's own directory, as a user runs it on their config (paths relative to it)
     proc = subprocess.run([sys.executable, "-m", "megaloss.tools.check_layout", *args,
@@ -50,17 +59,34 @@ def _run_tool(tmp_path, *args, timeout=230):
     return proc
 
 
+def _sections(out: str):
+    """{layout number: its report} of a several-layout run."""
+    parts = re.split(r"^=== layout (\d+) of \d+: .* ===$", out, flags=re.M)
+    return {int(n): text for n, text in zip(parts[1::2], parts[2::2])}
+
+
+@pytest.fixture(scope="module")
+def four_procs(tmp_path_factory):
+    """One tool run, one launch of 4 processes: 1 ZeRO-2, 2 ZeRO-3 tied, 3 ZeRO-2 with the wrong
+    scale injected, 4 DP 1 x TP 2 x PP 2 tied; (the process, its report per layout)."""
+    tmp_path = tmp_path_factory.mktemp("check_layout_4")
+    zero2 = _config(tmp_path, 2)
+    proc = _run_tool(tmp_path, "--deepspeed_config", zero2, _config(tmp_path, 3), zero2,
+                     _pipeline_config(tmp_path), "--config_override", "{}", TIED, "{}", TIED,
+                     "--num_procs", "4", "--_inject_wrong_scale", "3", timeout=590)
+    return proc, _sections(proc.stdout)
+
+
 @pytest.mark.deepspeed
 @pytest.mark.distributed
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
+@FOUR_PROCS
 @pytest.mark.parametrize("stage", [2, 3])
-def test_dp2_tp2_trains_like_one_device(tmp_path, stage):
+def test_dp2_tp2_trains_like_one_device(four_procs, stage):
     # ZeRO-3 with the input embedding tied to the lm_head (the embedding on the head's shard)
-    tied = ["--config_override", '{"tie_word_embeddings": true}'] if stage == 3 else []
-    proc = _run_tool(tmp_path, "--deepspeed_config", _config(tmp_path, stage), "--num_procs", "4",
-                     *tied)
-    out = proc.stdout
-    assert proc.returncode == 0 and f"PASS: DP 2 x TP 2 ZeRO-{stage}" in out, out
+    proc, sections = four_procs
+    out = sections[stage - 1]
+    assert f"PASS: DP 2 x TP 2 ZeRO-{stage}" in out, proc.stdout + proc.stderr[-5000:]
     assert ("model tiny (tied embeddings)" in out) == (stage == 3), out
     # the groups and the measured engine scale are reported
     assert "tensor parallel:             [0, 1] [2, 3]" in out
@@ -72,27 +98,32 @@ def test_dp2_tp2_trains_like_one_device(tmp_path, stage):
 
 @pytest.mark.deepspeed
 @pytest.mark.distributed
-@pytest.mark.timeout(240)
-def test_wrong_calibration_fails_and_names_the_cause(tmp_path):
-    proc = _run_tool(tmp_path, "--deepspeed_config", _config(tmp_path, 2), "--num_procs", "4",
-                     "--_inject_wrong_scale")
-    out = proc.stdout
-    assert proc.returncode == 1 and "FAIL: grad_norm at step 1" in out, out
+@pytest.mark.timeout(600)
+@FOUR_PROCS
+def test_wrong_calibration_fails_and_names_the_cause(four_procs):
+    proc, sections = four_procs
+    out = sections[3]
+    assert "FAIL: grad_norm at step 1" in out, proc.stdout + proc.stderr[-5000:]
     # x world size: the gradient is 4 x one device's while the loss is right
     assert "the loss matches at step 1 but the gradient is 4 x one device's" in out
     assert "The loss multiplier in use is 16" in out and "the probe measured 4" in out
     assert "predicts 4" in out
+    # the run fails for that layout only
+    assert proc.returncode == 1, proc.stdout
+    assert re.search(r"summary: 3 of 4 layouts PASS; FAIL: layout 3 \(\S*zero2-tp2.json\)$",
+                     proc.stdout.strip()), proc.stdout[-500:]
 
 
 @pytest.mark.deepspeed
 @pytest.mark.distributed
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_embedding_job_trains_like_one_device(tmp_path):
     proc = _run_tool(tmp_path, "--deepspeed_config", _config(tmp_path, 2), "--num_procs", "2",
-                     "--job", "embed")
+                     "--job", "embed", timeout=290)
     out = proc.stdout
     assert proc.returncode == 0 and "PASS: DP 2 x TP 1 ZeRO-2" in out, out
     assert "data parallel:               [0, 1]" in out and "job embed" in out
+    assert "summary" not in out and "=== layout" not in out  # one layout: one plain report
 
 
 # fast: comparison and diagnosis ------------------------------------------------------------------
@@ -195,15 +226,16 @@ def _pipeline_config(tmp_path) -> str:
 
 @pytest.mark.deepspeed
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_pipeline_layout_trains_like_one_device(tmp_path):
+@pytest.mark.timeout(600)
+@FOUR_PROCS
+def test_pipeline_layout_trains_like_one_device(four_procs):
     # tied: the embedding on stage 0 and the lm_head on stage 1 share one weight (TiedLayerSpec)
-    proc = _run_tool(tmp_path, "--deepspeed_config", _pipeline_config(tmp_path), "--num_procs",
-                     "4", "--config_override", '{"tie_word_embeddings": true}', timeout=290)
-    out = proc.stdout
-    assert proc.returncode == 0 and "PASS: DP 1 x TP 2 x PP 2 ZeRO-1" in out, out
+    proc, sections = four_procs
+    out = sections[4]
+    assert "PASS: DP 1 x TP 2 x PP 2 ZeRO-1" in out, proc.stdout + proc.stderr[-5000:]
     assert "model tiny (tied embeddings)" in out, out
-    assert "the config's ZeRO-2 runs at ZeRO-1" in out
+    assert "note: DeepSpeed's pipeline engine supports ZeRO stages" in proc.stdout
+    assert "the config's ZeRO-2 runs at ZeRO-1" in proc.stdout
     assert "deepspeed-pipeline-zero1/train_batch: gradient_factor 1/2" in out
 
 
@@ -218,3 +250,26 @@ def test_pipeline_spec_lowers_zero_and_keeps_the_reference_plain(tmp_path):
     with pytest.raises(SystemExit, match="x pipeline_parallel_size=2"):
         check_layout.make_spec(check_layout.parse_args(
             ["--deepspeed_config", path, "--num_procs", "2"]), tmp_path)
+
+
+def test_several_configs_get_a_spec_each_and_the_overrides_must_match(tmp_path):
+    zero2, zero3 = _config(tmp_path, 2), _config(tmp_path, 3)
+    specs = check_layout.make_specs(check_layout.parse_args(
+        ["--deepspeed_config", zero2, zero3, "--num_procs", "4", "--config_override", TIED,
+         "--_inject_wrong_scale", "2"]), tmp_path)
+    assert [s["config_name"] for s in specs] == [zero2, zero3]
+    assert [s["config_override"] for s in specs] == [{"tie_word_embeddings": True}] * 2
+    assert [s["inject_wrong_scale"] for s in specs] == [False, True]
+    assert len({s["result"] for s in specs}) == 2
+    # the same reference for both ZeRO stages (stage 0 either way), another for another batch
+    assert check_layout.reference_key(specs[0]) == check_layout.reference_key(specs[1])
+    other = check_layout.make_specs(check_layout.parse_args(
+        ["--deepspeed_config", zero2, "--num_procs", "2"]), tmp_path)[0]
+    assert check_layout.reference_key(other) != check_layout.reference_key(specs[0])
+    with pytest.raises(SystemExit, match="once per --deepspeed_config \\(2\\), got 3"):
+        check_layout.make_specs(check_layout.parse_args(
+            ["--deepspeed_config", zero2, zero3, "--config_override", "{}", "{}", "{}"]),
+            tmp_path)
+    with pytest.raises(SystemExit, match="--_inject_wrong_scale 3: a layout number 1..2"):
+        check_layout.make_specs(check_layout.parse_args(
+            ["--deepspeed_config", zero2, zero3, "--_inject_wrong_scale", "3"]), tmp_path)

@@ -1,0 +1,128 @@
+"""A rank that dies on another node is named by the ranks that survive it
+(``launch/jobs/peers.py``, ``launch.jobs.runs.run_job``).
+
+- Fast: the decision from the heartbeat counters of a fake rendezvous store: ranks whose counter
+  stopped (and that did not mark their own exit) are named with their node and host; a store
+  that does not answer names global rank 0 unreachable; nothing is named when every peer beats.
+- Slow: two launchers on loopback (``--num_nodes 2 --node_rank 0/1 --no_ssh``, one process each,
+  as ``launch/multinode.sh`` starts them), the LM job; node 1's rank gets SIGKILL after two
+  progress lines, and node 0's rank exits within a bound with a last line naming rank 1, node 1
+  and the host (the pid check only looks at its own node: this is the heartbeat path).
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from launch.jobs.peers import Peer, peer_failure, silent_ranks
+
+PEERS = [Peer("gpu01", 0, 100), Peer("gpu01", 0, 101), Peer("gpu02", 1, 200),
+         Peer("gpu02", 1, 201)]
+
+
+class FakeStore:
+    """``TCPStore.add`` over a dict; every ``sleep`` advances the counters of ``beating``."""
+
+    def __init__(self, beating, exiting=(), answers=True):
+        self.values = {f"megaloss/exiting/{r}": 1 for r in exiting}
+        self.beating, self.answers, self.sleeps = set(beating), answers, 0
+
+    def add(self, key, amount):
+        if not self.answers:
+            raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+    def sleep(self, seconds):
+        self.sleeps += 1
+        for r in self.beating:
+            self.add(f"megaloss/alive/{r}", 1)
+
+
+def test_the_silent_ranks_of_other_nodes_are_named():
+    # rank 3 stopped beating; rank 1 stopped too but marked its exit (it left on an error)
+    store = FakeStore(beating={0, 2}, exiting={1})
+    assert silent_ranks(store, [0, 1, 2, 3], wait=3.0, poll=0.25, sleep=store.sleep) == [3]
+    assert store.sleeps == 12  # the whole window: a counter never moved
+    store = FakeStore(beating={0, 2})
+    msg = peer_failure(0, store, PEERS, sleep=store.sleep)
+    assert msg == ("rank 1 (node 0, host gpu01), rank 3 (node 1, host gpu02) stopped (no heartbeat "
+                   "in the rendezvous store for 3 s: killed, crashed or its node is down)")
+    assert store.values["megaloss/checked"] == 1  # rank 0 knows this rank has read the store
+    store = FakeStore(beating={0, 1})
+    assert peer_failure(0, store, PEERS, sleep=store.sleep) == (
+        "ranks 2, 3 (node 1, host gpu02) stopped (no heartbeat in the rendezvous store for 3 s: "
+        "killed, crashed or its node is down)")
+    # every peer beats: nothing named, and no longer than their first beat
+    store = FakeStore(beating={0, 1, 2, 3})
+    assert peer_failure(2, store, PEERS, sleep=store.sleep) is None and store.sleeps == 1
+    # the store (in global rank 0's process) is gone
+    store = FakeStore(beating=(), answers=False)
+    assert peer_failure(3, store, PEERS, sleep=store.sleep) == (
+        "rank 0 (node 0, host gpu01) is unreachable (the rendezvous store it holds does not "
+        "answer: killed, crashed or its node is down)")
+    # one node (a host name and a node rank): no heartbeats, nothing to read
+    assert peer_failure(0, FakeStore(beating=()), PEERS[:2]) is None
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(360)
+def test_a_rank_killed_on_another_node_is_named(tmp_path):
+    import psutil
+    from launch_helpers import REPO, launcher_env
+
+    from megaloss.testing import free_port
+
+    stdlib = os.path.dirname(os.__file__)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    port = str(free_port())
+    job = [str(REPO / "launch" / "train_lm.py"), "--model_size", "tiny", "--seq_len", "32",
+           "--vocab_size", "300", "--eval_blocks", "1", "--eval_every", "0", "--steps", "100000",
+           "--train_data", os.path.join(stdlib, "heapq.py"), "--eval_data",
+           os.path.join(stdlib, "bisect.py"), "--output_dir", str(tmp_path / "out"),
+           "--cache_dir", str(tmp_path / "cache")]
+    procs, lines = [], ([], [])
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
+               "--no_ssh", "--num_nodes", "2", "--node_rank", str(node), "--master_addr",
+               "127.0.0.1", "--master_port", port, "--num_gpus", "1", *job]
+        p = subprocess.Popen(cmd, cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        procs.append(p)
+        threading.Thread(target=lambda p=p, out=lines[node]: out.extend(p.stdout),
+                         daemon=True).start()
+    try:
+        # two progress lines of rank 0 (one every 50 steps): mid-run, both ranks in collectives
+        deadline = time.monotonic() + 240
+        while sum(ln.startswith("train ") for ln in lines[0]) < 2:
+            assert all(p.poll() is None for p in procs), "".join(lines[0] + lines[1])[-3000:]
+            assert time.monotonic() < deadline, "".join(lines[0])[-3000:]
+            time.sleep(0.1)
+        launch_py = psutil.Process(procs[1].pid).children()[0]
+        (rank1,) = launch_py.children()
+        rank1.kill()
+        t0 = time.monotonic()
+        rc = procs[0].wait(60)
+        seconds = time.monotonic() - t0
+        procs[1].wait(30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(30)
+    output = "".join(lines[0])
+    named = (f"rank 1 (node 1, host {socket.gethostname()}) stopped (no heartbeat in the "
+             "rendezvous store for 3 s")
+    assert rc != 0 and named in output, output[-3000:]
+    assert seconds < 60, f"node 0 exited {seconds:.1f} s after the kill"
+    # the message is the rank's last word, not the collective's
+    tail = [ln for ln in output.splitlines() if "Connection closed" in ln or named in ln]
+    assert named in tail[-1], output[-3000:]

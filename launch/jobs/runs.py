@@ -810,6 +810,8 @@ def run_job(main: Callable[[], Any]) -> None:
         linger_for_peers(rank)
         code = 1
     finally:
+        # whatever the exit, the other nodes must not name this rank dead once it has left
+        mark_exiting(int(os.environ.get("RANK", 0)))
         distributed = end_process()
     if code and distributed:
         # A failed rank's peers may already have closed their side: a communication thread of

@@ -4,11 +4,14 @@
 - Fast: the decision from the heartbeat counters of a fake rendezvous store: ranks whose counter
   stopped (and that did not mark their own exit) are named with their node and host; a store
   that does not answer names global rank 0 unreachable; nothing is named when every peer beats.
-- Slow: two launchers on loopback (``--num_nodes 2 --node_rank 0/1 --no_ssh``, one process each,
-  as ``launch/multinode.sh`` starts them), the LM job; node 1's rank gets SIGKILL after two
-  progress lines, and node 0's rank exits within a bound with a last line naming rank 1, node 1
-  and the host (the pid check only looks at its own node: this is the heartbeat path).
+- Slow: two launchers on loopback (DeepSpeed's ``launch.py`` for node 0 and for node 1, one
+  process each, as ``launch/multinode.sh``'s ``deepspeed --no_ssh --node_rank R`` starts them),
+  the LM job; node 1's rank gets SIGKILL after two progress lines, and node 0's rank exits
+  within a bound with a last line naming rank 1, node 1 and the host (the pid check only looks
+  at its own node: this is the heartbeat path).
 """
+import base64
+import json
 import os
 import signal
 import socket
@@ -81,33 +84,32 @@ def test_a_rank_killed_on_another_node_is_named(tmp_path):
     from megaloss.testing import free_port
 
     stdlib = os.path.dirname(os.__file__)
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     port = str(free_port())
     job = [str(REPO / "launch" / "train_lm.py"), "--model_size", "tiny", "--seq_len", "32",
-           "--vocab_size", "300", "--eval_blocks", "1", "--eval_every", "0", "--steps", "100000",
+           "--vocab_size", "300", "--eval_blocks", "1", "--eval_every", "0", "--steps", "400",
            "--train_data", os.path.join(stdlib, "heapq.py"), "--eval_data",
            os.path.join(stdlib, "bisect.py"), "--output_dir", str(tmp_path / "out"),
            "--cache_dir", str(tmp_path / "cache")]
+    # DeepSpeed's launch.py as `deepspeed --no_ssh --num_nodes 2 --node_rank R --num_gpus 1`
+    # starts it (its runner only adds a process start-up): it sets CROSS_RANK to the node rank
+    world = base64.urlsafe_b64encode(json.dumps({"node0": [0], "node1": [0]}).encode()).decode()
     procs, lines = [], ([], [])
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
-               "--no_ssh", "--num_nodes", "2", "--node_rank", str(node), "--master_addr",
-               "127.0.0.1", "--master_port", port, "--num_gpus", "1", *job]
+        cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
+               "--master_addr=127.0.0.1", f"--master_port={port}", f"--node_rank={node}", *job]
         p = subprocess.Popen(cmd, cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
         procs.append(p)
         threading.Thread(target=lambda p=p, out=lines[node]: out.extend(p.stdout),
                          daemon=True).start()
     try:
-        # two progress lines of rank 0 (one every 50 steps): mid-run, both ranks in collectives
+        # two progress lines of rank 0 (one every 20 steps): mid-run, both ranks in collectives
         deadline = time.monotonic() + 240
         while sum(ln.startswith("train ") for ln in lines[0]) < 2:
             assert all(p.poll() is None for p in procs), "".join(lines[0] + lines[1])[-3000:]
             assert time.monotonic() < deadline, "".join(lines[0])[-3000:]
             time.sleep(0.1)
-        launch_py = psutil.Process(procs[1].pid).children()[0]
-        (rank1,) = launch_py.children()
+        (rank1,) = psutil.Process(procs[1].pid).children()
         rank1.kill()
         t0 = time.monotonic()
         rc = procs[0].wait(60)

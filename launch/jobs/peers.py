@@ -5,13 +5,14 @@ the collective's ``Connection closed by peer`` (:func:`launch.jobs.runs.run_job`
   (:func:`record_peers`), checked in ``/proc`` (:func:`dead_peers`): immediate and exact.
 - On other nodes, where no pid can be checked: every rank of a world that spans several nodes
   keeps a heartbeat in the job's rendezvous store (``torch.distributed.TCPStore`` at
-  ``MASTER_ADDR:MASTER_PORT``, the store ``init_process_group``'s ``env://`` rendezvous started
-  in global rank 0's process): a daemon thread with its own store client adds 1 to
+  ``MASTER_ADDR:MASTER_PORT``, the store ``init_process_group``'s ``env://`` rendezvous started in
+  global rank 0's process): a daemon thread with its own store client adds 1 to
   ``megaloss/alive/<rank>`` every :data:`HEARTBEAT_SECONDS`. After a failed collective a rank
   watches the counters for at most :data:`SILENCE_SECONDS` (:func:`silent_ranks`): a rank whose
-  counter did not move and that did not mark its own exit (:func:`mark_exiting`, which every
-  rank leaving on an error sets first) is named, with its node and host; when the store itself
-  cannot be reached, global rank 0 (which holds it) is named unreachable.
+  counter did not move and that did not mark its own exit (:func:`mark_exiting`, which every rank
+  sets as it leaves :func:`launch.jobs.runs.run_job`) is named, with its node and host; when the
+  store itself cannot be reached, global rank 0 (which holds it) is named unreachable; global rank
+  0 keeps it up until the other ranks have left (:func:`linger_for_peers`, at most a few seconds).
 
 A node is identified by (host name, node rank): DeepSpeed's ``launch.py`` sets ``CROSS_RANK``
 (torchrun: ``GROUP_RANK``), so two launchers on one machine over loopback are two nodes.
@@ -31,7 +32,7 @@ HEARTBEAT_SECONDS = 1.0
 # heartbeat thread only needs the GIL for a moment, which a collective or a kernel releases).
 SILENCE_SECONDS = 3.0
 _POLL_SECONDS = 0.25
-_ALIVE, _EXITING, _CHECKED = "megaloss/alive/{}", "megaloss/exiting/{}", "megaloss/checked"
+_ALIVE, _EXITING = "megaloss/alive/{}", "megaloss/exiting/{}"
 
 
 class Peer(NamedTuple):
@@ -42,6 +43,7 @@ class Peer(NamedTuple):
 
 _PEERS: List[Peer] = []  # every global rank's, from record_peers
 _STORE: List[Any] = []  # this process's client of the rendezvous store (several nodes only)
+_GONE: List[int] = []  # the ranks the last peer_failure named
 
 
 def node_rank() -> int:
@@ -176,6 +178,7 @@ def peer_failure(rank: int, store: Any = None, peers: Optional[Sequence[Peer]] =
     default this process's client and record (a test passes its own)."""
     peers = _PEERS if peers is None else peers
     dead = dead_peers() if peers is _PEERS else []
+    _GONE[:] = dead
     if dead:
         return f"rank {', '.join(map(str, dead))} died (its process is gone: killed or crashed)"
     store = (_STORE[0] if _STORE else None) if store is None else store
@@ -187,31 +190,30 @@ def peer_failure(rank: int, store: Any = None, peers: Optional[Sequence[Peer]] =
     except Exception:  # noqa: BLE001 - the store lives in global rank 0's process
         return (f"{_named([0], peers)} is unreachable (the rendezvous store it holds does not "
                 "answer: killed, crashed or its node is down)")
-    try:
-        store.add(_CHECKED, 1)
-    except Exception:  # noqa: BLE001
-        pass
+    _GONE[:] = silent
     if not silent:
         return None
     return (f"{_named(silent, peers)} stopped (no heartbeat in the rendezvous store for {wait:g} "
             "s: killed, crashed or its node is down)")
 
 
-def linger_for_peers(rank: int, wait: float = SILENCE_SECONDS + 2.0) -> None:
+def linger_for_peers(rank: int, wait: float = SILENCE_SECONDS + 2.0,
+                     sleep: Optional[Callable[[float], Any]] = None) -> None:
     """On global rank 0 of a world over several nodes, after its own :func:`peer_failure`: keep
-    the rendezvous store (which lives in this process) up until every other rank leaving on an
-    error has read it, at most ``wait`` seconds, so they name the dead peer rather than rank 0."""
+    the rendezvous store (which lives in this process) up until every other rank not found gone
+    has marked its exit (:func:`mark_exiting`, after its own :func:`peer_failure`), at most
+    ``wait`` seconds, so that they name the dead peer rather than rank 0."""
     import time
 
     if rank != 0 or not _STORE:
         return
-    leaving = len(_PEERS)
-    deadline = time.monotonic() + wait
+    sleep = time.sleep if sleep is None else sleep
+    waiting = [r for r in range(1, len(_PEERS)) if r not in _GONE]
     try:
-        while time.monotonic() < deadline:
-            exiting = sum(bool(_STORE[0].add(_EXITING.format(r), 0)) for r in range(leaving))
-            if _STORE[0].add(_CHECKED, 0) >= exiting:
+        for _ in range(max(1, round(wait / _POLL_SECONDS))):
+            waiting = [r for r in waiting if not _STORE[0].add(_EXITING.format(r), 0)]
+            if not waiting:
                 return
-            time.sleep(_POLL_SECONDS)
-    except Exception:  # noqa: BLE001
+            sleep(_POLL_SECONDS)
+    except Exception:  # noqa: BLE001 - the store is in this process: nothing left to keep up
         pass

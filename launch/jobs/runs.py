@@ -779,7 +779,7 @@ def run_job(main: Callable[[], Any]) -> None:
       when that store, which lives in its process, does not answer; :mod:`launch.jobs.peers`).
       Finding a peer on another node costs at most ``peers.SILENCE_SECONDS`` (3 s) before the
       exit (about one ``peers.HEARTBEAT_SECONDS`` when every peer is alive), and global rank 0
-      keeps the store up at most 5 s more, until the other ranks leaving have read it;
+      keeps the store up at most 5 s more, until the other ranks have left;
     - 130 after an abort (``KeyboardInterrupt``: SIGINT while the stop's checkpoint was saved).
     """
     import traceback
@@ -800,7 +800,6 @@ def run_job(main: Callable[[], Any]) -> None:
     except BaseException as e:  # noqa: BLE001 - reported, then the status says it failed
         traceback.print_exc()  # its last line is the cause, unless a peer died
         rank = int(os.environ.get("RANK", 0))
-        mark_exiting(rank)  # not to be named dead by the other nodes when this rank has left
         gone = peer_failure(rank)
         if gone:  # the collective failed because a peer died: that is the cause
             first = (str(e).splitlines() or [""])[0]
@@ -810,7 +809,7 @@ def run_job(main: Callable[[], Any]) -> None:
         linger_for_peers(rank)
         code = 1
     finally:
-        # whatever the exit, the other nodes must not name this rank dead once it has left
+        # whatever the exit: the other nodes must not name this rank dead once it has left
         mark_exiting(int(os.environ.get("RANK", 0)))
         distributed = end_process()
     if code and distributed:

@@ -56,7 +56,6 @@ def test_the_silent_ranks_of_other_nodes_are_named():
     msg = peer_failure(0, store, PEERS, sleep=store.sleep)
     assert msg == ("rank 1 (node 0, host gpu01), rank 3 (node 1, host gpu02) stopped (no heartbeat "
                    "in the rendezvous store for 3 s: killed, crashed or its node is down)")
-    assert store.values["megaloss/checked"] == 1  # rank 0 knows this rank has read the store
     store = FakeStore(beating={0, 1})
     assert peer_failure(0, store, PEERS, sleep=store.sleep) == (
         "ranks 2, 3 (node 1, host gpu02) stopped (no heartbeat in the rendezvous store for 3 s: "
@@ -71,6 +70,31 @@ def test_the_silent_ranks_of_other_nodes_are_named():
         "answer: killed, crashed or its node is down)")
     # one node (a host name and a node rank): no heartbeats, nothing to read
     assert peer_failure(0, FakeStore(beating=()), PEERS[:2]) is None
+
+
+def test_rank_0_keeps_the_store_until_the_others_left(monkeypatch):
+    from launch.jobs import peers
+
+    store = FakeStore(beating=(), exiting={1})
+    monkeypatch.setattr(peers, "_STORE", [store])
+    monkeypatch.setattr(peers, "_PEERS", PEERS)
+    monkeypatch.setattr(peers, "_GONE", [3])  # rank 3 is gone: not waited for
+    left = iter([False, False, True])  # rank 2 leaves after two polls
+
+    def sleep(seconds):
+        store.sleeps += 1
+        if next(left):
+            mark = "megaloss/exiting/2"
+            store.values[mark] = 1
+
+    peers.linger_for_peers(0, sleep=sleep)
+    assert store.sleeps == 3
+    peers.linger_for_peers(1, sleep=sleep)  # only rank 0 holds the store
+    assert store.sleeps == 3
+    del store.values["megaloss/exiting/2"]
+    store.sleeps = 0
+    peers.linger_for_peers(0, wait=1.0, sleep=lambda s: setattr(store, "sleeps", store.sleeps + 1))
+    assert store.sleeps == 4  # bounded: rank 2 never left
 
 
 @pytest.mark.slow

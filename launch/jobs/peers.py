@@ -25,7 +25,8 @@ import threading
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 __all__ = ["HEARTBEAT_SECONDS", "SILENCE_SECONDS", "Peer", "node_rank", "record_peers",
-           "dead_peers", "silent_ranks", "mark_exiting", "peer_failure", "linger_for_peers"]
+           "dead_peers", "silent_ranks", "mark_exiting", "peer_failure", "linger_for_peers",
+           "leave"]
 
 HEARTBEAT_SECONDS = 1.0
 # How long a surviving rank watches the counters: a live rank's moves about 3 times in it (its
@@ -44,6 +45,8 @@ class Peer(NamedTuple):
 _PEERS: List[Peer] = []  # every global rank's, from record_peers
 _STORE: List[Any] = []  # this process's client of the rendezvous store (several nodes only)
 _GONE: List[int] = []  # the ranks the last peer_failure named
+_STOP = threading.Event()  # the heartbeat's end (leave)
+_BEATING: List[threading.Thread] = []
 
 
 def node_rank() -> int:
@@ -88,15 +91,15 @@ def _start_heartbeat(rank: int) -> None:
     key = _ALIVE.format(rank)
 
     def run() -> None:
-        stop = threading.Event()
-        while True:
+        while not _STOP.is_set():
             try:
                 beat.add(key, 1)
             except Exception:  # noqa: BLE001 - the store is gone (rank 0 ended): nothing to tell
                 return
-            stop.wait(HEARTBEAT_SECONDS)
+            _STOP.wait(HEARTBEAT_SECONDS)
 
-    threading.Thread(target=run, name="megaloss-heartbeat", daemon=True).start()
+    _BEATING[:] = [threading.Thread(target=run, name="megaloss-heartbeat", daemon=True)]
+    _BEATING[0].start()
 
 
 def dead_peers() -> List[int]:
@@ -217,3 +220,18 @@ def linger_for_peers(rank: int, wait: float = SILENCE_SECONDS + 2.0,
             sleep(_POLL_SECONDS)
     except Exception:  # noqa: BLE001 - the store is in this process: nothing left to keep up
         pass
+
+
+def leave(rank: int) -> None:
+    """The last use of the store by ``rank`` as it leaves (:func:`launch.jobs.runs.run_job`,
+    every exit path, before the process groups are destroyed; several nodes only): its heartbeat
+    stopped, its exit marked (:func:`mark_exiting`), and on global rank 0
+    :func:`linger_for_peers`, so that no rank finds the store gone at the end of a run either
+    (a store client that loses its server prints a C++ warning)."""
+    if not _STORE:
+        return
+    _STOP.set()
+    for thread in _BEATING:
+        thread.join(HEARTBEAT_SECONDS)
+    mark_exiting(rank)
+    linger_for_peers(rank)

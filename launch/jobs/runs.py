@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
-from .peers import dead_peers, linger_for_peers, mark_exiting, peer_failure, record_peers
+from .peers import dead_peers, leave, peer_failure, record_peers
 
 __all__ = ["RUN_OUTPUTS", "CHECKPOINTS", "add_run_arguments", "check_run_arguments", "agreed",
            "prepare_output_dir", "resume_source", "open_run", "open_fresh_run", "step_boundary",
@@ -779,7 +779,7 @@ def run_job(main: Callable[[], Any]) -> None:
       when that store, which lives in its process, does not answer; :mod:`launch.jobs.peers`).
       Finding a peer on another node costs at most ``peers.SILENCE_SECONDS`` (3 s) before the
       exit (about one ``peers.HEARTBEAT_SECONDS`` when every peer is alive), and global rank 0
-      keeps the store up at most 5 s more, until the other ranks have left;
+      keeps the store up at most 5 s more (on every exit), until the other ranks have left;
     - 130 after an abort (``KeyboardInterrupt``: SIGINT while the stop's checkpoint was saved).
     """
     import traceback
@@ -806,11 +806,11 @@ def run_job(main: Callable[[], Any]) -> None:
             _report_error(f"{gone}; this rank stopped with {type(e).__name__}: {first}")
         else:
             _report_error(f"{type(e).__name__}: {e}", show=False)
-        linger_for_peers(rank)
         code = 1
     finally:
-        # whatever the exit: the other nodes must not name this rank dead once it has left
-        mark_exiting(int(os.environ.get("RANK", 0)))
+        # whatever the exit: the other nodes must not name this rank dead once it has left, and
+        # global rank 0 keeps the rendezvous store up until they have marked it
+        leave(int(os.environ.get("RANK", 0)))
         distributed = end_process()
     if code and distributed:
         # A failed rank's peers may already have closed their side: a communication thread of

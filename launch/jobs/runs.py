@@ -34,6 +34,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
+from .peers import dead_peers, leave, peer_failure, record_peers
+
 __all__ = ["RUN_OUTPUTS", "CHECKPOINTS", "add_run_arguments", "check_run_arguments", "agreed",
            "prepare_output_dir", "resume_source", "open_run", "open_fresh_run", "step_boundary",
            "save_run", "progress_bar", "StopRequest", "start_process", "start_trainer_process",
@@ -575,51 +577,9 @@ def start_process(local_rank: int) -> Tuple[int, int]:
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     deepspeed.init_distributed()
     get_accelerator().set_device(local_rank)
-    _record_peers()
+    if dist.get_world_size() > 1:
+        record_peers(dist)  # which peer died, should a collective fail (run_job)
     return dist.get_rank(), dist.get_world_size()
-
-
-_PEERS: List[Tuple[str, int]] = []  # (host name, pid) of every global rank, from start_process
-
-
-def _record_peers() -> None:
-    """Every rank's host name and pid (one object all-gather at start-up), so a rank whose
-    collective fails can tell which peer died (:func:`dead_peers`)."""
-    import socket
-
-    d = _dist()
-    if d is None:
-        return
-    peers: List[Any] = [None] * d.get_world_size()
-    d.all_gather_object(peers, (socket.gethostname(), os.getpid()))
-    _PEERS[:] = peers
-
-
-def _gone(pid: int) -> bool:
-    try:  # a killed rank stays a zombie until the launcher reaps it (it polls once a second)
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass
-    return False
-
-
-def dead_peers() -> List[int]:
-    """The global ranks on this host whose process is gone (killed, crashed), from the pids
-    :func:`start_process` recorded; ranks on other hosts cannot be told from here."""
-    import socket
-
-    host = socket.gethostname()
-    return [r for r, (h, pid) in enumerate(_PEERS)
-            if h == host and pid != os.getpid() and _gone(pid)]
 
 
 def start_trainer_process(local_rank: int, report_to: str, out_dir: Path) -> Tuple[int, int]:
@@ -813,7 +773,13 @@ def run_job(main: Callable[[], Any]) -> None:
     - 1 after a job's own error (a ``SystemExit`` message, printed once, on its own line, by the
       rank that found it; the ranks told of it by :func:`agreed` exit 1 silently);
     - 1 after an exception (its traceback, printed by the rank that raised it; when a peer rank
-      on this host has died, a last line naming it: the cause of a failed collective);
+      is gone, a last line naming it, the cause of a failed collective: a rank on this node whose
+      process is gone, found at once from its pid; in a world over several nodes, else, a rank
+      whose heartbeat in the rendezvous store stopped, with its node and host, or global rank 0
+      when that store, which lives in its process, does not answer; :mod:`launch.jobs.peers`).
+      Finding a peer on another node costs at most ``peers.SILENCE_SECONDS`` (3 s) before the
+      exit (about one ``peers.HEARTBEAT_SECONDS`` when every peer is alive), and global rank 0
+      keeps the store up at most 5 s more (on every exit), until the other ranks have left;
     - 130 after an abort (``KeyboardInterrupt``: SIGINT while the stop's checkpoint was saved).
     """
     import traceback
@@ -833,16 +799,18 @@ def run_job(main: Callable[[], Any]) -> None:
         code = 130
     except BaseException as e:  # noqa: BLE001 - reported, then the status says it failed
         traceback.print_exc()  # its last line is the cause, unless a peer died
-        dead = dead_peers()
-        if dead:  # the collective failed because a peer died: that is the cause
-            names = ", ".join(str(r) for r in dead)
+        rank = int(os.environ.get("RANK", 0))
+        gone = peer_failure(rank)
+        if gone:  # the collective failed because a peer died: that is the cause
             first = (str(e).splitlines() or [""])[0]
-            _report_error(f"rank {names} died (its process is gone: killed or crashed); this "
-                          f"rank stopped with {type(e).__name__}: {first}")
+            _report_error(f"{gone}; this rank stopped with {type(e).__name__}: {first}")
         else:
             _report_error(f"{type(e).__name__}: {e}", show=False)
         code = 1
     finally:
+        # whatever the exit: the other nodes must not name this rank dead once it has left, and
+        # global rank 0 keeps the rendezvous store up until they have marked it
+        leave(int(os.environ.get("RANK", 0)))
         distributed = end_process()
     if code and distributed:
         # A failed rank's peers may already have closed their side: a communication thread of

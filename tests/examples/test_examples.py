@@ -40,17 +40,32 @@ def test_single_device_example_runs(capsys, monkeypatch):
     assert "linear_cross_entropy" in out and "mnr_loss" in out, out
 
 
-@pytest.mark.deepspeed
-@pytest.mark.timeout(300)
-def test_deepspeed_calibration_example_gives_the_single_device_update():
-    proc = run_deepspeed_launcher(REPO / "examples" / "deepspeed_calibration.py", [],
-                                  timeout=280)
-    assert proc.stdout.count("worst relative update error") == 2
+DEEPSPEED_EXAMPLES = [REPO / "examples" / "deepspeed_calibration.py",
+                      REPO / "examples" / "hf_causal_lm.py"]
+
+
+@pytest.fixture(scope="module")
+def deepspeed_examples():
+    """Both DeepSpeed examples in ONE ``deepspeed --num_gpus 2`` launch, one after the other in
+    the same ranks (``examples_in_one_launch.py``); the launch must exit with status 0, so an
+    assert failing in either example fails both tests. Their stdout lines differ (``rank r:
+    loss ... worst relative update error ...`` vs rank 0's ``step k: loss ...``)."""
+    driver = REPO / "tests" / "examples" / "examples_in_one_launch.py"
+    return run_deepspeed_launcher(driver, [str(p) for p in DEEPSPEED_EXAMPLES],
+                                  timeout=560).stdout
 
 
 @pytest.mark.deepspeed
-@pytest.mark.timeout(300)
-def test_hf_causal_lm_example_trains():
-    proc = run_deepspeed_launcher(REPO / "examples" / "hf_causal_lm.py", [], timeout=280)
-    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", proc.stdout)]
+@pytest.mark.xdist_group("deepspeed_examples")  # one launch for both, on one worker
+@pytest.mark.timeout(600)
+def test_deepspeed_calibration_example_gives_the_single_device_update(deepspeed_examples):
+    assert deepspeed_examples.count("worst relative update error") == 2, deepspeed_examples
+
+
+@pytest.mark.deepspeed
+@pytest.mark.xdist_group("deepspeed_examples")  # one launch for both, on one worker
+@pytest.mark.timeout(600)
+def test_hf_causal_lm_example_trains(deepspeed_examples):
+    losses = [float(x) for x in re.findall(r"^step \d+: loss ([0-9.]+)$", deepspeed_examples,
+                                           flags=re.M)]
     assert len(losses) == 20 and losses[-1] < losses[0] - 1.0, losses

@@ -3,6 +3,8 @@
 import ast
 import pathlib
 
+import pytest
+
 import megaloss
 
 ROOT = pathlib.Path(megaloss.__file__).resolve().parent
@@ -67,18 +69,22 @@ def find_cycle(graph):
     return None
 
 
-def test_the_graph_reader_sees_the_known_edges():
-    graph = import_graph()
+@pytest.fixture(scope="module")
+def graph():
+    """The package's import graph, parsed once for the tests of this module."""
+    return import_graph()
+
+
+def test_the_graph_reader_sees_the_known_edges(graph):
     assert "megaloss.ops.triton_epilogue" in graph["megaloss.ops.cross_entropy_chunk"]  # lazy
     assert "megaloss.ops.chunk_stats" in graph["megaloss.ops.triton_epilogue"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
-def test_chunk_epilogues_share_a_leaf_and_do_not_import_each_other():
-    graph = import_graph()
+def test_chunk_epilogues_share_a_leaf_and_do_not_import_each_other(graph):
     assert "megaloss.ops.cross_entropy_chunk" not in graph["megaloss.ops.triton_epilogue"]
     assert graph["megaloss.ops.chunk_stats"] <= {"megaloss.ops.options"}
 
 
-def test_no_import_cycle_in_the_package():
-    assert find_cycle(import_graph()) is None
+def test_no_import_cycle_in_the_package(graph):
+    assert find_cycle(graph) is None

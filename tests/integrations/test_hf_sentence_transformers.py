@@ -12,10 +12,19 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("sentence_transformers")
+from megaloss.testing import run_distributed
 
-from megaloss.integrations.hf.sentence_transformers import GatheredMultipleNegativesRankingLoss  # noqa: E402
-from megaloss.testing import run_distributed  # noqa: E402
+# Importing sentence-transformers costs ~10 CPU-s (sklearn, transformers' model code): the module
+# is in the slow tier and imports it only when a test runs, so collecting the fast tier does not.
+pytestmark = pytest.mark.slow
+
+
+def gathered_mnrl(*args, **kwargs):
+    """``GatheredMultipleNegativesRankingLoss(*args, **kwargs)``, imported on first use."""
+    from megaloss.integrations.hf.sentence_transformers import (
+        GatheredMultipleNegativesRankingLoss,
+    )
+    return GatheredMultipleNegativesRankingLoss(*args, **kwargs)
 
 WORDS = [f"w{i}" for i in range(60)]
 
@@ -79,6 +88,7 @@ def loss_and_grads(model, loss_fn, columns, labels=None):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    pytest.importorskip("sentence_transformers")
     return make_model_dir(str(tmp_path_factory.mktemp("tiny_st")))
 
 
@@ -102,7 +112,7 @@ def test_matches_sentence_transformers_mnrl(model_dir, negatives, symmetric, sim
     ref_loss, ref_grads = loss_and_grads(
         model, MultipleNegativesRankingLoss(model, scale=scale, similarity_fct=fct, **st_kwargs),
         columns)
-    ours = GatheredMultipleNegativesRankingLoss(model, scale=scale, similarity_fct=fct,
+    ours = gathered_mnrl(model, scale=scale, similarity_fct=fct,
                                                 symmetric=symmetric)
     loss, g = loss_and_grads(model, ours, columns)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=0)
@@ -114,7 +124,7 @@ def test_duplicate_ids_from_labels(model_dir):
     model = load_model(model_dir)
     columns = batch(6, 1)
     ids = torch.tensor([0, 1, 0, 2, 3, 1])
-    loss_fn = GatheredMultipleNegativesRankingLoss(model, labels_as_duplicate_ids=True)
+    loss_fn = gathered_mnrl(model, labels_as_duplicate_ids=True)
     loss, g = loss_and_grads(model, loss_fn, columns, ids)
     model.zero_grad(set_to_none=True)
     emb = [model(f)["sentence_embedding"] for f in features(model, columns)]
@@ -123,26 +133,26 @@ def test_duplicate_ids_from_labels(model_dir):
     ref.backward()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-10, atol=0)
     assert_grads_close(g, grads(model))
-    plain = GatheredMultipleNegativesRankingLoss(model)(features(model, columns), ids)
+    plain = gathered_mnrl(model)(features(model, columns), ids)
     assert not torch.allclose(plain, loss)  # labels ignored by default: duplicates are negatives
 
 
 def test_conventions_and_errors(model_dir):
     model = load_model(model_dir)
-    loss_fn = GatheredMultipleNegativesRankingLoss(model, scale=50, symmetric=True)
+    loss_fn = gathered_mnrl(model, scale=50, symmetric=True)
     assert loss_fn.get_config_dict() == {"scale": 50.0, "similarity_fct": "cosine",
                                          "symmetric": True, "gather_across_devices": True,
                                          "labels_as_duplicate_ids": False}
     assert loss_fn.temperature == pytest.approx(0.02)
     assert "1807.03748" in loss_fn.citation
     with pytest.raises(ValueError, match="scale"):
-        GatheredMultipleNegativesRankingLoss(model, scale=0)
+        gathered_mnrl(model, scale=0)
     with pytest.raises(ValueError, match="similarity_fct"):
-        GatheredMultipleNegativesRankingLoss(model, similarity_fct=torch.cdist)
+        gathered_mnrl(model, similarity_fct=torch.cdist)
     with pytest.raises(ValueError, match="at least 2"):
         loss_fn(features(model, batch(3, 0)[:1]), None)
     with pytest.raises(ValueError, match="label column"):
-        GatheredMultipleNegativesRankingLoss(model, labels_as_duplicate_ids=True)(
+        gathered_mnrl(model, labels_as_duplicate_ids=True)(
             features(model, batch(3, 0)), None)
 
 
@@ -157,7 +167,7 @@ def _rank_grads(rank, world, model_dir, columns, sizes, symmetric, with_st):
                   for k, v in model.tokenize(["w1"]).items()} for _ in columns]
     else:
         feats = features(model, mine)
-    loss = GatheredMultipleNegativesRankingLoss(model, symmetric=symmetric)(feats, None)
+    loss = gathered_mnrl(model, symmetric=symmetric)(feats, None)
     loss.backward()
     out = {"loss": loss.detach(), "grads": grads(model)}
     if with_st:  # sentence-transformers' own gathered loss, where it works (even batches)
@@ -177,7 +187,7 @@ def test_two_ranks_equal_single_process_global_batch(model_dir, sizes, negatives
     columns = batch(sum(sizes), negatives, seed=7)
     model = load_model(model_dir)
     ref_loss, ref_grads = loss_and_grads(
-        model, GatheredMultipleNegativesRankingLoss(model, symmetric=symmetric), columns)
+        model, gathered_mnrl(model, symmetric=symmetric), columns)
     even = sizes[0] == sizes[1]
     results = run_distributed(_rank_grads, 2, model_dir, columns, list(sizes), symmetric, even,
                               timeout=140)

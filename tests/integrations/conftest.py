@@ -1,4 +1,6 @@
-"""Shared DeepSpeed ranks for the engine tests of this folder.
+"""Shared processes for this folder's multi-process tests: DeepSpeed ranks for the engine tests
+(``deepspeed_pool``), one ``deepspeed --num_gpus 2`` launch for the Trainer tests
+(``shared_hf_launch``, below).
 
 A test marked ``deepspeed`` gets freshly spawned ranks from the root conftest (an engine leaves
 process-global state behind). Most of the cost of these tests is that spawn: each rank imports
@@ -10,7 +12,9 @@ of imports per world size for all the engine test files.
 
 What makes the sharing safe: every case builds its own groups, topology and engine and
 destroys the engine (its ZeRO hooks) at the end; DeepSpeed's comm backend is initialised once
-per process and reused (``deepspeed.init_distributed`` is idempotent); the pool reseeds torch /
+per process and reused (``deepspeed.init_distributed`` is idempotent); DeepSpeed's module
+globals (the last engine's ``mpu``, cached groups) are reset before every case
+(``deepspeed_state.py``); the pool reseeds torch /
 Python / NumPy and resets the default dtype and grad mode before each case; a case that fails or
 times out reports its own traceback to its own test and takes the pool down, so the next test
 gets fresh ranks. DeepSpeed and the plain collective tests never share ranks (separate pools).
@@ -27,7 +31,7 @@ from typing import Dict, Optional
 
 import pytest
 
-from megaloss.testing import ProcessGroupPool, shared_process_groups
+from megaloss.testing import DEFAULT_TIMEOUT_S, ProcessGroupPool, shared_process_groups
 
 # A collective of these tests never waits this long; a deadlock still fails at the case's own
 # (shorter) run_distributed timeout.
@@ -48,11 +52,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("shared_hf_launch"))
 
 
+class _DeepSpeedPool(ProcessGroupPool):
+    """Runs every case through ``deepspeed_state.run_with_fresh_deepspeed_state``."""
+
+    def run(self, fn, *args, timeout=DEFAULT_TIMEOUT_S):
+        from deepspeed_state import run_with_fresh_deepspeed_state
+        return super().run(run_with_fresh_deepspeed_state, fn, *args, timeout=timeout)
+
+
 @pytest.fixture(scope="session")
 def _deepspeed_pools():
-    # built here, not by run_distributed, to set their collective timeout; ranks start on first use
-    pools = {(world, 1): ProcessGroupPool(world, 1, collective_timeout=COLLECTIVE_TIMEOUT_S)
-             for world in (1, 2, 4)}
+    # built here, not by run_distributed (which would build plain pools), for every world size
+    # these tests use; ranks start on first use
+    pools = {(world, 1): _DeepSpeedPool(world, 1, collective_timeout=COLLECTIVE_TIMEOUT_S)
+             for world in (1, 2, 3, 4)}
     yield pools
     for pool in pools.values():
         pool.close(kill=True)  # idle between cases: nothing to finish
@@ -69,7 +82,7 @@ def _shared_deepspeed_ranks(request):
     pools = request.getfixturevalue("_deepspeed_pools")
     with shared_process_groups(pools):
         yield
-    pooled = [item.module for item in request.session.items
+    pooled = [getattr(item, "module", None) for item in request.session.items
               if item.get_closest_marker("deepspeed_pool")]
     if pooled and pooled[-1] is request.module:
         for pool in pools.values():

@@ -19,7 +19,8 @@ import torch
 
 from megaloss.testing import run_distributed
 
-pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow,
+              pytest.mark.deepspeed_pool]  # shared ranks: see conftest.py
 
 VOCAB, HIDDEN, T_HIDDEN, SEQ, K = 37, 16, 12, 10, 6
 STEPS, GLOBAL_ROWS = 1, 8

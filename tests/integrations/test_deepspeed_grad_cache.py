@@ -15,6 +15,8 @@ from tiny_encoder import TokenEncoder
 
 from megaloss.testing import run_distributed
 
+pytestmark = pytest.mark.deepspeed_pool  # its DeepSpeed test runs on shared ranks: conftest.py
+
 V, H, T, TEMP, MINI = 13, 8, 5, 0.1, 2
 SIZES = {0: [3, 0], 1: [2, 3]}  # per rank, per micro-batch -> global sizes 5 and 3
 STAGES = (0, 1, 2, 3)

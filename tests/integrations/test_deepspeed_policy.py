@@ -24,7 +24,8 @@ import torch
 
 from megaloss.testing import run_distributed
 
-pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow,
+              pytest.mark.deepspeed_pool]  # shared ranks: see conftest.py
 
 VOCAB, HIDDEN, SEQ, ROWS = 13, 8, 9, 8
 LR, CLIP = 0.5, 1.0

@@ -23,7 +23,8 @@ from calibration_cases import (
 
 from megaloss.testing import run_distributed
 
-pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow,
+              pytest.mark.deepspeed_pool]  # shared ranks: see conftest.py
 REDUCTIONS = ("token", "sample", "square")
 
 # (stage, backward, toy) and (stage, backward, dp, sp, gas): pairwise-covering, small.

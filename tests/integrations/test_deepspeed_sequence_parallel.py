@@ -16,7 +16,8 @@ import torch
 
 from megaloss.testing import run_distributed
 
-pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow,
+              pytest.mark.deepspeed_pool]  # shared ranks: see conftest.py
 
 VOCAB, HIDDEN, SEQ, MICRO = 29, 16, 7, 2      # SEQ odd: SP=2 pads every row by one token
 REDUCTIONS = ("token", "sample", "square")

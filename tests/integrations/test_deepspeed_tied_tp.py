@@ -23,7 +23,8 @@ import torch
 
 from megaloss.testing import run_distributed
 
-pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow,
+              pytest.mark.deepspeed_pool]  # shared ranks: see conftest.py
 
 VOCAB, HIDDEN, SEQ = 37, 16, 10
 STEPS, GAS, ROWS = 2, 2, 4

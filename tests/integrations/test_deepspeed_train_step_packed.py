@@ -14,6 +14,8 @@ import torch
 
 from megaloss.testing import run_distributed
 
+pytestmark = pytest.mark.deepspeed_pool  # its DeepSpeed test runs on shared ranks: conftest.py
+
 VOCAB, HIDDEN, SEQ, MICRO, GAS = 40, 8, 12, 2, 2
 
 

@@ -13,6 +13,8 @@ from tiny_encoder import TokenEncoder
 
 from megaloss.testing import run_distributed
 
+pytestmark = pytest.mark.deepspeed_pool  # its DeepSpeed test runs on shared ranks: conftest.py
+
 V, H, T, TEMP = 13, 8, 5, 0.1
 # per rank: local sizes of the 2 micro-batches -> global sizes 5 and 3
 SIZES = {0: [3, 1], 1: [2, 2]}

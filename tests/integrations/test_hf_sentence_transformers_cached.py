@@ -6,7 +6,8 @@ GatheredMultipleNegativesRankingLoss on the same batch (rtol 1e-10 / 1e-8: summa
 for mini-batch sizes that split the batch unevenly, with hard negatives and both directions; and
 the loss value against sentence-transformers' own CachedMultipleNegativesRankingLoss.
 
-Under ``deepspeed --num_gpus 2`` (CPU, gloo), SentenceTransformerTrainer, ZeRO-2 and ZeRO-3,
+Under ``deepspeed --num_gpus 2`` (CPU, gloo; the launch this folder's Trainer modules share,
+conftest.py's ``shared_hf_launch``), SentenceTransformerTrainer, ZeRO-2 and ZeRO-3,
 gradient accumulation 2, 4 triplets per rank per micro-batch, mini-batch 3 (replays of 3 and 1
 rows): the SGD update (lr 1) of the cached loss equals that of the non-cached loss from the same
 seed (same data order): ``||u_cached - u|| <= 1e-5 ||u|| + 1e-8`` per parameter (fp32, summation
@@ -143,24 +144,26 @@ def _worker_main(argv):  # ZeRO-3's zero.Init follows the latest TrainingArgumen
         torch.save(updates, os.path.join(a.worker, "result.pt"))
 
 
+def shared_hf_launch_argv(tmp_path):
+    """This module's part of the folder's shared launch (conftest.py): ZeRO-2 then ZeRO-3, each
+    plain then cached (4 one-step trainings), then ZeRO-2 over an epoch whose last window is
+    short (plain, cached); the tiny model written under ``tmp_path / "model"``."""
+    return ["--worker", str(tmp_path), "--model_dir", make_model_dir(str(tmp_path / "model"))]
+
+
 @pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory):
-    """One launch: ZeRO-2 then ZeRO-3, each plain then cached (4 one-step trainings), then
-    ZeRO-2 over an epoch whose last window is short (plain, cached)."""
+def trainer_runs(shared_hf_launch):
+    """The results of this module's trainings in the shared launch, and the initial weights."""
     pytest.importorskip("datasets")
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
-    from launch_helpers import run_deepspeed_launcher
-    tmp_path = tmp_path_factory.mktemp("st_cached_trainer")
-    model_dir = make_model_dir(str(tmp_path / "model"))
-    run_deepspeed_launcher(os.path.abspath(__file__),
-                           ["--worker", str(tmp_path), "--model_dir", model_dir], timeout=560)
-    result = torch.load(tmp_path / "result.pt", weights_only=False)
-    before = dict(load_model(model_dir).float().named_parameters())
+    run = shared_hf_launch["test_hf_sentence_transformers_cached"]
+    run.check()
+    result = torch.load(run.tmp_path / "result.pt", weights_only=False)
+    before = dict(load_model(str(run.tmp_path / "model")).float().named_parameters())
     return result, before
 
 
 @pytest.mark.deepspeed
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # the first test using the shared launch waits for it
 @pytest.mark.parametrize("zero", [2, 3])
 def test_trainer_cached_equals_non_cached(trainer_runs, zero):
     result, before = trainer_runs
@@ -175,7 +178,7 @@ def test_trainer_cached_equals_non_cached(trainer_runs, zero):
 
 
 @pytest.mark.deepspeed
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_trainer_cached_equals_non_cached_short_last_window(trainer_runs):
     """ZeRO-2, one epoch of windows of 2 and 1 micro-batches: the Trainer divides the last
     window's loss by 1; every replay of that window must be divided by 1 too."""

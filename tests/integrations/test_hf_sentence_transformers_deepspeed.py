@@ -2,8 +2,9 @@
 --num_gpus 2`` (CPU, gloo): one SGD step (lr 1, no clipping) equals the float64 single-process
 gradient of the loss on the step's global batch.
 
-One launch runs every case (:data:`CASES`) in turn and writes one result file per case; the tests
-assert per case. The dataset is 8 triplets; the step gives each rank 4, and a collator wrapper
+One launch (the one this folder's Trainer modules share: conftest.py's ``shared_hf_launch``) runs
+every case (:data:`CASES`) in turn and writes one result file per case; the tests assert per
+case. The dataset is 8 triplets; the step gives each rank 4, and a collator wrapper
 keeps only the first ``keep[rank]`` of them (``(4, 1)``: an uneven global batch of 5 rows;
 ``(4, 0)``: rank 1 holds an empty batch). ZeRO-3 runs with
 ``stage3_param_persistence_threshold: 0``, so every parameter is partitioned and all-gathered in
@@ -119,30 +120,31 @@ def _worker_main(argv):
             raise SystemExit(1)  # the ranks may be out of step: stop here
 
 
+def shared_hf_launch_argv(tmp_path):
+    """This module's part of the folder's shared launch (conftest.py): every case, the tiny
+    model written under ``tmp_path / "model"``."""
+    return ["--worker", str(tmp_path), "--model_dir", make_model_dir(str(tmp_path / "model"))]
+
+
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    """One ``deepspeed --num_gpus 2`` run of every case; returns the output folder and the
-    model folder."""
+def launch(shared_hf_launch):
+    """This module's run in the shared ``deepspeed --num_gpus 2`` launch of every case; returns
+    the run (its folder holds the results) and the model folder."""
     pytest.importorskip("datasets")
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
-    from launch_helpers import run_deepspeed_launcher
-    out = tmp_path_factory.mktemp("st_deepspeed")
-    model_dir = make_model_dir(str(out / "model"))
-    run_deepspeed_launcher(os.path.abspath(__file__),
-                           ["--worker", str(out), "--model_dir", model_dir], timeout=400)
-    return out, model_dir
+    run = shared_hf_launch["test_hf_sentence_transformers_deepspeed"]
+    return run, str(run.tmp_path / "model")
 
 
-def _load(out, name, rank=0):
-    path = out / f"{name}.rank{rank}.pt"
-    assert path.exists(), f"case {name} left no result on rank {rank}"
+def _load(run, name, rank=0):
+    path = run.tmp_path / f"{name}.rank{rank}.pt"
+    assert path.exists(), f"case {name} left no result on rank {rank}: {run.error}"
     result = torch.load(path, weights_only=False)
     assert "crash" not in result, result["crash"]
     return result
 
 
 @pytest.mark.deepspeed
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)  # the first test using the shared launch waits for it
 @pytest.mark.parametrize("case", list(CASES))
 def test_sentence_transformer_trainer_equals_float64(launch, case):
     from megaloss.integrations.hf.sentence_transformers import GatheredMultipleNegativesRankingLoss

@@ -17,10 +17,12 @@ of fp32 parameters ~1e-2 holding ~1e-3 steps, so ~1e-5 relative is the floor). A
 last batch is evened out by accelerate with a repeated sample) must report the reference's loss
 of the whole set with the same options, rel 1e-5.
 
-The two-rank cases (:data:`DS_CASES`) all run in one ``deepspeed --num_gpus 2`` launch (this file
-is its worker: ``deepspeed --num_gpus 2 tests/integrations/test_hf_trainer.py --worker OUT``);
-the tests assert per case. One of them reports to W&B offline; its run is read back with wandb's
-own reader (``wandb_history`` of ``tests/launch/test_monitors.py``).
+The two-rank cases (:data:`DS_CASES`) all run in one ``deepspeed --num_gpus 2`` launch, the
+one this folder's Trainer modules share (conftest.py's ``shared_hf_launch``; this file's
+``_worker_main`` is its part, also runnable alone: ``deepspeed --num_gpus 2
+tests/integrations/test_hf_trainer.py --worker OUT``); the tests assert per case. One of them
+reports to W&B offline; its run is read back with wandb's own reader (``wandb_history`` of
+``tests/launch/test_monitors.py``).
 """
 import argparse
 import math
@@ -278,29 +280,33 @@ def test_evaluation_without_labels_is_refused(tmp_path):
 
 
 # two processes under DeepSpeed (slow tier): one launch, every case ----------------------------
+def shared_hf_launch_argv(tmp_path):
+    """This module's part of the folder's shared launch (conftest.py): every :data:`DS_CASES`
+    case, ``<case>.pt`` per case under ``tmp_path``, the W&B run under ``zero2-wandb/wandb``."""
+    return ["--worker", str(tmp_path)]
+
+
 @pytest.fixture(scope="module")
-def ds_run(tmp_path_factory):
-    """Run every :data:`DS_CASES` case in one ``deepspeed --num_gpus 2`` launch; returns the
-    output folder (``<case>.pt`` per case, the W&B run under ``zero2-wandb/wandb``)."""
-    from launch_helpers import REPO, run_deepspeed_launcher
-    out = tmp_path_factory.mktemp("hf_trainer_ds")
-    repo_wandb = sorted((REPO / "wandb").glob("*")) if (REPO / "wandb").exists() else []
-    run_deepspeed_launcher(os.path.abspath(__file__), ["--worker", str(out)], timeout=560)
-    now = sorted((REPO / "wandb").glob("*")) if (REPO / "wandb").exists() else []
-    assert now == repo_wandb  # nothing written into the repository
-    return out
+def ds_run(shared_hf_launch):
+    """The output folder of this module's cases in the shared ``deepspeed --num_gpus 2``
+    launch; nothing was written into the repository's ``wandb`` folder."""
+    from launch_helpers import REPO
+    run = shared_hf_launch["test_hf_trainer"]
+    written = [p for p in (REPO / "wandb").glob("*") if p.stat().st_mtime >= run.started]
+    assert not written  # nothing written into the repository
+    return run
 
 
-def _load(out, name):
-    path = out / f"{name}.pt"
-    assert path.exists(), f"case {name} left no result"
+def _load(run, name):
+    path = run.tmp_path / f"{name}.pt"
+    assert path.exists(), f"case {name} left no result: {run.error}"
     result = torch.load(path, weights_only=False)
     assert "crash" not in result, result["crash"]
     return result
 
 
 @pytest.mark.deepspeed
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # the first test using the shared launch waits for it
 @pytest.mark.parametrize("name", [c for c in DS_CASES if not DS_CASES[c].get("wandb")])
 def test_deepspeed_two_ranks_equals_float64(ds_run, name):
     case = DS_CASES[name]
@@ -319,7 +325,7 @@ def test_deepspeed_two_ranks_equals_float64(ds_run, name):
 
 
 @pytest.mark.deepspeed
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_wandb_offline_run_holds_the_trainer_logs(ds_run):
     """The W&B offline run of ``zero2-wandb`` (3 logged steps, then ``evaluate()``), read back
     with wandb's reader: every Trainer log entry is there at its global step with the same
@@ -327,7 +333,7 @@ def test_wandb_offline_run_holds_the_trainer_logs(ds_run):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
     from test_monitors import wandb_history
     result = _load(ds_run, "zero2-wandb")
-    runs = list((ds_run / "zero2-wandb" / "wandb").glob("offline-run-*"))
+    runs = list((ds_run.tmp_path / "zero2-wandb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), runs
     history, _ = wandb_history(runs[0])
     at_step = {}  # global step -> {tag: value}

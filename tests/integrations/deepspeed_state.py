@@ -1,0 +1,48 @@
+"""Run a case on a shared DeepSpeed rank (conftest.py's ``deepspeed_pool``) as on a fresh one:
+DeepSpeed keeps parallel state in module globals that outlive an engine (``engine.destroy()``
+leaves them): ``deepspeed.utils.groups.mpu`` stays the last engine's ``mpu``, so an engine built
+without one after an engine built with one reads the old model-parallel sizes
+(``DeepSpeedEngine._configure_distributed_model``), and the cached world / data-parallel groups
+stay. Before every case those globals are put back to what they were before the rank's first
+case, and transformers' global DeepSpeed config (ZeRO-3 ``zero.Init`` of the next model) is unset.
+
+Not a test module; imported by name in the ranks (this folder is on their ``sys.path``).
+"""
+import importlib
+import sys
+
+# the modules of deepspeed 0.19 whose globals hold parallel groups or the mpu
+MODULES = ("deepspeed.utils.groups", "deepspeed.runtime.pipe.p2p",
+           "deepspeed.runtime.sequence_parallel.parallel_state_sp",
+           "deepspeed.runtime.tensor_parallel.init_utils",
+           "deepspeed.runtime.activation_checkpointing.checkpointing")
+_VALUES = (type(None), bool, int, float, str, tuple, list, dict, set)
+_PRISTINE = None  # {module name: {global: value}}, taken before the rank's first case
+
+
+def _copy(value):
+    return value.copy() if isinstance(value, (list, dict, set)) else value
+
+
+def _globals(module):
+    return {k: _copy(v) for k, v in vars(module).items()
+            if not k.startswith("__") and isinstance(v, _VALUES)}
+
+
+def run_with_fresh_deepspeed_state(rank, world_size, fn, *args):
+    """``fn(rank, world_size, *args)`` after resetting DeepSpeed's module globals (see the module
+    docstring)."""
+    global _PRISTINE
+    if _PRISTINE is None:
+        _PRISTINE = {}
+        for name in MODULES:
+            try:
+                _PRISTINE[name] = _globals(importlib.import_module(name))
+            except ImportError:  # another DeepSpeed version: nothing of it to reset
+                pass
+    else:
+        for name, values in _PRISTINE.items():
+            vars(sys.modules[name]).update({k: _copy(v) for k, v in values.items()})
+    if "transformers.integrations.deepspeed" in sys.modules:
+        sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()
+    return fn(rank, world_size, *args)

@@ -5,8 +5,9 @@ start them from a scheduler's environment (``launch/multinode.sh``).
   hostfile settings, and that one node without any of them is launched as before.
 - Slow: the one-launcher-per-node form on loopback. Two "nodes" (``NNODES=2``, ``NODE_RANK=0/1``,
   ``MASTER_ADDR=127.0.0.1``, ``NUM_PROCS=1`` each, i.e. ``deepspeed --hostfile H --no_ssh
-  --num_nodes 2 --node_rank R --num_gpus 1``) run the LM job with TP=2 across the two nodes, and
-  a single-node ``NUM_PROCS=2`` run of the same layout runs next to them; the per-step losses,
+  --num_nodes 2 --node_rank R --num_gpus 1``) run the LM job with TP=2 across the two nodes; the
+  reference is the same job on one node of 2 processes, a job of the launch the tests/launch
+  files share (conftest.py ``shared_launch``: no launcher of its own). The per-step losses,
   gradient norms and token counts in ``metrics.csv`` and the held-out loss in ``summary.json``
   must be identical (same ranks, same gloo collectives, one thread per process: bitwise).
 """
@@ -185,20 +186,24 @@ def _metrics(out: Path) -> list:
         return list(csv.DictReader(f))
 
 
+def shared_launch_jobs(tmp_path) -> list:
+    """The one-node reference of the loopback run, a job of the shared launch (conftest.py):
+    TP=2 over its 2 processes, into ``tmp_path / "single"``."""
+    return [{"job": "train_lm", "argv": _job_args(tmp_path, "single")}]
+
+
 @pytest.mark.deepspeed
 @pytest.mark.distributed
-@pytest.mark.timeout(240)
-def test_two_launchers_on_loopback_equal_one_node(tmp_path):
-    # The three launchers run at once (the one-node reference beside the two "nodes"); they share
-    # the token cache, which each job's rank 0 writes atomically.
+@pytest.mark.timeout(900)  # the shared launch (the reference), if no test ran it yet, then these
+def test_two_launchers_on_loopback_equal_one_node(shared_launch):
+    # The two "nodes" run at once; they share the reference's token cache and ds_config (its
+    # rank 0 wrote the cache atomically).
+    tmp_path = shared_launch["test_multinode"].tmp_path
     port = free_port()
-    nodes = {"single": {"NUM_PROCS": 2}}
-    nodes.update({f"node{r}": {"NNODES": 2, "NODE_RANK": r, "MASTER_ADDR": "127.0.0.1",
-                               "MASTER_PORT": port, "NUM_PROCS": 1} for r in (0, 1)})
-    procs = {name: _start(tmp_path, name, env, "single" if name == "single" else "multi")
-             for name, env in nodes.items()}
-    _wait_all(procs, tmp_path, timeout=220)
-
+    nodes = {f"node{r}": {"NNODES": 2, "NODE_RANK": r, "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": port, "NUM_PROCS": 1} for r in (0, 1)}
+    procs = {name: _start(tmp_path, name, env, "multi") for name, env in nodes.items()}
+    _wait_all(procs, tmp_path, timeout=400)
     node0 = (tmp_path / "node0.log").read_text()
     assert "node 0 of 2: rendezvous at 127.0.0.1" in node0
     single, multi = _metrics(tmp_path / "single"), _metrics(tmp_path / "multi")

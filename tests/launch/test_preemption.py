@@ -18,6 +18,9 @@ Both must save a checkpoint at the next step boundary, write ``metrics.csv``, ``
 (saying where and why they stopped) and the plot for the steps that ran, and exit; a new
 launcher run with ``--resume`` (one for both jobs) then continues them: metrics and monitor files
 hold every step once, with one header.
+
+The six launches are independent (own session, port and folder): they run two at a time, one
+per core (the resume once the two it continues have stopped).
 """
 import csv
 import json
@@ -27,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -36,7 +40,8 @@ from launch_helpers import REPO, launcher_env, run_jobs_in_one_launch, script_en
 from launch.jobs.code_search import stdlib_root
 from megaloss.testing import free_port
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
+              pytest.mark.xdist_group("preemption")]  # one xdist worker runs the fixture
 
 
 class Launched:
@@ -154,78 +159,99 @@ def _stopped_at(out: Path):
         return None
 
 
+def _ctrl_c(job):  # SIGINT to the whole process group, twice (a scheduler, then Ctrl-C)
+    os.killpg(job.proc.pid, signal.SIGINT)
+    # the second once both ranks have taken the first (two at once would be one signal)
+    wait_until(lambda: job.output.count("SIGINT: stopping at the next step boundary") >= 2,
+               120, "both ranks' stop message", alive=job.alive)
+    os.killpg(job.proc.pid, signal.SIGINT)
+
+
+def _sigterm_to_launch_py(job):
+    launch_py = psutil.Process(job.proc.pid).children()[0]  # deepspeed.launcher.launch
+    assert "deepspeed.launcher.launch" in " ".join(launch_py.cmdline())
+    launch_py.send_signal(signal.SIGTERM)
+
+
+def _sigusr1_to_rank_1(job):
+    launch_py = psutil.Process(job.proc.pid).children()[0]
+    rank1 = [p for p in launch_py.children() if "--local_rank=1" in p.cmdline()]
+    assert len(rank1) == 1, [p.cmdline() for p in launch_py.children()]
+    rank1[0].send_signal(signal.SIGUSR1)
+
+
+def _sigterm_to_all_twice(job):
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    wait_until(lambda: job.output.count("SIGTERM: stopping at the next step boundary") >= 2,
+               120, "both ranks' stop message", alive=job.alive)
+    os.killpg(job.proc.pid, signal.SIGTERM)
+
+
+def _sigusr1_to_all(job):
+    os.killpg(job.proc.pid, signal.SIGUSR1)
+
+
+# name: (arguments, monitor file, signal pattern, script suffix); the first two are resumed
+_STOPPED = {
+    "lm": (_lm_args, "Train_megaloss_loss.csv", _ctrl_c, ".py"),
+    "embed": (_embed_args, "Train_megaloss_mnr_loss.csv", _sigterm_to_launch_py, ".py"),
+    "lm-usr1": (_lm_args, "Train_megaloss_loss.csv", _sigusr1_to_rank_1, ".py"),
+    "lm-term": (_lm_args, "Train_megaloss_loss.csv", _sigterm_to_all_twice, ".py"),
+    "lm-usr1-all": (_lm_args, "Train_megaloss_loss.csv", _sigusr1_to_all, ".sh"),
+}
+
+
+def _stopped_run(tmp: Path, name: str) -> tuple:
+    """Launch job ``name`` of ``_STOPPED`` for (nearly) ever, deliver its signal pattern once 2
+    steps are logged, and wait until every process has exited. Returns ``(folder, output,
+    launcher's exit status)``."""
+    args, monitor_file, stop, suffix = _STOPPED[name]
+    out = tmp / name
+    job = Launched(REPO / "launch" / f"train_{name.split('-')[0]}{suffix}",
+                   args(out, tmp / "cache") + ["--steps", "100000"])
+    try:
+        job.wait_for_steps(out / "monitor" / "megaloss" / monitor_file, 2, timeout=360)
+        stop(job)
+        output = job.finish(timeout=240)
+        return out, output, job.proc.returncode
+    finally:
+        job.kill()
+
+
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory):
-    """The LM job stopped by Ctrl-C and the embedding job by SIGTERM at the launcher (a launch
-    each, their folders copied as they were when they stopped), then one new launch resuming
-    both for 2 more steps. Returns ``{job: (folder, copy of the stopped folder, output)}`` and
-    the resuming launch's stdout."""
+    """The five stopped launches of ``_STOPPED`` (the LM job stopped by Ctrl-C and the embedding
+    job by SIGTERM at the launcher, their folders copied as they were when they stopped; three
+    more signal patterns), then one new launch resuming the first two for 2 more steps. The
+    launches are independent (own session, port and folder; the token cache is written
+    atomically): they run two at a time (2 cores), the resume as soon as its two are done.
+    Returns ``{name: (folder, copy of the stopped folder, output)}`` for the resumed two,
+    ``{name: (folder, output, exit status)}`` for the others, and the resuming launch's
+    stdout."""
     tmp = tmp_path_factory.mktemp("preemption")
-    runs = {}
-
-    def ctrl_c(job):  # SIGINT to the whole process group, twice (a scheduler, then Ctrl-C)
-        os.killpg(job.proc.pid, signal.SIGINT)
-        # the second once both ranks have taken the first (two at once would be one signal)
-        wait_until(lambda: job.output.count("SIGINT: stopping at the next step boundary") >= 2,
-                   60, "both ranks' stop message", alive=job.alive)
-        os.killpg(job.proc.pid, signal.SIGINT)
-
-    def sigterm_to_launch_py(job):
-        launch_py = psutil.Process(job.proc.pid).children()[0]  # deepspeed.launcher.launch
-        assert "deepspeed.launcher.launch" in " ".join(launch_py.cmdline())
-        launch_py.send_signal(signal.SIGTERM)
-
-    def sigusr1_to_rank_1(job):
-        launch_py = psutil.Process(job.proc.pid).children()[0]
-        rank1 = [p for p in launch_py.children() if "--local_rank=1" in p.cmdline()]
-        assert len(rank1) == 1, [p.cmdline() for p in launch_py.children()]
-        rank1[0].send_signal(signal.SIGUSR1)
-
-    def sigterm_to_all_twice(job):
-        os.killpg(job.proc.pid, signal.SIGTERM)
-        wait_until(lambda: job.output.count("SIGTERM: stopping at the next step boundary") >= 2,
-                   60, "both ranks' stop message", alive=job.alive)
-        os.killpg(job.proc.pid, signal.SIGTERM)
-
-    def sigusr1_to_all(job):
-        os.killpg(job.proc.pid, signal.SIGUSR1)
-
-    for name, args, monitor_file, stop, suffix in (
-            ("lm", _lm_args, "Train_megaloss_loss.csv", ctrl_c, ".py"),
-            ("embed", _embed_args, "Train_megaloss_mnr_loss.csv", sigterm_to_launch_py, ".py"),
-            ("lm-usr1", _lm_args, "Train_megaloss_loss.csv", sigusr1_to_rank_1, ".py"),
-            ("lm-term", _lm_args, "Train_megaloss_loss.csv", sigterm_to_all_twice, ".py"),
-            ("lm-usr1-all", _lm_args, "Train_megaloss_loss.csv", sigusr1_to_all, ".sh")):
-        out = tmp / name
-        job = Launched(REPO / "launch" / f"train_{name.split('-')[0]}{suffix}",
-                       args(out, tmp / "cache") + ["--steps", "100000"])
-        try:
-            job.wait_for_steps(out / "monitor" / "megaloss" / monitor_file, 2, timeout=240)
-            stop(job)
-            runs[name] = (out, job.finish(timeout=120))
-            if name in ("lm-usr1", "lm-usr1-all"):
-                runs[name] += (job.proc.returncode,)
-        finally:
-            job.kill()
-    extra = {name: runs.pop(name) for name in ("lm-usr1", "lm-term", "lm-usr1-all")}
-
-    resumes = []
-    for name, (out, _) in runs.items():
-        shutil.copytree(out, out.with_name(f"{name}-stopped"))
-        k = _stopped_at(out)
-        if k is not None:
-            args = (_lm_args if name == "lm" else _embed_args)(out, tmp / "cache")
-            resume = ["--resume"] if name == "lm" else ["--resume", "latest"]
-            resumes.append({"job": f"train_{name}", "argv": args + ["--steps", str(k + 2)]
-                            + resume})
-    proc = run_jobs_in_one_launch(resumes, tmp / "resume.json", timeout=240)
-    runs = {name: (out, out.with_name(f"{name}-stopped"), output)
-            for name, (out, output) in runs.items()}
-    runs.update(extra)
-    return runs, proc.stdout
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(_stopped_run, tmp, name) for name in _STOPPED}
+        resumes = []
+        for name in ("lm", "embed"):
+            out, _, _ = futures[name].result()
+            shutil.copytree(out, out.with_name(f"{name}-stopped"))
+            k = _stopped_at(out)
+            if k is not None:
+                args = (_lm_args if name == "lm" else _embed_args)(out, tmp / "cache")
+                resume = ["--resume"] if name == "lm" else ["--resume", "latest"]
+                resumes.append({"job": f"train_{name}",
+                                "argv": args + ["--steps", str(k + 2)] + resume})
+        resumed = pool.submit(run_jobs_in_one_launch, resumes, tmp / "resume.json",
+                              timeout=360)
+        runs = {name: f.result() for name, f in futures.items()}
+        stdout = resumed.result().stdout
+    for name in ("lm", "embed"):
+        out, output, _ = runs[name]
+        runs[name] = (out, out.with_name(f"{name}-stopped"), output)
+    return runs, stdout
 
 
-@pytest.mark.timeout(900)  # the fixture: five stopped launches and one resuming launch
+@pytest.mark.timeout(900)  # the fixture: six launches, two at a time
 def test_ctrl_c_saves_lm(preempted):
     _, stopped, output = preempted[0]["lm"]
     _check_stopped(stopped, output, "SIGINT", "lm")
@@ -265,7 +291,7 @@ def test_sigusr1_to_one_rank_saves_on_every_rank(preempted):
 
 @pytest.mark.timeout(420)
 def test_sigterm_to_every_process_twice_saves_lm(preempted):
-    out, output = preempted[0]["lm-term"]
+    out, output, _ = preempted[0]["lm-term"]
     _check_stopped(out, output, "SIGTERM", "lm")
 
 

@@ -8,13 +8,16 @@
   job's empty data; a bad JSONL line that only rank 0 reads), the output's last lines name the
   cause, not another rank's ``Connection closed by peer``.
 
-The single-process cases are in the fast tier; the launcher runs are slow.
+The single-process cases are in the fast tier; the launcher runs (those cases, a refused
+rerun, a rank killed mid-run) are slow: the module fixture ``launches`` starts the four at once,
+two at a time, and each test waits for its own.
 The misspelled ``"megalos"`` section is in tests/integrations/test_deepspeed_config.py.
 """
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from launch_helpers import REPO, launcher_env, script_env
@@ -195,16 +198,14 @@ def _launch_failing(script, args, tmp_path):
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
            "--master_port", str(free_port()), str(script), *args]
     proc = subprocess.run(cmd, cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=280)
+                          stderr=subprocess.STDOUT, text=True, timeout=400)
     assert proc.returncode != 0, proc.stdout[-3000:]
     return proc.stdout
 
 
-@pytest.mark.deepspeed
-@pytest.mark.distributed
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["empty_py", "bad_jsonl"])
-def test_embed_failure_on_rank0_is_what_the_launcher_shows_last(tmp_path, case):
+def _embed_failure(tmp_path, case):
+    """The embedding job launched on data that fails on rank 0 before training. Returns the
+    cause it must name and the launch's output."""
     if case == "empty_py":  # every rank sees it: no pairs, before any training collective
         data = tmp_path / "empty.py"
         data.write_text("")
@@ -217,15 +218,7 @@ def test_embed_failure_on_rank0_is_what_the_launcher_shows_last(tmp_path, case):
     output = _launch_failing(REPO / "launch" / "train_embed.py",
                              ["--train_data", str(data), "--cache_dir", str(tmp_path / "cache"),
                               "--output_dir", str(tmp_path / "out"), "--no_progress"], tmp_path)
-    assert "Connection closed by peer" not in output and "Connection reset" not in output
-    lines = [ln for ln in output.splitlines() if ln.strip()]
-    # what a user reads last: the ranks' messages (rank 0's may come with its traceback), then
-    # the launcher's own three closing lines
-    tail = "\n".join(lines[-40:])
-    assert cause in "\n".join(lines[-6:]) or tail.count(cause) >= 1, output[-4000:]
-    if case == "bad_jsonl":  # reported once, by rank 0 (its traceback); rank 1 exits silently
-        assert output.count(cause) == 1 and "error on rank 0" not in output, output[-4000:]
-    assert "terminate called" not in output
+    return cause, output
 
 
 def _run_script(args, cwd, timeout=280):
@@ -235,42 +228,21 @@ def _run_script(args, cwd, timeout=280):
     return proc.returncode, proc.stdout
 
 
-@pytest.mark.timeout(120)
-def test_script_checks_arguments_before_the_launcher_starts(tmp_path):
-    rc, output = _run_script(["--steps", "-5"], tmp_path, timeout=100)
-    assert rc == 2 and output.count("--steps must be >= 1") == 1, output
-    assert "Killing subprocess" not in output and "cmd = " not in output, output
-
-
-@pytest.mark.deepspeed
-@pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_a_refused_rerun_is_one_message_and_a_clean_exit(tmp_path):
-    """A second run into a folder that holds one: status 1, the refusal printed once on its own
-    line by rank 0 and again as the very last line (after the launcher's), no crash at exit
-    (it used to end in rc 250, "terminate called without an active exception")."""
+def _refused_rerun(tmp_path):
+    """``bash launch/train_lm.sh`` into a folder that already holds a run. Returns the folder,
+    the exit status and the output."""
     out = tmp_path / "runs" / "lm"
     out.mkdir(parents=True)
     (out / "summary.json").write_text(json.dumps({"steps": 1}))
     rc, output = _run_script(["--output_dir", str(out), "--no_progress", "--cache_dir",
-                              str(tmp_path / "cache")], tmp_path)
-    refusal = f"{out} already holds a run (summary.json); pass --resume"
-    lines = output.splitlines()
-    assert rc == 1, output[-3000:]
-    assert [ln for ln in lines if refusal in ln and not ln.startswith("error: ")] \
-        == [ln for ln in lines if ln.startswith(refusal)], output[-3000:]  # own line
-    assert sum(ln.startswith(refusal) for ln in lines) == 1, output[-3000:]
-    assert lines[-1].startswith(f"error: {refusal}"), output[-3000:]
-    assert "terminate called" not in output and "error on rank 0" not in output, output[-3000:]
-    assert not list(tmp_path.glob("megaloss-error*")) and os.listdir(out) == ["summary.json"]
+                              str(tmp_path / "cache")], tmp_path, timeout=400)
+    return out, rc, output
 
 
-@pytest.mark.deepspeed
-@pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_a_killed_rank_is_named_and_the_others_exit(tmp_path):
-    """SIGKILL to rank 1 mid-run: rank 0 exits within a bounded time (its next collective fails)
-    with a last line naming rank 1, and the run's ``latest`` stays on a complete checkpoint."""
+def _killed_rank(tmp_path):
+    """The LM job launched for (nearly) ever; once it saved a checkpoint, SIGKILL to rank 1.
+    Returns the run folder, the output, the launcher's exit status and the seconds from the
+    kill until every process had closed the output (None: not within 90 s)."""
     import signal
     import threading
     import time
@@ -293,7 +265,7 @@ def test_a_killed_rank_is_named_and_the_others_exit(tmp_path):
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     try:
-        wait_until(lambda: (out / "checkpoints" / "latest").exists(), 240, "a checkpoint",
+        wait_until(lambda: (out / "checkpoints" / "latest").exists(), 360, "a checkpoint",
                    alive=lambda: proc.poll() is None)
         launch_py = psutil.Process(proc.pid).children()[0]
         rank1 = [c for c in launch_py.children() if "--local_rank=1" in c.cmdline()]
@@ -301,12 +273,88 @@ def test_a_killed_rank_is_named_and_the_others_exit(tmp_path):
         rank1[0].kill()
         t0 = time.monotonic()
         reader.join(90)
-        assert not reader.is_alive(), "the other rank did not exit within 90 s"
-        assert proc.wait(30) != 0 and time.monotonic() - t0 < 90
+        exited = None if reader.is_alive() else time.monotonic() - t0
+        rc = proc.wait(30) if exited is not None else None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    output = "".join(lines)
+    return out, "".join(lines), rc, exited
+
+
+# The runs under the launcher, started together by the fixture ``launches``, two at a time (one
+# per core; the longest first): name -> function(tmp_path) of what its test asserts on.
+_LAUNCHES = {"killed_rank": _killed_rank, "empty_py": lambda t: _embed_failure(t, "empty_py"),
+             "bad_jsonl": lambda t: _embed_failure(t, "bad_jsonl"),
+             "refused_rerun": _refused_rerun}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Every run of ``_LAUNCHES`` started in the background, two at a time (each is its own
+    ``deepspeed`` launch: its own session, port and folder): ``{name: Future}``; a test takes
+    its run's result (or its error) with ``.result()``, while the others go on."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {name: pool.submit(run, tmp_path_factory.mktemp(name))
+               for name, run in _LAUNCHES.items()}
+
+
+def _launched(test):
+    """The marks of a test on a run of ``launches``: slow tier, one xdist worker for them all
+    (the fixture runs once per worker), and a timeout that covers waiting for its launch and
+    the one before it in the same slot."""
+    for mark in (pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
+                 pytest.mark.xdist_group("run_errors_launches"), pytest.mark.timeout(600)):
+        test = mark(test)
+    return test
+
+
+@_launched
+@pytest.mark.parametrize("case", ["empty_py", "bad_jsonl"])
+def test_embed_failure_on_rank0_is_what_the_launcher_shows_last(launches, case):
+    cause, output = launches[case].result()
+    assert "Connection closed by peer" not in output and "Connection reset" not in output
+    lines = [ln for ln in output.splitlines() if ln.strip()]
+    # what a user reads last: the ranks' messages (rank 0's may come with its traceback), then
+    # the launcher's own three closing lines
+    tail = "\n".join(lines[-40:])
+    assert cause in "\n".join(lines[-6:]) or tail.count(cause) >= 1, output[-4000:]
+    if case == "bad_jsonl":  # reported once, by rank 0 (its traceback); rank 1 exits silently
+        assert output.count(cause) == 1 and "error on rank 0" not in output, output[-4000:]
+    assert "terminate called" not in output
+
+
+@pytest.mark.timeout(120)
+def test_script_checks_arguments_before_the_launcher_starts(tmp_path):
+    rc, output = _run_script(["--steps", "-5"], tmp_path, timeout=100)
+    assert rc == 2 and output.count("--steps must be >= 1") == 1, output
+    assert "Killing subprocess" not in output and "cmd = " not in output, output
+
+
+@_launched
+def test_a_refused_rerun_is_one_message_and_a_clean_exit(launches):
+    """A second run into a folder that holds one: status 1, the refusal printed once on its own
+    line by rank 0 and again as the very last line (after the launcher's), no crash at exit
+    (it used to end in rc 250, "terminate called without an active exception")."""
+    out, rc, output = launches["refused_rerun"].result()
+    tmp_path = out.parents[1]
+    refusal = f"{out} already holds a run (summary.json); pass --resume"
+    lines = output.splitlines()
+    assert rc == 1, output[-3000:]
+    assert [ln for ln in lines if refusal in ln and not ln.startswith("error: ")] \
+        == [ln for ln in lines if ln.startswith(refusal)], output[-3000:]  # own line
+    assert sum(ln.startswith(refusal) for ln in lines) == 1, output[-3000:]
+    assert lines[-1].startswith(f"error: {refusal}"), output[-3000:]
+    assert "terminate called" not in output and "error on rank 0" not in output, output[-3000:]
+    assert not list(tmp_path.glob("megaloss-error*")) and os.listdir(out) == ["summary.json"]
+
+
+@_launched
+def test_a_killed_rank_is_named_and_the_others_exit(launches):
+    """SIGKILL to rank 1 mid-run: rank 0 exits within a bounded time (its next collective fails)
+    with a last line naming rank 1, and the run's ``latest`` stays on a complete checkpoint."""
+    out, output, rc, exited = launches["killed_rank"].result()
+    assert exited is not None, f"the other rank did not exit within 90 s:\n{output[-3000:]}"
+    assert rc != 0 and exited < 90, (rc, exited)
     assert "rank 1 died (its process is gone: killed or crashed); this rank stopped with" \
         in output, output[-3000:]
     tag = (out / "checkpoints" / "latest").read_text()

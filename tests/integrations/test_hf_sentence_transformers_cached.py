@@ -24,7 +24,6 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("sentence_transformers")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_hf_sentence_transformers import (  # noqa: E402
     assert_grads_close,
@@ -35,10 +34,17 @@ from test_hf_sentence_transformers import (  # noqa: E402
     make_model_dir,
 )
 
-from megaloss.integrations.hf.sentence_transformers import (  # noqa: E402
-    CachedGatheredMultipleNegativesRankingLoss,
-    GatheredMultipleNegativesRankingLoss,
-)
+# Importing sentence-transformers costs ~10 CPU-s (sklearn, transformers' model code): this
+# module is in the slow tier and imports it only when a test runs, so collecting the fast tier
+# does not.
+pytestmark = pytest.mark.slow
+
+
+def adapter():
+    """``megaloss.integrations.hf.sentence_transformers``, imported on first use."""
+    pytest.importorskip("sentence_transformers")
+    from megaloss.integrations.hf import sentence_transformers
+    return sentence_transformers
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +57,11 @@ def model_dir(tmp_path_factory):
 def test_cached_equals_non_cached(model_dir, mini_batch_size, negatives, symmetric):
     model = load_model(model_dir)
     columns = batch(7, negatives, seed=3)
+    st = adapter()
     ref_loss, ref_grads = loss_and_grads(
-        model, GatheredMultipleNegativesRankingLoss(model, symmetric=symmetric), columns)
-    cached = CachedGatheredMultipleNegativesRankingLoss(model, symmetric=symmetric,
-                                                        mini_batch_size=mini_batch_size)
+        model, st.GatheredMultipleNegativesRankingLoss(model, symmetric=symmetric), columns)
+    cached = st.CachedGatheredMultipleNegativesRankingLoss(model, symmetric=symmetric,
+                                                           mini_batch_size=mini_batch_size)
     loss, g = loss_and_grads(model, cached, columns)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=0)
     assert_grads_close(g, ref_grads)
@@ -69,21 +76,22 @@ def test_value_matches_sentence_transformers_cached_mnrl(model_dir):
     columns = batch(6, 1, seed=4)
     ref_loss, ref_grads = loss_and_grads(
         model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=4), columns)
-    loss, g = loss_and_grads(
-        model, CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=4), columns)
+    ours = adapter().CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=4)
+    loss, g = loss_and_grads(model, ours, columns)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=0)
     assert_grads_close(g, ref_grads)
 
 
 def test_conventions_and_errors(model_dir):
     model = load_model(model_dir)
-    loss_fn = CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=8, scale=10)
+    loss_fn = adapter().CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=8,
+                                                                   scale=10)
     assert loss_fn.get_config_dict()["mini_batch_size"] == 8
     assert loss_fn.get_config_dict()["scale"] == 10.0
     assert "2101.06983" in loss_fn.citation and "1807.03748" in loss_fn.citation
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="mini_batch_size"):
-            CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=bad)
+            adapter().CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=bad)
     with pytest.raises(ValueError, match="at least 2"):
         loss_fn(features(model, batch(3, 0)[:1]), None)
 
@@ -128,8 +136,9 @@ def _worker_main(argv):  # ZeRO-3's zero.Init follows the latest TrainingArgumen
             save_strategy="no", report_to=[], use_cpu=True, deepspeed=cfg, disable_tqdm=True,
             seed=0)
         model = load_model(a.model_dir).float()
-        loss = (CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=MINI)
-                if name == "cached" else GatheredMultipleNegativesRankingLoss(model))
+        st = adapter()
+        loss = (st.CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=MINI)
+                if name == "cached" else st.GatheredMultipleNegativesRankingLoss(model))
         trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
                                              loss=loss)
         trainer.train()

@@ -15,15 +15,21 @@ import sys
 
 import pytest
 
-pytest.importorskip("sentence_transformers")
 pytest.importorskip("datasets")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_hf_sentence_transformers import batch, features, load_model, make_model_dir  # noqa: E402
 
-from megaloss.integrations.hf.sentence_transformers import (  # noqa: E402
-    CachedGatheredMultipleNegativesRankingLoss,
-    GatheredMultipleNegativesRankingLoss,
-)
+# Importing sentence-transformers costs ~10 CPU-s (sklearn, transformers' model code): this
+# module is in the slow tier and imports it only when a test runs, so collecting the fast tier
+# does not.
+pytestmark = pytest.mark.slow
+
+
+def adapter():
+    """``megaloss.integrations.hf.sentence_transformers``, imported on first use."""
+    pytest.importorskip("sentence_transformers")
+    from megaloss.integrations.hf import sentence_transformers
+    return sentence_transformers
 
 PER_DEVICE, GAS, MINI, ROWS = 4, 2, 3, 12
 
@@ -43,8 +49,9 @@ def _train(model_dir, out_dir, cached):
     anchor, positive, negative = batch(ROWS, 1, seed=21)
     data = Dataset.from_dict({"anchor": anchor, "positive": positive, "negative": negative})
     model = load_model(model_dir)
-    loss = (CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=MINI) if cached
-            else GatheredMultipleNegativesRankingLoss(model))
+    st = adapter()
+    loss = (st.CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=MINI) if cached
+            else st.GatheredMultipleNegativesRankingLoss(model))
     args = SentenceTransformerTrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=PER_DEVICE,
         gradient_accumulation_steps=GAS, num_train_epochs=1, learning_rate=1.0, optim="sgd",
@@ -73,7 +80,7 @@ def test_trainer_cached_update_equals_non_cached_short_last_window(model_dir, tm
 
 def test_caller_scaling_otherwise_raises(model_dir):
     model = load_model(model_dir)
-    loss_fn = CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=MINI)
+    loss_fn = adapter().CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=MINI)
     loss = loss_fn(features(model, batch(7, 1, seed=5)), None)  # 3 replays, 2 before returning
     with pytest.raises(ValueError, match="scale"):
         (loss / GAS).backward()  # the replays ran at scale 1 (no Trainer): a mismatch

@@ -1,10 +1,12 @@
 """Test layout: one folder per package layer (``ops``, ``parallel``, ``losses``, ``calibration``,
 ``integrations``), plus ``launch`` (the jobs and their data) and ``tools`` (benchmarks).
 
-Tiers: ``pytest -m "not slow"`` is the fast tier (single process, under a minute); the full suite
+Tiers: ``pytest -m "not slow"`` is the fast tier (single process, under 30 s); the full suite
 (``pytest``, what CI runs) adds the tests marked ``slow``. Every test that spawns processes or
 builds a DeepSpeed engine is ``slow`` (marked here from its ``distributed`` / ``deepspeed``
-marker, so no such test can land in the fast tier by accident).
+marker, so no such test can land in the fast tier by accident). Test modules that need
+sentence-transformers (~10 CPU-s to import) are slow as a whole and import it inside the tests,
+so that collecting the fast tier does not.
 
 Process groups: ``megaloss.testing.run_distributed`` inside a test runs on a pool of spawned gloo
 ranks per world size, started once per session and shared by the tests (reseeded before each

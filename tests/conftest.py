@@ -42,6 +42,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "deepspeed: runs a real DeepSpeed engine (slow tier)")
     config.addinivalue_line("markers", "slow: not in the fast tier (CI runs everything)")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU, skips without (gpu_check.sh)")
+    # pytest-xdist's marker (``--dist loadgroup`` keeps a shared launch or pool in one worker),
+    # declared here so that a run without xdist does not warn about it
+    config.addinivalue_line("markers", "xdist_group(name): tests that share one launch or pool "
+                            "(pytest-xdist runs a group in one worker)")
     config.addinivalue_line("markers", "fresh_processes: run_distributed spawns new ranks for "
                             "this test instead of using the shared pool")
 

@@ -59,8 +59,8 @@ def _here() -> Peer:
     return Peer(socket.gethostname(), node_rank(), os.getpid())
 
 
-def _several_nodes() -> bool:
-    return len({(p.host, p.node) for p in _PEERS}) > 1
+def _several_nodes(peers: Sequence[Peer]) -> bool:
+    return len({(p.host, p.node) for p in peers}) > 1
 
 
 def record_peers(dist: Any) -> None:
@@ -70,7 +70,7 @@ def record_peers(dist: Any) -> None:
     peers: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(peers, tuple(_here()))
     _PEERS[:] = [Peer(*p) for p in peers]
-    if _several_nodes():
+    if _several_nodes(_PEERS):
         _start_heartbeat(dist.get_rank())
 
 
@@ -185,7 +185,7 @@ def peer_failure(rank: int, store: Any = None, peers: Optional[Sequence[Peer]] =
     if dead:
         return f"rank {', '.join(map(str, dead))} died (its process is gone: killed or crashed)"
     store = (_STORE[0] if _STORE else None) if store is None else store
-    if store is None or len({(p.host, p.node) for p in peers}) < 2:
+    if store is None or not _several_nodes(peers):
         return None
     others = [r for r in range(len(peers)) if r != rank]
     try:

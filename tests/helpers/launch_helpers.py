@@ -112,6 +112,15 @@ def script_command(script: str, *args: str, **env: str) -> List[str]:
     return shlex.split(proc.stdout.strip().splitlines()[-1])
 
 
+def assert_launches(cmd: List[str], num_gpus: int, job: str, config: str,
+                    args: Sequence[str]) -> None:
+    """``cmd`` (:func:`script_command`) is ``deepspeed --num_gpus {num_gpus} --master_port P
+    launch/{job}.py --deepspeed_config configs/{config}.json *args``."""
+    assert cmd[:3] == ["deepspeed", "--num_gpus", str(num_gpus)] and cmd[3] == "--master_port", cmd
+    assert cmd[5:] == [str(REPO / "launch" / f"{job}.py"), "--deepspeed_config",
+                       str(REPO / "configs" / f"{config}.json"), *args], cmd
+
+
 def job_marker(k: int) -> str:
     """The stdout line local rank 0 prints before the ``k``-th job of a launch."""
     return f"=== launch_helpers: job {k} ==="

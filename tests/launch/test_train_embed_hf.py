@@ -15,7 +15,7 @@ import json
 import math
 
 import pytest
-from launch_helpers import REPO, script_command
+from launch_helpers import REPO, assert_launches, script_command
 
 from launch.jobs.code_search import stdlib_root
 
@@ -48,9 +48,7 @@ def test_script_launches_the_job_with_the_hf_config():
     runs that command's job (its exec path, launch/multinode.sh, is the other scripts' too:
     test_multinode.py, test_train_lm_hf.py)."""
     cmd = script_command("train_embed_hf.sh", "--steps", "3")
-    assert cmd[:3] == ["deepspeed", "--num_gpus", "2"] and cmd[3] == "--master_port", cmd
-    assert cmd[5:] == [str(REPO / "launch" / "train_embed_hf.py"), "--deepspeed_config",
-                       str(REPO / "configs" / "zero2_hf.json"), "--steps", "3"], cmd
+    assert_launches(cmd, 2, "train_embed_hf", "zero2_hf", ["--steps", "3"])
 
 
 def _names() -> list:

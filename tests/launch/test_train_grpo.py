@@ -12,7 +12,7 @@ import csv
 import json
 
 import pytest
-from launch_helpers import REPO, script_command
+from launch_helpers import assert_launches, script_command
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow, pytest.mark.xdist_group("shared_launch")]
 
@@ -35,9 +35,7 @@ def shared_launch_jobs(tmp_path) -> list:
 
 def test_script_launches_the_job_with_the_grpo_config(tmp_path):
     cmd = script_command("train_grpo.sh", *_args(tmp_path))
-    assert cmd[:3] == ["deepspeed", "--num_gpus", "2"] and cmd[3] == "--master_port", cmd
-    assert cmd[5:] == [str(REPO / "launch" / "train_grpo.py"), "--deepspeed_config",
-                       str(REPO / "configs" / "grpo.json"), *_args(tmp_path)], cmd
+    assert_launches(cmd, 2, "train_grpo", "grpo", [*_args(tmp_path)])
 
 
 @pytest.mark.timeout(900)

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from launch_helpers import REPO, script_command
+from launch_helpers import assert_launches, script_command
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.xdist_group("shared_launch_hf")]
@@ -62,9 +62,7 @@ def shared_launch_hf_jobs(tmp_path) -> list:
 
 def test_script_launches_the_job_with_the_hf_config(tmp_path):
     cmd = script_command("train_lm_hf.sh", *_args(tmp_path), NUM_PROCS="2")
-    assert cmd[:3] == ["deepspeed", "--num_gpus", "2"] and cmd[3] == "--master_port", cmd
-    assert cmd[5:] == [str(REPO / "launch" / "train_lm_hf.py"), "--deepspeed_config",
-                       str(REPO / "configs" / "zero2_hf.json"), *_args(tmp_path)], cmd
+    assert_launches(cmd, 2, "train_lm_hf", "zero2_hf", [*_args(tmp_path)])
 
 
 @pytest.mark.timeout(900)

@@ -743,12 +743,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         failed = []
         for spec in specs:
             lay = torch.load(spec["result"], weights_only=False)
-            result = compare(lay, refs[reference_key(spec)], spec["dtype"])
+            ref = refs[reference_key(spec)]
+            result = compare(lay, ref, spec["dtype"])
             if len(specs) > 1:
                 print(f"\n=== layout {spec['index'] + 1} of {len(specs)}: "
                       f"{spec['config_name']} ===", flush=True)
-            print(report(spec, lay, refs[reference_key(spec)], result,
-                         time.perf_counter() - t0), flush=True)
+            print(report(spec, lay, ref, result, time.perf_counter() - t0), flush=True)
             if result["failures"]:
                 failed.append(f"layout {spec['index'] + 1} ({spec['config_name']})")
         if len(specs) > 1:

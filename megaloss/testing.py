@@ -74,6 +74,7 @@ def _worker(rank, world_size, port, fn, args, queue, threads, collective_timeout
     import torch.distributed as dist
     try:
         _init_rank(rank, world_size, port, threads, collective_timeout)
+        _freeze_survivors()
         queue.put((rank, "ok", _serialise(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
@@ -91,6 +92,14 @@ def _reseed():
         numpy.random.seed(CASE_SEED)
     except ImportError:
         pass
+
+
+def _freeze_survivors():
+    """The last case's garbage collected, the survivors (imports, caches) frozen out of later
+    collections: DeepSpeed's engine set-up calls ``gc.collect()`` (see
+    :func:`megaloss.integrations.deepspeed.freeze_imported_objects`)."""
+    from megaloss.integrations.deepspeed.compat import freeze_imported_objects
+    freeze_imported_objects()
 
 
 def _pool_worker(rank, world_size, port, tasks, results, threads, collective_timeout):
@@ -112,6 +121,7 @@ def _pool_worker(rank, world_size, port, tasks, results, threads, collective_tim
             # which imports ``fn``'s module by name.
             sys.path.extend(p for p in sys_path if p not in sys.path)
             fn, args = pickle.loads(payload)
+            _freeze_survivors()
             _reseed()
             torch.set_default_dtype(default_dtype)
             torch.set_num_threads(threads)

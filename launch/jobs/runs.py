@@ -567,7 +567,7 @@ def start_process(local_rank: int) -> Tuple[int, int]:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from megaloss.integrations.deepspeed import configure_launched_process
+    from megaloss.integrations.deepspeed import configure_launched_process, freeze_imported_objects
     from megaloss.testing import free_port
 
     configure_launched_process()
@@ -579,6 +579,7 @@ def start_process(local_rank: int) -> Tuple[int, int]:
     get_accelerator().set_device(local_rank)
     if dist.get_world_size() > 1:
         record_peers(dist)  # which peer died, should a collective fail (run_job)
+    freeze_imported_objects()  # the job's module-level imports are done (cheaper gc.collect)
     return dist.get_rank(), dist.get_world_size()
 
 

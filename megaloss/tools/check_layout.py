@@ -332,7 +332,12 @@ def run_training(spec: Dict[str, Any], role: str) -> Dict[str, Any]:
     import torch.distributed as dist
 
     from megaloss import Topology
-    from megaloss.integrations.deepspeed import initialize, load_ds_config, train_step
+    from megaloss.integrations.deepspeed import (
+        freeze_imported_objects,
+        initialize,
+        load_ds_config,
+        train_step,
+    )
     from megaloss.integrations.deepspeed.probe import engine_reduce_group
     from megaloss.parallel import group_ranks
 
@@ -340,6 +345,9 @@ def run_training(spec: Dict[str, Any], role: str) -> Dict[str, Any]:
         return run_pipeline_training(spec, model_config, global_batches, _rows)
     ds_config, ml = load_ds_config(spec[f"{role}_config"])
     topo = Topology.build(ml.tensor_parallel_size)
+    # the imports (and an earlier layout's) out of the engine set-up's gc.collect(); before the
+    # model, which is garbage once this layout is done
+    freeze_imported_objects()
     model = build_model(spec, topo.tp_group, topo.dp_group, ml)
     vocab = model_config(spec).vocab_size
     me = initialize(model, ds_config, topology=topo)

@@ -182,3 +182,27 @@ def test_continue_monitors_purges_tensorboard_events_after_the_checkpoint(tmp_pa
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("Train/megaloss/loss")] == [
         (8, 3.0), (16, 2.5), (24, 1.5)]
+
+
+def test_freeze_imported_objects_collects_garbage_then_freezes_the_survivors():
+    import gc
+    import weakref
+
+    from megaloss.integrations.deepspeed import freeze_imported_objects
+
+    class Node:
+        pass
+
+    garbage, alive = Node(), Node()
+    garbage.self, alive.self = garbage, alive  # reference cycles: only gc.collect frees them
+    dead = weakref.ref(garbage)
+    del garbage
+    before = gc.get_freeze_count()
+    try:
+        freeze_imported_objects()
+        assert dead() is None, "the garbage cycle was frozen instead of collected"
+        assert gc.get_freeze_count() > before
+        assert any(o is alive for o in gc.get_objects()) is False  # frozen: not tracked now
+    finally:
+        gc.unfreeze()
+    assert any(o is alive for o in gc.get_objects())

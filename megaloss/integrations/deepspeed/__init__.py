@@ -3,7 +3,8 @@ gradient factor, the engine set-up, the calibrated training step and metrics thr
 ``engine.monitor``.
 
 - :mod:`.config`: the validated ``"megaloss"`` section (:class:`MegalossConfig`).
-- :mod:`.compat`: process start-up (no JIT build of DeepSpeed's CPU shm op; threads per rank).
+- :mod:`.compat`: process start-up (no JIT build of DeepSpeed's CPU shm op; threads per rank;
+  the imports frozen out of the cyclic GC).
 - :mod:`.mpu`: :class:`DeepSpeedMPU`, a Topology's groups as DeepSpeed reads them.
 - :mod:`.probe`: :func:`probe_deepspeed`, the gradient factor of a DeepSpeed engine.
 - :mod:`.engine`: :func:`initialize` -> :class:`MegalossEngine` (engine + calibrator).
@@ -20,7 +21,7 @@ gradient factor, the engine set-up, the calibrated training step and metrics thr
 Importing this package does not import ``deepspeed``; the functions import it when called.
 """
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
-from .compat import configure_launched_process, skip_cpu_shm_comm_build
+from .compat import configure_launched_process, freeze_imported_objects, skip_cpu_shm_comm_build
 from .config import (
     CEConfig,
     DistillationConfig,
@@ -49,7 +50,8 @@ __all__ = [
     "load_ds_config",
     "DeepSpeedMPU", "probe_deepspeed", "initialize", "MegalossEngine", "train_step", "evaluate",
     "StepMetrics", "EvalResult", "peak_memory_mib", "write_metrics", "MONITOR_SECTIONS",
-    "skip_cpu_shm_comm_build", "configure_launched_process", "check_top_level_keys",
+    "skip_cpu_shm_comm_build", "configure_launched_process", "freeze_imported_objects",
+    "check_top_level_keys",
     "monitor_step", "continue_monitors", "close_monitors", "save_checkpoint", "load_checkpoint",
     "resolve_checkpoint", "keep_wandb_cache_in_run_dir", "PolicyConfig", "DPOConfig",
     "policy_train_step", "dpo_train_step", "PolicyStepMetrics",

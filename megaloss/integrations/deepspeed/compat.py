@@ -1,5 +1,6 @@
 """Process start-up for DeepSpeed: what every engine builder (the probe, :func:`initialize`)
-and every launched job needs before DeepSpeed's comm starts. ``deepspeed`` is imported inside the
+and every launched job needs before DeepSpeed's comm starts, and keeping DeepSpeed's explicit
+garbage collections cheap (:func:`freeze_imported_objects`). ``deepspeed`` is imported inside the
 functions, so importing this module is cheap and does not need DeepSpeed installed.
 """
 from __future__ import annotations
@@ -9,7 +10,7 @@ import os
 
 import torch
 
-__all__ = ["skip_cpu_shm_comm_build", "configure_launched_process"]
+__all__ = ["skip_cpu_shm_comm_build", "configure_launched_process", "freeze_imported_objects"]
 
 
 def skip_cpu_shm_comm_build() -> bool:
@@ -54,3 +55,23 @@ def configure_launched_process(log_level: int = logging.WARNING) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     skip_cpu_shm_comm_build()
+
+
+def freeze_imported_objects() -> None:
+    """Collect garbage once, then exempt every object alive now (the imported modules'
+    functions, classes and caches, a built model) from Python's cyclic garbage collector
+    (:func:`gc.freeze`). Call it after the imports, before building engines.
+
+    Why: DeepSpeed calls ``gc.collect()`` while it builds an engine (ZeRO-3's ``defragment`` in
+    ``deepspeed/runtime/zero/utils.py``, once per parameter group) and at other points; a full
+    collection scans every tracked object, ~470k after importing torch, deepspeed and a
+    transformers model (measured 0.3 s of CPU each on this project's 2-core CI machine). Frozen
+    objects are skipped, so those collections, and the automatic ones, only scan what was created
+    since. The collection first means no garbage is frozen; what is frozen stays in memory, as
+    imported modules do anyway. The first call scans everything once; a later call scans only
+    the objects created since the previous one. Thread-safe; no effect on correctness.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -36,10 +36,14 @@ def main(argv):
     rank = int(os.environ.get("RANK", "0"))
     for entry in json.loads(Path(a.spec).read_text()):
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        from megaloss.integrations.deepspeed import freeze_imported_objects
         unset_hf_deepspeed_config()
         environ = dict(os.environ)
         try:
-            _load(entry["file"])._worker_main(entry["argv"])
+            module = _load(entry["file"])
+            freeze_imported_objects()  # the imports (and the last module's survivors)
+            module._worker_main(entry["argv"])
         except BaseException:  # noqa: BLE001 - reported to that module's tests
             Path(f"{entry['crash']}.rank{rank}").write_text(traceback.format_exc())
             raise SystemExit(1) from None

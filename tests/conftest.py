@@ -13,6 +13,14 @@ ranks per world size, started once per session and shared by the tests (reseeded
 case, respawned after a failure or timeout; see ``megaloss/testing.py``). Tests marked
 ``deepspeed`` or ``fresh_processes`` get freshly spawned ranks instead.
 
+Background work: a test marked ``background("<name>")`` that only reads what a subprocess wrote
+(a benchmark tool, the GPU check's dry run) gets that subprocess's result from its module's
+``background_jobs(folder, env) -> {name: callable}`` through the ``background`` fixture; the
+jobs of every selected test are started, one at a time, in one thread when the session starts,
+so that they run beside the single-process tests (which leave one of the 2 cores idle). ``env``
+is the environment at the session's start (a test's ``monkeypatch`` cannot leak into a job).
+Under pytest-xdist a job starts when its test asks for it.
+
 Nothing outside temporary folders: ``MEGALOSS_CACHE`` (the jobs' default ``--cache_dir``, also
 read by the examples and tools) points at one temporary folder for the session unless already
 set, so no test writes tokenizers or token streams into ``~/.cache/megaloss``; launched jobs
@@ -21,6 +29,7 @@ inherit it.
 import gc
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -49,6 +58,8 @@ def pytest_configure(config):
                             "(pytest-xdist runs a group in one worker)")
     config.addinivalue_line("markers", "fresh_processes: run_distributed spawns new ranks for "
                             "this test instead of using the shared pool")
+    config.addinivalue_line("markers", "background(name): the test reads the result of its "
+                            "module's background job `name` (started with the session)")
 
 
 def pytest_collection_finish(session):
@@ -95,3 +106,42 @@ def _megaloss_cache(tmp_path_factory):
         yield os.environ["MEGALOSS_CACHE"]
     finally:
         os.environ.pop("MEGALOSS_CACHE", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background_jobs(request, tmp_path_factory, _megaloss_cache):
+    """``{(module name, job name): Future}`` of the selected tests' background jobs, all
+    submitted at the session's start (outside xdist) to one worker thread, in collection order."""
+    wanted = {}  # module -> job names its selected tests read
+    for item in request.session.items:
+        marker = item.get_closest_marker("background")
+        if marker is not None:
+            wanted.setdefault(item.module, []).append(marker.args[0])
+    lane = ThreadPoolExecutor(1, thread_name_prefix="background")
+    env = dict(os.environ)
+    jobs, futures = {}, {}
+    for module, names in wanted.items():
+        name = module.__name__.rsplit(".", 1)[-1]
+        for job, fn in module.background_jobs(tmp_path_factory.mktemp(f"{name}-bg"),
+                                              env).items():
+            if job in names:
+                jobs[(name, job)] = fn
+
+    def start(key):
+        if key not in futures:
+            futures[key] = lane.submit(jobs[key])
+        return futures[key]
+
+    if not hasattr(request.config, "workerinput"):  # not an xdist worker: start them all now
+        for key in jobs:
+            start(key)
+    yield start
+    lane.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture
+def background(request, _background_jobs):
+    """What the module's background job named by the test's ``background`` marker returned (its
+    exception raised here)."""
+    name = request.node.module.__name__.rsplit(".", 1)[-1]
+    return _background_jobs((name, request.node.get_closest_marker("background").args[0])).result()

@@ -22,13 +22,21 @@ CASES = os.path.join("tests", "ops", "triton_interpreter_cases.py")
 LOG_PROBS_CASES = os.path.join("tests", "ops", "triton_log_probs_cases.py")  # same subprocess
 
 
+def background_jobs(folder, env):
+    """The interpreted cases' pytest run, started with the session (tests/conftest.py)."""
+    def interpreted():
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               CASES, LOG_PROBS_CASES], cwd=ROOT,
+                              env=dict(env, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"),
+                              capture_output=True, text=True, timeout=280)
+    return {"interpreted": interpreted}
+
+
 @pytest.mark.slow  # spawns a process (~10 s: the interpreter runs each program in Python)
-@pytest.mark.timeout(300)
-def test_interpreted_kernels_match_torch_epilogue():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           CASES, LOG_PROBS_CASES], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=280)
+@pytest.mark.timeout(900)  # it may wait for the background jobs before it
+@pytest.mark.background("interpreted")
+def test_interpreted_kernels_match_torch_epilogue(background):
+    proc = background
     out = proc.stdout + proc.stderr
     summary = out.strip().splitlines()[-1] if out.strip() else ""
     assert proc.returncode == 0, out[-6000:]

@@ -13,21 +13,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
+SPEC = dict(tokens=1024, hidden=16, vocab=2000, chunk_size=64, seed=3)
+
+
+def background_jobs(folder, env):
+    """The tool's run, started with the session (tests/conftest.py)."""
+    def bench():
+        out = folder / "kd.csv"
+        return out, subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tools", "bench_distillation.py"),
+             "--sizes", str(SPEC["tokens"]), "--hidden", str(SPEC["hidden"]),
+             "--vocab", str(SPEC["vocab"]), "--chunk", str(SPEC["chunk_size"]), "--repeats",
+             "1", "--threads", "1", "--seed", str(SPEC["seed"]), "--csv", str(out)],
+            cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+            timeout=280)
+    return {"bench": bench}
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_bench_distillation_losses_and_memory(tmp_path):
+@pytest.mark.timeout(900)  # it may wait for the background jobs before it
+@pytest.mark.background("bench")
+def test_bench_distillation_losses_and_memory(background):
     import torch.nn.functional as F
     from bench_distillation import BETA, METHODS, _inputs
 
-    spec = dict(tokens=1024, hidden=16, vocab=2000, chunk_size=64, seed=3)
-    out = tmp_path / "kd.csv"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "bench_distillation.py"),
-         "--sizes", str(spec["tokens"]), "--hidden", str(spec["hidden"]),
-         "--vocab", str(spec["vocab"]), "--chunk", str(spec["chunk_size"]), "--repeats", "1",
-         "--threads", "1", "--seed", str(spec["seed"]), "--csv", str(out)],
-        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-        timeout=280)
+    spec = SPEC
+    out, proc = background
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["method"]: r for r in csv.DictReader(open(out, newline=""))}
     assert set(rows) == set(METHODS)

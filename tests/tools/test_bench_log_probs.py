@@ -12,22 +12,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
+N, HIDDEN, VOCAB, CHUNK = 1024, 16, 2000, 64
+
+
+def background_jobs(folder, env):
+    """The tool's run, started with the session (tests/conftest.py)."""
+    def bench():
+        out = folder / "lp.csv"
+        return out, subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tools", "bench_log_probs.py"), "--sizes",
+             str(N), "--hidden", str(HIDDEN), "--vocab", str(VOCAB), "--chunk-size", str(CHUNK),
+             "--methods", "full_log_softmax", "megaloss",  # 3 processes: the suite's budget
+             "--tp", "--repeats", "1", "--threads", "1", "--seed", "2", "--csv", str(out)],
+            cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+            timeout=280)
+    return {"bench": bench}
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_bench_log_probs_losses_and_memory(tmp_path):
+@pytest.mark.timeout(900)  # it may wait for the background jobs before it
+@pytest.mark.background("bench")
+def test_bench_log_probs_losses_and_memory(background):
     import csv
 
     from bench_log_probs import TEMPERATURE, _inputs
 
-    n, hidden, vocab, chunk = 1024, 16, 2000, 64
-    out = tmp_path / "lp.csv"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "bench_log_probs.py"), "--sizes", str(n),
-         "--hidden", str(hidden), "--vocab", str(vocab), "--chunk-size", str(chunk),
-         "--methods", "full_log_softmax", "megaloss",  # 3 processes: the suite's budget
-         "--tp", "--repeats", "1", "--threads", "1", "--seed", "2", "--csv", str(out)],
-        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-        timeout=280)
+    n, hidden, vocab = N, HIDDEN, VOCAB
+    out, proc = background
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["method"]: r for r in csv.DictReader(open(out, newline=""))}
     h, w, y, a, c = (t.double() if t.is_floating_point() else t

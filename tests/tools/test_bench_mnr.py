@@ -18,15 +18,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DIM, CHUNK, SMALL, LARGE = 8, 64, 32, 2048
 
 
-def _bench(tmp_path, *args):
-    out = tmp_path / "mnr.csv"
+def _bench(folder, env, *args):
+    out = folder / "mnr.csv"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_mnr.py"),
                            "--worlds", "2", "--dim", str(DIM), "--chunk-size", str(CHUNK),
                            "--csv", str(out), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          timeout=240, env=dict(env, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(out, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def background_jobs(folder, env):
+    """The tool's run, started with the session (tests/conftest.py)."""
+    return {"bench": lambda: _bench(folder, env, "--batches", str(SMALL), str(LARGE),
+                                    "--impl", "both")}
 
 
 def _reference_loss(n: int, temperature: float = 0.05) -> float:
@@ -41,9 +47,10 @@ def _reference_loss(n: int, temperature: float = 0.05) -> float:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_bench_mnr_loss_and_memory(tmp_path):
-    rows = _bench(tmp_path, "--batches", str(SMALL), str(LARGE), "--impl", "both")
+@pytest.mark.timeout(900)  # it may wait for the background jobs before it
+@pytest.mark.background("bench")
+def test_bench_mnr_loss_and_memory(background):
+    rows = background
     assert [(r["world"], r["N"], r["B_per_rank"], r["impl"], r["local_loss"]) for r in rows] == [
         ("2", str(n), str(n // 2), impl, local) for n in (SMALL, LARGE)
         for impl in ("megaloss", "naive") for local in ("True", "False")]

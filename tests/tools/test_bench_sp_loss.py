@@ -10,14 +10,23 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def background_jobs(folder, env):
+    """The tool's run, started with the session (tests/conftest.py)."""
+    def bench():
+        out = folder / "sp.csv"
+        return out, subprocess.run(
+            [sys.executable, str(REPO / "tools" / "bench_sp_loss.py"), "--seq", "1024", "--sp",
+             "1", "2", "--hidden", "32", "--vocab", "500", "--chunk", "128", "--repeats", "1",
+             "--threads", "1", "--csv", str(out)], env=env, capture_output=True, text=True,
+            timeout=280)
+    return {"bench": bench}
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_bench_sp_loss_runs_and_losses_agree(tmp_path):
-    out = tmp_path / "sp.csv"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_sp_loss.py"), "--seq", "1024", "--sp", "1",
-         "2", "--hidden", "32", "--vocab", "500", "--chunk", "128", "--repeats", "1",
-         "--threads", "1", "--csv", str(out)], capture_output=True, text=True, timeout=280)
+@pytest.mark.timeout(900)  # it may wait for the background jobs before it
+@pytest.mark.background("bench")
+def test_bench_sp_loss_runs_and_losses_agree(background):
+    out, proc = background
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = list(csv.DictReader(out.open()))
     assert [int(r["tokens_per_rank"]) for r in rows] == [1024, 512]

@@ -22,12 +22,40 @@ TOOLS = os.path.join(ROOT, "tools")
 MIB = 2.0 ** 20
 
 
-def _run(script: str, *args: str, timeout: float = 240) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _run(env: dict, script: str, *args: str, timeout: float = 240) -> str:
     proc = subprocess.run([sys.executable, os.path.join(TOOLS, script), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+                          env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
+
+
+CE = dict(n=1024, hidden=32, vocab=2000, chunk=64)
+VP = dict(n=2048, hidden=16, vocab=1001, chunk=64)  # V odd: TP=2 pads one row
+SCALE = dict(world=2, gas=2)
+
+
+def background_jobs(folder, env):
+    """The three tools' runs, started with the session (tests/conftest.py); each returns its
+    stdout (and the folder of its files)."""
+    def bench_ce():
+        return folder, _run(env, "bench_ce.py", "--sizes", str(CE["n"]), "--hidden",
+                            str(CE["hidden"]), "--vocab", str(CE["vocab"]), "--chunk-size",
+                            str(CE["chunk"]), "--repeats", "1", "--threads", "1", "--no-cuda",
+                            "--seed", "3", "--csv", str(folder / "ce.csv"), "--plot",
+                            str(folder / "ce.png"))
+
+    def bench_vocab_parallel():
+        return folder, _run(env, "bench_vocab_parallel.py", "--tp", "1", "2", "--tokens",
+                            str(VP["n"]), "--hidden", str(VP["hidden"]), "--vocab",
+                            str(VP["vocab"]), "--chunk-size", str(VP["chunk"]), "--repeats",
+                            "1", "--cpus", "1", "--seed", "5", "--csv", str(folder / "vp.csv"))
+
+    def check_engine_scale():
+        return _run(env, "check_engine_scale.py", "--world", str(SCALE["world"]), "--gas",
+                    str(SCALE["gas"]), timeout=280)
+    return {"bench_ce": bench_ce, "bench_vocab_parallel": bench_vocab_parallel,
+            "check_engine_scale": check_engine_scale}
 
 
 def _read_csv(path) -> list:
@@ -54,13 +82,12 @@ def _reference_ce(n: int, hidden: int, vocab: int, seed: int, order: str) -> flo
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_bench_ce_loss_and_memory(tmp_path):
-    n, hidden, vocab, chunk = 1024, 32, 2000, 64
-    out_csv, out_png = tmp_path / "ce.csv", tmp_path / "ce.png"
-    stdout = _run("bench_ce.py", "--sizes", str(n), "--hidden", str(hidden), "--vocab",
-                  str(vocab), "--chunk-size", str(chunk), "--repeats", "1", "--threads", "1",
-                  "--no-cuda", "--seed", "3", "--csv", str(out_csv), "--plot", str(out_png))
+@pytest.mark.timeout(900)  # it may wait for the background jobs before it
+@pytest.mark.background("bench_ce")
+def test_bench_ce_loss_and_memory(background):
+    n, hidden, vocab = CE["n"], CE["hidden"], CE["vocab"]
+    folder, stdout = background
+    out_csv, out_png = folder / "ce.csv", folder / "ce.png"
     assert "megaloss_s" in stdout and "mem_ratio" in stdout
     rows = _read_csv(out_csv)
     assert [(r["device"], r["dtype"], r["tokens"]) for r in rows] == [("cpu", "float32", str(n))]
@@ -88,13 +115,12 @@ def test_bench_ce_loss_and_memory(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_bench_vocab_parallel_comm_loss_and_memory(tmp_path):
-    n, hidden, vocab, chunk = 2048, 16, 1001, 64  # V odd: TP=2 pads one row
-    out_csv = tmp_path / "vp.csv"
-    stdout = _run("bench_vocab_parallel.py", "--tp", "1", "2", "--tokens", str(n), "--hidden",
-                  str(hidden), "--vocab", str(vocab), "--chunk-size", str(chunk), "--repeats",
-                  "1", "--cpus", "1", "--seed", "5", "--csv", str(out_csv))
+@pytest.mark.timeout(900)
+@pytest.mark.background("bench_vocab_parallel")
+def test_bench_vocab_parallel_comm_loss_and_memory(background):
+    n, hidden, vocab, chunk = VP["n"], VP["hidden"], VP["vocab"], VP["chunk"]
+    folder, stdout = background
+    out_csv = folder / "vp.csv"
     assert "fwd_B_per_token" in stdout
     rows = _read_csv(out_csv)
     assert [r["tp"] for r in rows] == ["1", "2"]
@@ -132,11 +158,11 @@ def test_bench_vocab_parallel_comm_loss_and_memory(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.deepspeed
-@pytest.mark.timeout(300)
-def test_check_engine_scale_factors():
-    world, gas = 2, 2
-    stdout = _run("check_engine_scale.py", "--world", str(world), "--gas", str(gas),
-                  timeout=280)
+@pytest.mark.timeout(900)
+@pytest.mark.background("check_engine_scale")
+def test_check_engine_scale_factors(background):
+    world, gas = SCALE["world"], SCALE["gas"]
+    stdout = background
     found = {}
     for line in stdout.splitlines():
         m = re.match(r"\s+(.+?)\s+c = (\S+) \(measured (\S+)\)\s+loss multiplier = (\S+)$", line)

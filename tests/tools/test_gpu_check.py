@@ -42,16 +42,25 @@ def test_needs_an_output_folder():
     assert proc.returncode == 2 and "no output folder" in proc.stderr
 
 
+def background_jobs(folder, env):
+    """The dry run, started with the session (tests/conftest.py): a single process most of its
+    44 s, beside the single-process tests."""
+    def dry_run():
+        wheels = folder / "wheels"
+        wheels.mkdir()
+        (wheels / "fake_pkg-0.0-py3-none-any.whl").write_bytes(b"")  # listed, never installed
+        out = folder / "out"  # from $OUT, as on the GPU machine
+        return out, subprocess.run(["bash", SCRIPT, "--dry-run", "--wheels", str(wheels)],
+                                   cwd=ROOT, env=dict(env, OUT=str(out)), capture_output=True,
+                                   text=True, timeout=580)
+    return {"dry_run": dry_run}
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_dry_run_writes_every_table(tmp_path):
-    out = tmp_path / "out"
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    (wheels / "fake_pkg-0.0-py3-none-any.whl").write_bytes(b"")  # listed, never installed
-    env = dict(os.environ, OUT=str(out))  # the output folder from $OUT, as on the GPU machine
-    proc = subprocess.run(["bash", SCRIPT, "--dry-run", "--wheels", str(wheels)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=580)
+@pytest.mark.timeout(900)  # it may wait for the background jobs before it
+@pytest.mark.background("dry_run")
+def test_dry_run_writes_every_table(background):
+    out, proc = background
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-8000:]
 

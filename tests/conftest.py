@@ -17,7 +17,8 @@ Background work: a test marked ``background("<name>")`` that only reads what a s
 (a benchmark tool, the GPU check's dry run) gets that subprocess's result from its module's
 ``background_jobs(folder, env) -> {name: callable}`` through the ``background`` fixture; the
 jobs of every selected test are started, one at a time, in one thread when the session starts,
-so that they run beside the single-process tests (which leave one of the 2 cores idle). ``env``
+at a lower priority (nice 10), so that they use what the tests leave idle (one of the 2 cores
+during the single-process tests) instead of slowing them down. ``env``
 is the environment at the session's start (a test's ``monkeypatch`` cannot leak into a job).
 Under pytest-xdist a job starts when its test asks for it.
 
@@ -29,6 +30,7 @@ inherit it.
 import gc
 import os
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -45,6 +47,7 @@ sys.path.insert(0, os.path.join(HERE, "helpers"))
 # shared with other processes a second OpenMP thread mostly spins (measured: a [1, 8] x [8, 16]
 # bf16 matmul 0.005 ms with one thread, 1-14 ms with two on a loaded 2-core machine).
 torch.set_num_threads(1)
+BACKGROUND_NICE = 10  # the background jobs' priority (see _lower_priority)
 
 
 def pytest_configure(config):
@@ -108,6 +111,15 @@ def _megaloss_cache(tmp_path_factory):
         os.environ.pop("MEGALOSS_CACHE", None)
 
 
+def _lower_priority():
+    # Linux: the nice value is per thread and inherited by the processes a thread starts, so
+    # the jobs' subprocesses take the cores when the tests leave them idle and yield otherwise.
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):  # not Linux: same priority, still one job at a time
+        pass
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _background_jobs(request, tmp_path_factory, _megaloss_cache):
     """``{(module name, job name): Future}`` of the selected tests' background jobs, all
@@ -117,7 +129,7 @@ def _background_jobs(request, tmp_path_factory, _megaloss_cache):
         marker = item.get_closest_marker("background")
         if marker is not None:
             wanted.setdefault(item.module, []).append(marker.args[0])
-    lane = ThreadPoolExecutor(1, thread_name_prefix="background")
+    lane = ThreadPoolExecutor(1, thread_name_prefix="background", initializer=_lower_priority)
     env = dict(os.environ)
     jobs, futures = {}, {}
     for module, names in wanted.items():

@@ -28,12 +28,12 @@ def background_jobs(folder, env):
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                CASES, LOG_PROBS_CASES], cwd=ROOT,
                               env=dict(env, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"),
-                              capture_output=True, text=True, timeout=280)
+                              capture_output=True, text=True, timeout=800)
     return {"interpreted": interpreted}
 
 
 @pytest.mark.slow  # spawns a process (~10 s: the interpreter runs each program in Python)
-@pytest.mark.timeout(900)  # it may wait for the background jobs before it
+@pytest.mark.timeout(1500)  # it waits for the background jobs before its own (nice 10)
 @pytest.mark.background("interpreted")
 def test_interpreted_kernels_match_torch_epilogue(background):
     proc = background

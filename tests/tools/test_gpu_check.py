@@ -52,12 +52,12 @@ def background_jobs(folder, env):
         out = folder / "out"  # from $OUT, as on the GPU machine
         return out, subprocess.run(["bash", SCRIPT, "--dry-run", "--wheels", str(wheels)],
                                    cwd=ROOT, env=dict(env, OUT=str(out)), capture_output=True,
-                                   text=True, timeout=580)
+                                   text=True, timeout=800)
     return {"dry_run": dry_run}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # it may wait for the background jobs before it
+@pytest.mark.timeout(1500)  # it waits for the background jobs before its own (nice 10)
 @pytest.mark.background("dry_run")
 def test_dry_run_writes_every_table(background):
     out, proc = background

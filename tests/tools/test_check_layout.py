@@ -3,7 +3,8 @@ device?".
 
 Slow tier: the tool runs twice as a user runs it, from a directory outside the checkout (the
 layouts through the ``deepspeed`` launcher on CPU, the one-device references in the tool's
-process, two steps of the tiny model). The 4-process run checks four layouts in ONE launch
+process, two steps of the tiny model), both started with the session as background jobs
+(tests/conftest.py). The 4-process run checks four layouts in ONE launch
 (``--deepspeed_config a.json b.json ...``, an override per config), the tests read its report
 per layout:
 
@@ -23,7 +24,6 @@ import math
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -31,8 +31,13 @@ from megaloss.configs import config_path
 from megaloss.tools import check_layout
 
 TIED = '{"tie_word_embeddings": true}'
-# the tests reading the 4-process run: on one pytest-xdist worker, so that it runs once
-FOUR_PROCS = pytest.mark.xdist_group("check_layout_four_procs")
+
+
+def FOUR_PROCS(test):
+    """The tests reading the 4-process run (a background job, tests/conftest.py), on one
+    pytest-xdist worker so that it runs once."""
+    return pytest.mark.xdist_group("check_layout_four_procs")(
+        pytest.mark.background("four_procs")(test))
 
 
 def _config(tmp_path, stage: int, tp: int = 2) -> str:
@@ -47,14 +52,12 @@ def _config(tmp_path, stage: int, tp: int = 2) -> str:
     return str(path)
 
 
-def _run_tool(tmp_path, *args, timeout):
-    t0 = time.perf_counter()
-    # from the test's own directory, as a user runs it on their config (paths relative to it)
+def _run_tool(tmp_path, env, *args):
+    # from the test's own directory, as a user runs it on their config (paths relative to it);
+    # a hang guard only: a background job runs at a low priority
     proc = subprocess.run([sys.executable, "-m", "megaloss.tools.check_layout", *args,
-                           "--steps", "2"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=timeout)
-    print(proc.stdout)
-    print(f"({time.perf_counter() - t0:.0f} s)")
+                           "--steps", "2"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=800)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -65,26 +68,37 @@ def _sections(out: str):
     return {int(n): text for n, text in zip(parts[1::2], parts[2::2])}
 
 
-@pytest.fixture(scope="module")
-def four_procs(tmp_path_factory):
-    """One tool run, one launch of 4 processes: 1 ZeRO-2, 2 ZeRO-3 tied, 3 ZeRO-2 with the wrong
-    scale injected, 4 DP 1 x TP 2 x PP 2 tied; (the process, its report per layout)."""
-    tmp_path = tmp_path_factory.mktemp("check_layout_4")
-    zero2 = _config(tmp_path, 2)
-    proc = _run_tool(tmp_path, "--deepspeed_config", zero2, _config(tmp_path, 3), zero2,
-                     _pipeline_config(tmp_path), "--config_override", "{}", TIED, "{}", TIED,
-                     "--num_procs", "4", "--_inject_wrong_scale", "3", timeout=590)
-    return proc, _sections(proc.stdout)
+def background_jobs(folder, env):
+    """The tool's two runs, started with the session (tests/conftest.py).
+
+    ``four_procs``: one launch of 4 processes: 1 ZeRO-2, 2 ZeRO-3 tied, 3 ZeRO-2 with the wrong
+    scale injected, 4 DP 1 x TP 2 x PP 2 tied; (the process, its report per layout).
+    ``embed``: the embedding job on 2 processes; the process."""
+    def four_procs():
+        tmp_path = folder / "four_procs"
+        tmp_path.mkdir()
+        zero2 = _config(tmp_path, 2)
+        proc = _run_tool(tmp_path, env, "--deepspeed_config", zero2, _config(tmp_path, 3),
+                         zero2, _pipeline_config(tmp_path), "--config_override", "{}", TIED,
+                         "{}", TIED, "--num_procs", "4", "--_inject_wrong_scale", "3")
+        return proc, _sections(proc.stdout)
+
+    def embed():
+        tmp_path = folder / "embed"
+        tmp_path.mkdir()
+        return _run_tool(tmp_path, env, "--deepspeed_config", _config(tmp_path, 2),
+                         "--num_procs", "2", "--job", "embed")
+    return {"four_procs": four_procs, "embed": embed}
 
 
 @pytest.mark.deepspeed
 @pytest.mark.distributed
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1500)  # it waits for the background jobs before its own (nice 10)
 @FOUR_PROCS
 @pytest.mark.parametrize("stage", [2, 3])
-def test_dp2_tp2_trains_like_one_device(four_procs, stage):
+def test_dp2_tp2_trains_like_one_device(background, stage):
     # ZeRO-3 with the input embedding tied to the lm_head (the embedding on the head's shard)
-    proc, sections = four_procs
+    proc, sections = background
     out = sections[stage - 1]
     assert f"PASS: DP 2 x TP 2 ZeRO-{stage}" in out, proc.stdout + proc.stderr[-5000:]
     assert ("model tiny (tied embeddings)" in out) == (stage == 3), out
@@ -98,10 +112,10 @@ def test_dp2_tp2_trains_like_one_device(four_procs, stage):
 
 @pytest.mark.deepspeed
 @pytest.mark.distributed
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1500)
 @FOUR_PROCS
-def test_wrong_calibration_fails_and_names_the_cause(four_procs):
-    proc, sections = four_procs
+def test_wrong_calibration_fails_and_names_the_cause(background):
+    proc, sections = background
     out = sections[3]
     assert "FAIL: grad_norm at step 1" in out, proc.stdout + proc.stderr[-5000:]
     # x world size: the gradient is 4 x one device's while the loss is right
@@ -116,10 +130,10 @@ def test_wrong_calibration_fails_and_names_the_cause(four_procs):
 
 @pytest.mark.deepspeed
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_embedding_job_trains_like_one_device(tmp_path):
-    proc = _run_tool(tmp_path, "--deepspeed_config", _config(tmp_path, 2), "--num_procs", "2",
-                     "--job", "embed", timeout=290)
+@pytest.mark.timeout(1500)
+@pytest.mark.background("embed")
+def test_embedding_job_trains_like_one_device(background):
+    proc = background
     out = proc.stdout
     assert proc.returncode == 0 and "PASS: DP 2 x TP 1 ZeRO-2" in out, out
     assert "data parallel:               [0, 1]" in out and "job embed" in out
@@ -226,11 +240,11 @@ def _pipeline_config(tmp_path) -> str:
 
 @pytest.mark.deepspeed
 @pytest.mark.distributed
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1500)
 @FOUR_PROCS
-def test_pipeline_layout_trains_like_one_device(four_procs):
+def test_pipeline_layout_trains_like_one_device(background):
     # tied: the embedding on stage 0 and the lm_head on stage 1 share one weight (TiedLayerSpec)
-    proc, sections = four_procs
+    proc, sections = background
     out = sections[4]
     assert "PASS: DP 1 x TP 2 x PP 2 ZeRO-1" in out, proc.stdout + proc.stderr[-5000:]
     assert "model tiny (tied embeddings)" in out, out

@@ -159,6 +159,15 @@ def _compiled_megaloss(chunk: int, backend: str):
     return loss_fn
 
 
+def _in_this_process(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """:func:`_worker` here, its result as a worker's JSON line would give it; an exception
+    becomes ``{"error": ...}`` as a crashed worker's would."""
+    try:
+        return json.loads(json.dumps(_worker(spec)))
+    except Exception as e:  # noqa: BLE001 - reported in the row, as run_worker does
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     """``mode="memory"``: one fwd+bwd of ``spec["method"]`` under the memory probe.
     ``mode="timing"``: warm runs of every method and the 3 bare GEMMs, interleaved; on CUDA
@@ -414,6 +423,11 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     p.add_argument("--csv", metavar="PATH", help="write all columns as CSV")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of peak memory vs tokens")
+    p.add_argument("--same-process", action="store_true",
+                   help="run every case in this process, not a fresh process each (a smoke "
+                        "run: gpu_check.sh --dry-run; the memory figures then include what "
+                        "earlier cases left allocated, and the allocator settings of the "
+                        "workers do not apply)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -428,8 +442,11 @@ def main(argv=None) -> int:
     script = os.path.abspath(__file__)
     methods = list(BASE_IMPLS) + args.impls
     rows, impl_rows, failed = [], [], False
-    print(f"# workers: fresh process per case, {args.threads} threads, "
-          + " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()), file=sys.stderr)
+    if args.same_process:
+        print(f"# every case in this process, {args.threads} threads", file=sys.stderr)
+    else:
+        print(f"# workers: fresh process per case, {args.threads} threads, "
+              + " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()), file=sys.stderr)
     for cfg in _configs(args):
         for n in args.sizes:
             res: Dict[str, Any] = {"memory": {}}
@@ -440,7 +457,8 @@ def main(argv=None) -> int:
                         "budget": args.time_budget, "threads": args.threads, "seed": args.seed,
                         "compile_backend": args.compile_backend}
                 t0 = time.perf_counter()
-                out = run_worker(script, spec, args.threads, args.timeout)
+                out = (_in_this_process(spec) if args.same_process
+                       else run_worker(script, spec, args.threads, args.timeout))
                 if mode == "memory":
                     res["memory"][method] = out
                 else:

@@ -201,9 +201,11 @@ PY
 step_bench_ce() {
   local impls=(megaloss_torch megaloss_triton megaloss_compile liger cce)
   if [ $DRY -eq 1 ]; then
-    # CPU, tiny; the Triton rows through its interpreter, torch.compile without code generation.
+    # CPU, tiny; the Triton rows through its interpreter, torch.compile without code generation;
+    # every case in one process (the fresh worker per case is tests/tools/test_bench_tools.py's).
     TRITON_INTERPRET=1 "$PY" tools/bench_ce.py --no-cuda --sizes 64 --hidden 16 \
         --vocab 256 --chunk-size 32 --repeats 1 --time-budget 1 --threads 2 --timeout 120 \
+        --same-process \
         --impls "${impls[@]}" --compile-backend aot_eager \
         --csv "$OUT_DIR/bench_ce.csv" --impl-csv "$OUT_DIR/bench_ce_impls.csv" \
         > "$OUT_DIR/bench_ce.txt"

@@ -95,8 +95,8 @@ def _reseed():
 
 
 def _freeze_survivors():
-    """The last case's garbage collected, the survivors (imports, caches) frozen out of later
-    collections: DeepSpeed's engine set-up calls ``gc.collect()`` (see
+    """Before a case: garbage (a previous case's) collected, the survivors (imports, caches)
+    frozen out of later collections: DeepSpeed's engine set-up calls ``gc.collect()`` (see
     :func:`megaloss.integrations.deepspeed.freeze_imported_objects`)."""
     from megaloss.integrations.deepspeed.compat import freeze_imported_objects
     freeze_imported_objects()

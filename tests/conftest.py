@@ -122,8 +122,9 @@ def _lower_priority():
 
 @pytest.fixture(scope="session", autouse=True)
 def _background_jobs(request, tmp_path_factory, _megaloss_cache):
-    """``{(module name, job name): Future}`` of the selected tests' background jobs, all
-    submitted at the session's start (outside xdist) to one worker thread, in collection order."""
+    """``start((module, job name)) -> Future`` of a selected test's background job; outside
+    xdist every such job is submitted at the session's start to one worker thread, in
+    collection order."""
     wanted = {}  # module -> job names its selected tests read
     for item in request.session.items:
         marker = item.get_closest_marker("background")
@@ -133,11 +134,10 @@ def _background_jobs(request, tmp_path_factory, _megaloss_cache):
     env = dict(os.environ)
     jobs, futures = {}, {}
     for module, names in wanted.items():
-        name = module.__name__.rsplit(".", 1)[-1]
-        for job, fn in module.background_jobs(tmp_path_factory.mktemp(f"{name}-bg"),
-                                              env).items():
+        folder = tmp_path_factory.mktemp(f"{module.__name__.rsplit('.', 1)[-1]}-bg")
+        for job, fn in module.background_jobs(folder, env).items():
             if job in names:
-                jobs[(name, job)] = fn
+                jobs[(module, job)] = fn
 
     def start(key):
         if key not in futures:
@@ -155,5 +155,5 @@ def _background_jobs(request, tmp_path_factory, _megaloss_cache):
 def background(request, _background_jobs):
     """What the module's background job named by the test's ``background`` marker returned (its
     exception raised here)."""
-    name = request.node.module.__name__.rsplit(".", 1)[-1]
-    return _background_jobs((name, request.node.get_closest_marker("background").args[0])).result()
+    job = request.node.get_closest_marker("background").args[0]
+    return _background_jobs((request.node.module, job)).result()

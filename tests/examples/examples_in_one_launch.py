@@ -14,7 +14,6 @@ for script in args.scripts:
     if args.local_rank == 0:
         print(f"=== examples_in_one_launch: {script} ===", flush=True)
     sys.argv = [script, f"--local_rank={args.local_rank}"]
-    if script != args.scripts[0]:  # the first one's imports: frozen out of DeepSpeed's gc.collect
-        from megaloss.integrations.deepspeed import freeze_imported_objects
-        freeze_imported_objects()
+    from megaloss.integrations.deepspeed import freeze_imported_objects
+    freeze_imported_objects()  # the earlier examples' imports, out of DeepSpeed's gc.collect
     runpy.run_path(script, run_name="__main__")

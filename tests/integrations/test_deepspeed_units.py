@@ -202,7 +202,7 @@ def test_freeze_imported_objects_collects_garbage_then_freezes_the_survivors():
         freeze_imported_objects()
         assert dead() is None, "the garbage cycle was frozen instead of collected"
         assert gc.get_freeze_count() > before
-        assert any(o is alive for o in gc.get_objects()) is False  # frozen: not tracked now
+        assert not any(o is alive for o in gc.get_objects())  # frozen: not tracked now
     finally:
         gc.unfreeze()
     assert any(o is alive for o in gc.get_objects())

@@ -1,5 +1,6 @@
 """megaloss.testing: fresh spawned ranks per call, and the shared pool (reused ranks, reseeded
 cases, fresh ranks after a failure or a timeout)."""
+import contextlib
 import os
 
 import pytest
@@ -52,6 +53,27 @@ def _subgroups(rank, world, size):
     t = torch.ones(1)
     dist.all_reduce(t, group=groups[rank // size])
     return float(t)
+
+
+def _new_groups(rank, world, n):
+    import torch.distributed as dist
+    groups = [dist.new_group(list(range(world))) for _ in range(n)]
+    for g in groups:
+        dist.all_reduce(torch.ones(1), group=g)
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _live_groups(rank, world):
+    """(process groups torch knows, gloo loop threads of this process or None without /proc)."""
+    import torch.distributed as dist
+    tasks = f"/proc/{os.getpid()}/task"
+    loops = None
+    if os.path.isdir(tasks):
+        loops = 0
+        for t in os.listdir(tasks):
+            with contextlib.suppress(OSError), open(f"{tasks}/{t}/comm") as f:
+                loops += f.read().strip() == "gloo_tcp_loop"
+    return len(dist.distributed_c10d._world.pg_map), loops
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +135,15 @@ def test_a_dead_rank_fails_the_case_without_waiting_for_the_timeout(pool):
     with pytest.raises(RuntimeError, match="rank 1 of 2 exited with code 3"):
         pool.run(_rank1_dies, timeout=3600)  # the test's own 300 s timeout would fire first
     assert [r[3] for r in pool.run(_identity, timeout=120)] == [3.0, 3.0]
+
+
+def test_a_cases_subgroups_are_destroyed_after_it(pool):
+    before = pool.run(_live_groups, timeout=120)
+    assert [g for g, _ in before] == [1, 1]  # the default group only
+    assert pool.run(_new_groups, 3, timeout=60) == [4, 4]
+    after = pool.run(_live_groups, timeout=60)
+    # the groups are gone, and with them their gloo threads (each group has a polling one)
+    assert after == before, (before, after)
 
 
 def test_run_distributed_uses_the_active_pool(pool):

@@ -174,7 +174,10 @@ def _drive() -> None:
     """Under the launcher (:func:`run_jobs_in_one_launch`): each job's ``main`` in turn."""
     import importlib
 
+    from deepspeed_state import reset_deepspeed_state
+
     from launch.jobs.runs import StopRequest
+    from megaloss.testing import destroy_subgroups
 
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=0)
@@ -195,12 +198,15 @@ def _drive() -> None:
         saved = {name: os.environ.get(name) for name in job.get("env", {})}
         _set_env(job.get("env", {}))
         attention = dict(_attention_functions())
+        reset_deepspeed_state()  # as in a fresh process: no earlier job's groups or mpu
         try:
             _run(module, argv, job, args.local_rank)
         finally:
             _set_env(saved)
             _attention_functions().clear()
             _attention_functions().update(attention)
+        reset_deepspeed_state()
+        destroy_subgroups()  # the job's groups: their gloo threads would poll through the rest
 
 
 def _attention_functions() -> dict:

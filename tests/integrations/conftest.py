@@ -14,7 +14,7 @@ What makes the sharing safe: every case builds its own groups, topology and engi
 destroys the engine (its ZeRO hooks) at the end; DeepSpeed's comm backend is initialised once
 per process and reused (``deepspeed.init_distributed`` is idempotent); DeepSpeed's module
 globals (the last engine's ``mpu``, cached groups) are reset before every case
-(``deepspeed_state.py``); the pool reseeds torch /
+(``tests/helpers/deepspeed_state.py``); the pool reseeds torch /
 Python / NumPy and resets the default dtype and grad mode before each case; a case that fails or
 times out reports its own traceback to its own test and takes the pool down, so the next test
 gets fresh ranks. DeepSpeed and the plain collective tests never share ranks (separate pools).

@@ -6,8 +6,10 @@ transformers and sentence-transformers for all of them).
 ``--spec`` is a JSON list of ``{"file", "argv", "done", "crash"}``. After a module's worker
 returns, rank 0 writes ``done``; when it raises (SystemExit included), the rank writes its
 traceback to ``crash`` and the launch stops (the ranks may be out of step; the fixture relaunches
-the modules after it). Between modules the environment is restored (a W&B case sets WANDB_*) and
-transformers' global ZeRO-3 config is unset (it would ``zero.Init`` the next module's model).
+the modules after it). Between modules the environment is restored (a W&B case sets WANDB_*),
+DeepSpeed's globals are reset and transformers' global ZeRO-3 config is unset (it would
+``zero.Init`` the next module's model; ``deepspeed_state.py``), and the module's process groups
+are destroyed (``megaloss.testing.destroy_subgroups``).
 """
 import argparse
 import importlib.util
@@ -35,10 +37,11 @@ def main(argv):
     sys.path[:0] = [str(HERE), str(HERE.parent / "helpers")]
     rank = int(os.environ.get("RANK", "0"))
     for entry in json.loads(Path(a.spec).read_text()):
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+        from deepspeed_state import reset_deepspeed_state
 
         from megaloss.integrations.deepspeed import freeze_imported_objects
-        unset_hf_deepspeed_config()
+        from megaloss.testing import destroy_subgroups
+        reset_deepspeed_state()  # with transformers' ZeRO-3 config
         environ = dict(os.environ)
         try:
             module = _load(entry["file"])
@@ -50,6 +53,8 @@ def main(argv):
         finally:
             os.environ.clear()
             os.environ.update(environ)
+        reset_deepspeed_state()
+        destroy_subgroups()  # the module's groups: their gloo threads would poll through the rest
         if rank == 0:
             Path(entry["done"]).touch()
 

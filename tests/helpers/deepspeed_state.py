@@ -1,4 +1,5 @@
-"""Run a case on a shared DeepSpeed rank (conftest.py's ``deepspeed_pool``) as on a fresh one:
+"""Run a case on a shared DeepSpeed rank (tests/integrations/conftest.py's ``deepspeed_pool``), or
+a job in a shared launch (``launch_helpers.run_jobs_in_one_launch``), as on a fresh one:
 DeepSpeed keeps parallel state in module globals that outlive an engine (``engine.destroy()``
 leaves them): ``deepspeed.utils.groups.mpu`` stays the last engine's ``mpu``, so an engine built
 without one after an engine built with one reads the old model-parallel sizes
@@ -29,9 +30,9 @@ def _globals(module):
             if not k.startswith("__") and isinstance(v, _VALUES)}
 
 
-def run_with_fresh_deepspeed_state(rank, world_size, fn, *args):
-    """``fn(rank, world_size, *args)`` after resetting DeepSpeed's module globals (see the module
-    docstring)."""
+def reset_deepspeed_state():
+    """DeepSpeed's module globals put back to what they were before the first call (taken
+    then), transformers' global DeepSpeed config unset."""
     global _PRISTINE
     if _PRISTINE is None:
         _PRISTINE = {}
@@ -40,9 +41,18 @@ def run_with_fresh_deepspeed_state(rank, world_size, fn, *args):
                 _PRISTINE[name] = _globals(importlib.import_module(name))
             except ImportError:  # another DeepSpeed version: nothing of it to reset
                 pass
-    else:
-        for name, values in _PRISTINE.items():
-            vars(sys.modules[name]).update({k: _copy(v) for k, v in values.items()})
+    for name, values in _PRISTINE.items():
+        vars(sys.modules[name]).update({k: _copy(v) for k, v in values.items()})
     if "transformers.integrations.deepspeed" in sys.modules:
         sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()
-    return fn(rank, world_size, *args)
+
+
+def run_with_fresh_deepspeed_state(rank, world_size, fn, *args):
+    """``fn(rank, world_size, *args)`` after resetting DeepSpeed's module globals (see the module
+    docstring); reset again after it, so that nothing of the case (its groups above all, which
+    the pool destroys next) stays referenced from them."""
+    reset_deepspeed_state()
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        reset_deepspeed_state()

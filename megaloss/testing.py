@@ -15,8 +15,10 @@ Two ways to get the ranks:
   size instead: ranks spawned and joined to one gloo world once, then reused case after case,
   which saves the spawn + ``import torch`` + rendezvous of every call. This is the pattern of
   torch's ``MultiProcContinuousTest`` (torch/testing/_internal/common_distributed.py): each case
-  is reseeded to the same fixed value first (its outcome does not depend on what ran before), and
-  a case that fails or times out takes its pool down, so the next case gets fresh processes.
+  is reseeded to the same fixed value first (its outcome does not depend on what ran before), the
+  process groups it created are destroyed after it (:func:`destroy_subgroups`: a live gloo group
+  keeps a thread polling every few milliseconds), and a case that fails or times out takes its
+  pool down, so the next case gets fresh processes.
 """
 from __future__ import annotations
 

@@ -10,8 +10,10 @@ so that collecting the fast tier does not.
 
 Process groups: ``megaloss.testing.run_distributed`` inside a test runs on a pool of spawned gloo
 ranks per world size, started once per session and shared by the tests (reseeded before each
-case, respawned after a failure or timeout; see ``megaloss/testing.py``). Tests marked
-``deepspeed`` or ``fresh_processes`` get freshly spawned ranks instead.
+case, its subgroups destroyed after it, respawned after a failure or timeout; see
+``megaloss/testing.py``). Tests marked ``deepspeed`` or ``fresh_processes`` get freshly spawned
+ranks instead. Launches that several test files read (``shared_launch``, ``shared_launch_hf``,
+``shared_launch_4procs``) are the plugin ``tests/helpers/shared_launches.py``.
 
 Background work: a test marked ``background("<name>")`` that only reads what a subprocess wrote
 (a benchmark tool, the GPU check's dry run) gets that subprocess's result from its module's
@@ -42,6 +44,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Shared test helpers (float64 references, launcher helpers). The launch jobs are the package
 # ``launch`` at the repository root, imported as ``launch.*`` like megaloss.
 sys.path.insert(0, os.path.join(HERE, "helpers"))
+# the launches that test files of every folder share (tests/helpers/shared_launches.py)
+pytest_plugins = ["shared_launches"]
 
 # One torch thread in the pytest process: the cases use tiny shapes, and on a small machine
 # shared with other processes a second OpenMP thread mostly spins (measured: a [1, 8] x [8, 16]

@@ -71,8 +71,13 @@ def run_jobs_in_one_launch(jobs: List[dict], spec: Path, *, timeout: float, num_
     - ``"env": {name: value or None}``: set, or with None unset, in the ranks' environment for
       that job only, then restored.
 
+    A test module's own worker is ``{"worker": path of the module, "argv": [...]}``: the module
+    is loaded by path (its folder put on ``sys.path``) and its ``_worker_main(argv)`` runs, on
+    every rank; the whole environment is restored after it.
+
     ``spec`` is where the list is written for the launched processes. Before each job, local
-    rank 0 prints :func:`job_marker` on stdout (:func:`job_outputs` splits the output with it).
+    rank 0 prints :func:`job_marker` on stdout and stderr (:func:`job_outputs` splits either
+    with it).
     """
     spec.write_text(json.dumps(jobs))
     return run_deepspeed_launcher(Path(__file__), ["--jobs", str(spec)], timeout=timeout,
@@ -122,14 +127,14 @@ def assert_launches(cmd: List[str], num_gpus: int, job: str, config: str,
 
 
 def job_marker(k: int) -> str:
-    """The stdout line local rank 0 prints before the ``k``-th job of a launch."""
+    """The line local rank 0 prints on stdout and stderr before the ``k``-th job of a launch."""
     return f"=== launch_helpers: job {k} ==="
 
 
 def job_outputs(stdout: str, n_jobs: int) -> List[str]:
-    """``stdout`` of :func:`run_jobs_in_one_launch` cut into the ``n_jobs`` jobs' parts (rank 0's
-    lines from its job's marker to the next one; lines of rank 1 that came late may sit in the
-    next part)."""
+    """``stdout`` (or ``stderr``) of :func:`run_jobs_in_one_launch` cut into the ``n_jobs`` jobs'
+    parts (the lines from a job's marker to the next one; lines of rank 1 that came late may sit
+    in the next part)."""
     parts, rest = [], stdout
     for k in range(n_jobs):
         marker = job_marker(k) + "\n"
@@ -186,6 +191,10 @@ def _drive() -> None:
     for k, job in enumerate(json.loads(Path(args.jobs).read_text())):
         if args.local_rank == 0:
             print(job_marker(k), flush=True)
+            print(job_marker(k), file=sys.stderr, flush=True)
+        if "worker" in job:
+            _run_worker(job["worker"], job["argv"])
+            continue
         module = importlib.import_module(f"launch.{job['job']}")
         argv = job["argv"] + ["--local_rank", str(args.local_rank)]
         assert hasattr(module, "StopRequest") or "stop_after" not in job, job
@@ -207,6 +216,38 @@ def _drive() -> None:
             _attention_functions().update(attention)
         reset_deepspeed_state()
         destroy_subgroups()  # the job's groups: their gloo threads would poll through the rest
+
+
+def _run_worker(file: str, argv: List[str]) -> None:
+    """A test module's ``_worker_main(argv)`` (a ``"worker"`` job), as a fresh process would run
+    it: DeepSpeed's globals reset before and after, the module's groups destroyed after, the
+    environment it changed (a W&B case sets ``WANDB_*``) restored."""
+    import importlib.util
+
+    from deepspeed_state import reset_deepspeed_state
+
+    from megaloss.integrations.deepspeed import freeze_imported_objects
+    from megaloss.testing import destroy_subgroups
+
+    folder = str(Path(file).resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(Path(file).stem, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # pickling and dataclasses look the module up by name
+    spec.loader.exec_module(module)
+    freeze_imported_objects()  # the module's imports (and the earlier jobs' survivors)
+    environ = dict(os.environ)
+    reset_deepspeed_state()
+    try:
+        module._worker_main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        if "wandb" in sys.modules:  # wandb reads WANDB_DIR once per setup: a later job's run
+            sys.modules["wandb"].teardown()  # would land in this worker's folder
+    reset_deepspeed_state()
+    destroy_subgroups()
 
 
 def _attention_functions() -> dict:

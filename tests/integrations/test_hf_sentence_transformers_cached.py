@@ -7,7 +7,8 @@ for mini-batch sizes that split the batch unevenly, with hard negatives and both
 the loss value against sentence-transformers' own CachedMultipleNegativesRankingLoss.
 
 Under ``deepspeed --num_gpus 2`` (CPU, gloo; the launch this folder's Trainer modules share,
-conftest.py's ``shared_hf_launch``), SentenceTransformerTrainer, ZeRO-2 and ZeRO-3,
+``shared_launch_hf`` of tests/helpers/shared_launches.py), SentenceTransformerTrainer, ZeRO-2
+and ZeRO-3,
 gradient accumulation 2, 4 triplets per rank per micro-batch, mini-batch 3 (replays of 3 and 1
 rows): the SGD update (lr 1) of the cached loss equals that of the non-cached loss from the same
 seed (same data order): ``||u_cached - u|| <= 1e-5 ||u|| + 1e-8`` per parameter (fp32, summation
@@ -153,19 +154,20 @@ def _worker_main(argv):  # ZeRO-3's zero.Init follows the latest TrainingArgumen
         torch.save(updates, os.path.join(a.worker, "result.pt"))
 
 
-def shared_hf_launch_argv(tmp_path):
-    """This module's part of the folder's shared launch (conftest.py): ZeRO-2 then ZeRO-3, each
+def shared_launch_hf_jobs(tmp_path):
+    """This module's worker job in the shared Trainer launch (``shared_launch_hf``): ZeRO-2
+    then ZeRO-3, each
     plain then cached (4 one-step trainings), then ZeRO-2 over an epoch whose last window is
     short (plain, cached); the tiny model written under ``tmp_path / "model"``."""
-    return ["--worker", str(tmp_path), "--model_dir", make_model_dir(str(tmp_path / "model"))]
+    model = make_model_dir(str(tmp_path / "model"))
+    return [{"worker": __file__, "argv": ["--worker", str(tmp_path), "--model_dir", model]}]
 
 
 @pytest.fixture(scope="module")
-def trainer_runs(shared_hf_launch):
+def trainer_runs(shared_launch_hf):
     """The results of this module's trainings in the shared launch, and the initial weights."""
     pytest.importorskip("datasets")
-    run = shared_hf_launch["test_hf_sentence_transformers_cached"]
-    run.check()
+    run = shared_launch_hf["test_hf_sentence_transformers_cached"]
     result = torch.load(run.tmp_path / "result.pt", weights_only=False)
     before = dict(load_model(str(run.tmp_path / "model")).float().named_parameters())
     return result, before

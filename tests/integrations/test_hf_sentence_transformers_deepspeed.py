@@ -2,7 +2,8 @@
 --num_gpus 2`` (CPU, gloo): one SGD step (lr 1, no clipping) equals the float64 single-process
 gradient of the loss on the step's global batch.
 
-One launch (the one this folder's Trainer modules share: conftest.py's ``shared_hf_launch``) runs
+One launch (the one the Trainer tests share: ``shared_launch_hf`` of
+tests/helpers/shared_launches.py) runs
 every case (:data:`CASES`) in turn and writes one result file per case; the tests assert per
 case. The dataset is 8 triplets; the step gives each rank 4, and a collator wrapper
 keeps only the first ``keep[rank]`` of them (``(4, 1)``: an uneven global batch of 5 rows;
@@ -120,24 +121,26 @@ def _worker_main(argv):
             raise SystemExit(1)  # the ranks may be out of step: stop here
 
 
-def shared_hf_launch_argv(tmp_path):
-    """This module's part of the folder's shared launch (conftest.py): every case, the tiny
+def shared_launch_hf_jobs(tmp_path):
+    """This module's worker job in the shared Trainer launch (``shared_launch_hf``): every
+    case, the tiny
     model written under ``tmp_path / "model"``."""
-    return ["--worker", str(tmp_path), "--model_dir", make_model_dir(str(tmp_path / "model"))]
+    model = make_model_dir(str(tmp_path / "model"))
+    return [{"worker": __file__, "argv": ["--worker", str(tmp_path), "--model_dir", model]}]
 
 
 @pytest.fixture(scope="module")
-def launch(shared_hf_launch):
+def launch(shared_launch_hf):
     """This module's run in the shared ``deepspeed --num_gpus 2`` launch of every case; returns
     the run (its folder holds the results) and the model folder."""
     pytest.importorskip("datasets")
-    run = shared_hf_launch["test_hf_sentence_transformers_deepspeed"]
+    run = shared_launch_hf["test_hf_sentence_transformers_deepspeed"]
     return run, str(run.tmp_path / "model")
 
 
 def _load(run, name, rank=0):
     path = run.tmp_path / f"{name}.rank{rank}.pt"
-    assert path.exists(), f"case {name} left no result on rank {rank}: {run.error}"
+    assert path.exists(), f"case {name} left no result on rank {rank}: {run.outputs[0][-3000:]}"
     result = torch.load(path, weights_only=False)
     assert "crash" not in result, result["crash"]
     return result

@@ -18,8 +18,8 @@ last batch is evened out by accelerate with a repeated sample) must report the r
 of the whole set with the same options, rel 1e-5.
 
 The two-rank cases (:data:`DS_CASES`) all run in one ``deepspeed --num_gpus 2`` launch, the
-one this folder's Trainer modules share (conftest.py's ``shared_hf_launch``; this file's
-``_worker_main`` is its part, also runnable alone: ``deepspeed --num_gpus 2
+one the Trainer tests share (``shared_launch_hf`` of tests/helpers/shared_launches.py; this
+file's ``_worker_main`` is its part, also runnable alone: ``deepspeed --num_gpus 2
 tests/integrations/test_hf_trainer.py --worker OUT``); the tests assert per case. One of them
 reports to W&B offline; its run is read back with wandb's own reader (``wandb_history`` of
 ``tests/launch/test_monitors.py``).
@@ -280,18 +280,19 @@ def test_evaluation_without_labels_is_refused(tmp_path):
 
 
 # two processes under DeepSpeed (slow tier): one launch, every case ----------------------------
-def shared_hf_launch_argv(tmp_path):
-    """This module's part of the folder's shared launch (conftest.py): every :data:`DS_CASES`
-    case, ``<case>.pt`` per case under ``tmp_path``, the W&B run under ``zero2-wandb/wandb``."""
-    return ["--worker", str(tmp_path)]
+def shared_launch_hf_jobs(tmp_path):
+    """This module's worker job in the shared Trainer launch (``shared_launch_hf``): every
+    :data:`DS_CASES` case, ``<case>.pt`` per case under ``tmp_path``, the W&B run under
+    ``zero2-wandb/wandb``."""
+    return [{"worker": __file__, "argv": ["--worker", str(tmp_path)]}]
 
 
 @pytest.fixture(scope="module")
-def ds_run(shared_hf_launch):
+def ds_run(shared_launch_hf):
     """The output folder of this module's cases in the shared ``deepspeed --num_gpus 2``
     launch; nothing was written into the repository's ``wandb`` folder."""
     from launch_helpers import REPO
-    run = shared_hf_launch["test_hf_trainer"]
+    run = shared_launch_hf["test_hf_trainer"]
     written = [p for p in (REPO / "wandb").glob("*") if p.stat().st_mtime >= run.started]
     assert not written  # nothing written into the repository
     return run
@@ -299,7 +300,7 @@ def ds_run(shared_hf_launch):
 
 def _load(run, name):
     path = run.tmp_path / f"{name}.pt"
-    assert path.exists(), f"case {name} left no result: {run.error}"
+    assert path.exists(), f"case {name} left no result: {run.outputs[0][-3000:]}"
     result = torch.load(path, weights_only=False)
     assert "crash" not in result, result["crash"]
     return result

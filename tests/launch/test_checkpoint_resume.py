@@ -11,7 +11,7 @@ refused on every rank with a message naming the file.
 
 One launcher run drives every job (``launch_helpers.run_jobs_in_one_launch`` calls the jobs'
 ``main`` in turn, in the same processes: start-up costs more than these tiny jobs), the launch
-other test files share (``shared_launch`` in conftest.py); the tests below assert on its
+other test files share (``shared_launch`` in shared_launches.py); the tests below assert on its
 outputs. A fresh process per run is covered by test_preemption.py, which
 resumes in a new launcher run.
 """
@@ -107,9 +107,9 @@ def _cases(tmp_path) -> list:
 
 
 def shared_launch_jobs(tmp_path) -> list:
-    """The jobs of the shared launch (conftest.py): every layout's uninterrupted and interrupted
-    + resumed runs, the ZeRO-3 checkpoint evaluated and a rerun refused, the embedding job
-    stopped and resumed, a branch."""
+    """The jobs of the shared launch (shared_launches.py): every layout's uninterrupted and
+    interrupted + resumed runs, the ZeRO-3 checkpoint evaluated and a rerun refused, the
+    embedding job stopped and resumed, a branch."""
     cache, jobs = tmp_path / "cache", []
     for stage, tp in LM_LAYOUTS:
         cfg = tmp_path / f"zero{stage}-tp{tp}.json"

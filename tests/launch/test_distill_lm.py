@@ -1,7 +1,7 @@
 """End to end: ``launch/distill_lm.py`` under ``deepspeed --num_gpus 2`` on CPU with the default
 ``configs/zero2.json`` (TP=2: both lm_heads vocab-parallel; no warm-up, 48-token chunks), shrunk:
 a tiny teacher, a smaller student, 32-token blocks, 200 kB of the built-in stdlib text. The
-launch several test files share (``shared_launch`` in conftest.py) runs the job twice: first
+launch several test files share (``shared_launch`` in shared_launches.py) runs the job twice: first
 without ``--teacher`` (it trains and saves its teacher), then with ``--teacher`` pointing at
 that checkpoint (another divergence and temperature).
 
@@ -27,8 +27,8 @@ SHRUNK = ["--seq_len", "32", "--vocab_size", "320", "--max_train_bytes", "200000
 
 
 def shared_launch_jobs(tmp) -> list:
-    """The two runs, in the shared launch (conftest.py): ``first`` trains its teacher, ``second``
-    reuses that teacher's checkpoint."""
+    """The two runs, in the shared launch (shared_launches.py): ``first`` trains its teacher,
+    ``second`` reuses that teacher's checkpoint."""
     first, second = tmp / "first", tmp / "second"
     # the default config without its warm-up (the loss must move within a few steps), and
     # several chunks per micro-batch

@@ -1,7 +1,7 @@
 """The monitors a user watches, end to end: a few steps of the LM job under ``deepspeed
 --num_gpus 2`` (TP=2, ZeRO-2) with the ds_config's ``wandb`` (``WANDB_MODE=offline``),
 ``tensorboard`` and ``csv_monitor`` sections on (a job of the launch several test files share,
-``shared_launch`` in conftest.py).
+``shared_launch`` in shared_launches.py).
 
 The offline W&B run is read back with wandb's own reader (``wandb leet inspect --json``, the
 run's ``.wandb`` transaction log as JSON records): every megaloss series (loss, z-loss, tokens,
@@ -70,7 +70,7 @@ def _repo_wandb() -> list:
 
 
 def shared_launch_jobs(tmp_path) -> list:
-    """The LM job with the monitors on, a job of the shared launch (conftest.py); W&B offline
+    """The LM job with the monitors on, a job of the shared launch (shared_launches.py); W&B offline
     and its default cache folder (``XDG_CACHE_HOME``) in ``tmp_path``, for this job only."""
     cfg = json.loads((REPO / "configs" / "zero2.json").read_text())
     cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)

@@ -7,7 +7,7 @@ start them from a scheduler's environment (``launch/multinode.sh``).
   ``MASTER_ADDR=127.0.0.1``, ``NUM_PROCS=1`` each, i.e. ``deepspeed --hostfile H --no_ssh
   --num_nodes 2 --node_rank R --num_gpus 1``) run the LM job with TP=2 across the two nodes; the
   reference is the same job on one node of 2 processes, a job of the launch the tests/launch
-  files share (conftest.py ``shared_launch``: no launcher of its own). The per-step losses,
+  files share (shared_launches.py ``shared_launch``: no launcher of its own). The per-step losses,
   gradient norms and token counts in ``metrics.csv`` and the held-out loss in ``summary.json``
   must be identical (same ranks, same gloo collectives, one thread per process: bitwise).
 """
@@ -187,7 +187,7 @@ def _metrics(out: Path) -> list:
 
 
 def shared_launch_jobs(tmp_path) -> list:
-    """The one-node reference of the loopback run, a job of the shared launch (conftest.py):
+    """The one-node reference of the loopback run, a job of the shared launch (shared_launches.py):
     TP=2 over its 2 processes, into ``tmp_path / "single"``."""
     return [{"job": "train_lm", "argv": _job_args(tmp_path, "single")}]
 

@@ -1,6 +1,6 @@
 """End to end: the embedding job (``launch.train_embed``) under ``deepspeed --num_gpus 2`` on
 CPU, shrunk; its three runs are jobs of the launch several test files share (``shared_launch``
-in conftest.py: process start-up costs more than these tiny jobs).
+in shared_launches.py: process start-up costs more than these tiny jobs).
 
 - The job (tiny encoder, four stdlib packages as user data, 24 steps of micro-batch 8 x GAS 2 x
   DP 2). Checks what a user sees: exit status 0, ``metrics.csv`` with one row per optimizer step,
@@ -36,7 +36,7 @@ def _grad_cache_args(out, cache, *extra):
 
 
 def shared_launch_jobs(tmp_path) -> list:
-    """The job, then the plain and the GradCache run (in the shared launch, conftest.py)."""
+    """The job, then the plain and the GradCache run (in the shared launch, shared_launches.py)."""
     data = [str(stdlib_root() / d) for d in ("email", "asyncio", "http", "importlib")]
     job = ["--train_data", *data, "--eval_fraction", "0.2", "--max_eval", "96",
            "--steps", str(STEPS), "--micro_batch_size", "8", "--gradient_accumulation_steps",

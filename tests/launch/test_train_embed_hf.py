@@ -1,8 +1,8 @@
 """End to end: the job ``bash launch/train_embed_hf.sh`` runs (``deepspeed --num_gpus 2`` on CPU,
 ZeRO-2 from ``configs/zero2_hf.json``; the script's command is checked with ``DRY_RUN=1``, and
-the two runs are jobs of the Trainer jobs' shared launch, ``shared_launch_hf`` in conftest.py),
-as the README runs it, shrunk: a tiny BERT, four stdlib packages as user data (96 held-out
-pairs), 30 steps of 16 pairs per rank.
+the two runs are jobs of the Trainer jobs' shared launch, ``shared_launch_hf`` in
+shared_launches.py), as the README runs it, shrunk: a tiny BERT, four stdlib packages as user
+data (96 held-out pairs), 30 steps of 16 pairs per rank.
 
 Checks what a user sees: exit status 0, ``summary.json`` with finite metrics, held-out MRR@10
 rising, the logged MNR loss falling, ``metrics.csv`` and the plot. With ``--mini_batch_size``
@@ -56,10 +56,10 @@ def _names() -> list:
 
 
 def shared_launch_hf_jobs(tmp_path) -> list:
-    """The Trainer jobs' launch (``shared_launch_hf`` in conftest.py: start-up with transformers
-    and sentence-transformers costs more than these tiny jobs): the job as the script runs it
-    (``--deepspeed_config configs/zero2_hf.json``), then, where the cached loss exists, the same
-    with ``--mini_batch_size 4``."""
+    """The Trainer jobs' launch (``shared_launch_hf`` in shared_launches.py: start-up with
+    transformers and sentence-transformers costs more than these tiny jobs): the job as the
+    script runs it (``--deepspeed_config configs/zero2_hf.json``), then, where the cached loss
+    exists, the same with ``--mini_batch_size 4``."""
     config = ["--deepspeed_config", str(REPO / "configs" / "zero2_hf.json")]
     return [{"job": "train_embed_hf", "argv": config + _args(tmp_path, tmp_path / name, *(
         ["--mini_batch_size", "4"] if name == "cached" else []))} for name in _names()]

@@ -7,7 +7,7 @@ advantages themselves: tests/launch/test_grpo_task.py.
 
 The script's command (``DRY_RUN=1`` prints it: ``deepspeed --num_gpus 2 ... train_grpo.py
 --deepspeed_config configs/grpo.json ARGS``) is what the test runs: its job arguments are a job
-of the launch several test files share (``shared_launch`` in conftest.py)."""
+of the launch several test files share (``shared_launch`` in shared_launches.py)."""
 import csv
 import json
 

@@ -7,8 +7,8 @@ plot, and that training works: held-out cross-entropy and the train loss both fa
 Layouts: ZeRO-0, ZeRO-1 and ZeRO-3 with DP=2 x TP=1 (ZeRO really partitions), ZeRO-2 with
 DP=1 x TP=2 (the main job's layout: vocab-parallel CE, here with ``--tie_word_embeddings``: the
 input embedding on the lm_head's vocab shard). The four layouts are jobs of the launch several
-test files share (``shared_launch`` in conftest.py: process start-up costs more than these tiny
-jobs).
+test files share (``shared_launch`` in shared_launches.py: process start-up costs more than
+these tiny jobs).
 """
 import csv
 import json
@@ -45,7 +45,8 @@ def _job_args(ds_config, out, cache) -> list:
 
 
 def shared_launch_jobs(tmp_path) -> list:
-    """The four layouts, in the shared launch (conftest.py); output in ``out-zero<stage>``."""
+    """The four layouts, in the shared launch (shared_launches.py); output in
+    ``out-zero<stage>``."""
     jobs = []
     for stage, tp in LAYOUTS:
         ds_config = tmp_path / f"zero{stage}-tp{tp}.json"

@@ -1,8 +1,8 @@
 """End to end: ``bash launch/train_lm_hf.sh`` (``deepspeed --num_gpus 2`` on CPU, ZeRO-2 from
 ``configs/zero2_hf.json``, ``MegalossTrainer``), as the README runs it (the script's command is
 checked with ``DRY_RUN=1``; its job is one of the Trainer jobs' shared launch,
-``shared_launch_hf`` in conftest.py), shrunk: a tiny Llama, 32-token blocks, 12 steps on 200 kB
-of the built-in stdlib text, with ``--report_to wandb`` under ``WANDB_MODE=offline``.
+``shared_launch_hf`` in shared_launches.py), shrunk: a tiny Llama, 32-token blocks, 12 steps on
+200 kB of the built-in stdlib text, with ``--report_to wandb`` under ``WANDB_MODE=offline``.
 
 Checks what a user sees: exit status 0, ``summary.json`` with finite held-out CE / perplexity
 that fall, the logged train loss falling, ``metrics.csv`` (global valid tokens per step = the
@@ -48,9 +48,9 @@ def _args(tmp_path) -> list:
 
 def shared_launch_hf_jobs(tmp_path) -> list:
     """``NUM_PROCS=2 bash launch/train_lm_hf.sh ARGS``'s job (the arguments the script gives
-    train_lm_hf.py), in the Trainer jobs' shared launch (conftest.py); W&B offline, its folders
-    unset and its default cache folder (``XDG_CACHE_HOME``) in ``tmp_path``, for this job only
-    (the job sets ``WANDB_DIR`` / ``WANDB_PROJECT`` where unset: restored after it)."""
+    train_lm_hf.py), in the Trainer jobs' shared launch (shared_launches.py); W&B offline, its
+    folders unset and its default cache folder (``XDG_CACHE_HOME``) in ``tmp_path``, for this
+    job only (the job sets ``WANDB_DIR`` / ``WANDB_PROJECT`` where unset: restored after it)."""
     if importlib.util.find_spec("wandb") is None:
         return []
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": None,
@@ -70,7 +70,7 @@ def test_train_lm_hf(shared_launch_hf):
     pytest.importorskip("wandb")
     run = shared_launch_hf["test_train_lm_hf"]
     tmp_path, out = run.tmp_path, run.tmp_path / "out"
-    assert "Gradient accumulation steps mismatch" not in run.stdout + run.stderr
+    assert "Gradient accumulation steps mismatch" not in run.outputs[0] + run.errors[0]
 
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["eval_before"], summary["eval_after"]

@@ -8,7 +8,7 @@ tests/integrations/test_deepspeed_pipeline.py.)
 
 The script's command (``DRY_RUN=1`` prints it; checked in test_train_lm_sequence_parallel.py) is
 what runs: its job arguments are a job of the 4-process launch that file shares
-(``shared_launch_4procs`` in conftest.py)."""
+(``shared_launch_4procs`` in shared_launches.py)."""
 import json
 
 import pytest

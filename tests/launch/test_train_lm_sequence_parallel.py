@@ -6,7 +6,8 @@ one device: tests/integrations/test_deepspeed_sequence_parallel.py.)
 
 The script's command (``DRY_RUN=1`` prints it: ``deepspeed --num_gpus 4 ... train_lm.py
 --deepspeed_config configs/zero2.json ARGS``) is what runs: its job arguments are a job of the
-4-process launch test_train_lm_pipeline.py shares (``shared_launch_4procs`` in conftest.py)."""
+4-process launch test_train_lm_pipeline.py shares (``shared_launch_4procs`` in
+shared_launches.py)."""
 import json
 
 import pytest

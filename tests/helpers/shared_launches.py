@@ -1,6 +1,7 @@
 """Launches shared by the end-to-end test files that only read what their jobs wrote (each
 launch costs 10-25 s of start-up: process spawn, importing torch, deepspeed and transformers;
-the jobs themselves take seconds).
+the jobs themselves take seconds). A pytest plugin (``pytest_plugins`` of tests/conftest.py), so
+that every test folder can join them.
 
 - ``shared_launch``: ONE ``deepspeed --num_gpus 2`` launch. A test module joins by defining
   ``shared_launch_jobs(tmp_path) -> list`` (job dicts of
@@ -8,13 +9,15 @@ the jobs themselves take seconds).
 - ``shared_launch_4procs``: ONE ``deepspeed --num_gpus 4`` launch, the same way for modules
   defining ``shared_launch_4procs_jobs(tmp_path)``.
 - ``shared_launch_hf``: ONE ``deepspeed --num_gpus 2`` launch of the Hugging Face Trainer jobs
-  (they import transformers' Trainer and sentence-transformers, which the others do not pay
-  for), for modules defining ``shared_launch_hf_jobs(tmp_path)``; its working directory is its
-  own temporary folder (not the repository).
+  and test workers (they import transformers' Trainer and sentence-transformers, which the others
+  do not pay for), for modules defining ``shared_launch_hf_jobs(tmp_path)`` (tests/launch' job
+  scripts; tests/integrations' modules run their own ``_worker_main`` as a ``"worker"`` job); its
+  working directory is its own temporary folder (not the repository).
 
 Each fixture runs the jobs of every such module collected in this session, module by module in
 collection order, jobs with an ``"env"`` (wandb) last, in one launch, and returns
-``{module name: SharedRun}``. Running one file alone launches only its jobs. The first of them a
+``{module name: SharedRun}``; a job that fails fails the launch, and every test that reads it
+gets the launch's output. Running one file alone launches only its jobs. The first of them a
 test asks for starts every launch the session's modules need, at most two at a time (the one
 asked for first), in background threads: their start-up (the launcher and
 ``deepspeed.launcher.launch`` start one after the other on one core) and single-rank phases
@@ -25,6 +28,7 @@ of them). The tests that use them set ``timeout(900)``: the first one pays for t
 840 s).
 """
 import dataclasses
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -44,26 +48,29 @@ class SharedRun:
     tmp_path: Path  # the module's folder, as passed to its shared_launch_jobs
     jobs: List[dict]  # what its shared_launch_jobs returned
     outputs: List[str]  # rank 0's stdout of each of the module's jobs, in its order
+    errors: List[str]  # the ranks' stderr of each of the module's jobs (split at rank 0's marks)
     stdout: str  # the whole launch's output (every module's jobs)
     stderr: str
+    started: float  # time.time() when the launch started
 
 
 @dataclasses.dataclass
 class _Launch:
     entries: List[Tuple[str, int, dict]]  # (module name, index in the module's list, job)
     folders: Dict[str, Path]  # module name -> its folder
-    future: Future  # of the launch's CompletedProcess
+    future: Future  # of (time.time() at its start, the launch's CompletedProcess)
 
     def runs(self) -> Dict[str, SharedRun]:
-        proc = self.future.result()
+        started, proc = self.future.result()
         parts = job_outputs(proc.stdout, len(self.entries))
+        errors = job_outputs(proc.stderr, len(self.entries))
         runs = {}
         for name, path in self.folders.items():
-            mine = [(i, job, part) for (owner, i, job), part in zip(self.entries, parts)
-                    if owner == name]
+            mine = [(i, job, part, error) for (owner, i, job), part, error
+                    in zip(self.entries, parts, errors) if owner == name]
             mine.sort(key=lambda m: m[0])
             runs[name] = SharedRun(path, [m[1] for m in mine], [m[2] for m in mine],
-                                   proc.stdout, proc.stderr)
+                                   [m[3] for m in mine], proc.stdout, proc.stderr, started)
         return runs
 
 
@@ -86,11 +93,12 @@ def _start(request, tmp_path_factory, pool: ThreadPoolExecutor, fixture: str) ->
     root = tmp_path_factory.mktemp(fixture)
 
     def launch():
+        started = time.time()
         proc = run_jobs_in_one_launch([job for _, _, job in entries], root / "jobs.json",
                                       timeout=840, num_gpus=num_gpus,
                                       **({"cwd": root} if in_folder else {}))
         (root / "launch.log").write_text(proc.stdout + proc.stderr)
-        return proc
+        return started, proc
 
     return _Launch(entries, folders, pool.submit(launch))
 

@@ -103,7 +103,7 @@ def destroy_subgroups() -> int:
 
     For processes that run case after case (or job after job) in one default group: every
     gloo group keeps its own communication threads, one of which wakes every few milliseconds
-    for as long as the group object lives (measured on 2 CPU cores: 20 idle groups cost 2.5 %
+    for as long as the group object lives (measured on 2 CPU cores: 20 idle groups cost 2.7 %
     of a core, 0.2 % once destroyed). Cases build groups of their own (``new_group``,
     DeviceMeshes, DeepSpeed's and megaloss' parallel groups), so without this the shared ranks
     spend a share of the machine that grows with every case, busy or idle. Local (no

@@ -29,7 +29,6 @@ read by the examples and tools) points at one temporary folder for the session u
 set, so no test writes tokenizers or token streams into ``~/.cache/megaloss``; launched jobs
 inherit it.
 """
-import gc
 import os
 import sys
 import threading
@@ -38,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from megaloss.integrations.deepspeed.compat import freeze_imported_objects
 from megaloss.testing import shared_process_groups
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -72,8 +72,7 @@ def pytest_configure(config):
 def pytest_collection_finish(session):
     # The imports and the collected items stay alive the whole session: frozen out of the
     # cyclic GC, whose automatic full collections would otherwise rescan them (~1M objects).
-    gc.collect()
-    gc.freeze()
+    freeze_imported_objects()
 
 
 def pytest_collection_modifyitems(config, items):

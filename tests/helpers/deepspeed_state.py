@@ -4,11 +4,13 @@ DeepSpeed keeps parallel state in module globals that outlive an engine (``engin
 leaves them): ``deepspeed.utils.groups.mpu`` stays the last engine's ``mpu``, so an engine built
 without one after an engine built with one reads the old model-parallel sizes
 (``DeepSpeedEngine._configure_distributed_model``), and the cached world / data-parallel groups
-stay. Before every case those globals are put back to what they were before the rank's first
-case, and transformers' global DeepSpeed config (ZeRO-3 ``zero.Init`` of the next model) is unset.
+stay. Before and after every case (or job) those globals are put back to what they were before
+the process's first one, and transformers' global DeepSpeed config (ZeRO-3 ``zero.Init`` of the
+next model) is unset (:func:`fresh_deepspeed_state`).
 
 Not a test module; imported by name in the ranks (this folder is on their ``sys.path``).
 """
+import contextlib
 import importlib
 import sys
 
@@ -47,12 +49,20 @@ def reset_deepspeed_state():
         sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()
 
 
-def run_with_fresh_deepspeed_state(rank, world_size, fn, *args):
-    """``fn(rank, world_size, *args)`` after resetting DeepSpeed's module globals (see the module
-    docstring); reset again after it, so that nothing of the case (its groups above all, which
-    the pool destroys next) stays referenced from them."""
+@contextlib.contextmanager
+def fresh_deepspeed_state():
+    """DeepSpeed's module globals reset (:func:`reset_deepspeed_state`) on entry, so the block
+    runs as in a fresh process, and again on exit, so that nothing of the block (its process
+    groups above all, which the callers destroy next) stays referenced from them."""
     reset_deepspeed_state()
     try:
-        return fn(rank, world_size, *args)
+        yield
     finally:
         reset_deepspeed_state()
+
+
+def run_with_fresh_deepspeed_state(rank, world_size, fn, *args):
+    """``fn(rank, world_size, *args)`` in :func:`fresh_deepspeed_state` (see the module
+    docstring)."""
+    with fresh_deepspeed_state():
+        return fn(rank, world_size, *args)

@@ -176,12 +176,11 @@ def _stop_after(base, k: int):
 
 
 def _drive() -> None:
-    """Under the launcher (:func:`run_jobs_in_one_launch`): each job's ``main`` in turn."""
-    import importlib
+    """Under the launcher (:func:`run_jobs_in_one_launch`): each job's ``main`` in turn, as in a
+    fresh process (DeepSpeed's globals reset), the groups it built destroyed after it (their
+    gloo threads would poll through the rest of the launch)."""
+    from deepspeed_state import fresh_deepspeed_state
 
-    from deepspeed_state import reset_deepspeed_state
-
-    from launch.jobs.runs import StopRequest
     from megaloss.testing import destroy_subgroups
 
     p = argparse.ArgumentParser()
@@ -192,42 +191,47 @@ def _drive() -> None:
         if args.local_rank == 0:
             print(job_marker(k), flush=True)
             print(job_marker(k), file=sys.stderr, flush=True)
-        if "worker" in job:
-            _run_worker(job["worker"], job["argv"])
-            continue
-        module = importlib.import_module(f"launch.{job['job']}")
-        argv = job["argv"] + ["--local_rank", str(args.local_rank)]
-        assert hasattr(module, "StopRequest") or "stop_after" not in job, job
-        if hasattr(module, "StopRequest"):
-            module.StopRequest = (_stop_after(StopRequest, job["stop_after"])
-                                  if "stop_after" in job else StopRequest)
-        if job.get("truncate") and args.local_rank == 0:
-            data = Path(job["truncate"]).read_bytes()
-            Path(job["truncate"]).write_bytes(data[:len(data) // 2])
-        saved = {name: os.environ.get(name) for name in job.get("env", {})}
-        _set_env(job.get("env", {}))
-        attention = dict(_attention_functions())
-        reset_deepspeed_state()  # as in a fresh process: no earlier job's groups or mpu
-        try:
-            _run(module, argv, job, args.local_rank)
-        finally:
-            _set_env(saved)
-            _attention_functions().clear()
-            _attention_functions().update(attention)
-        reset_deepspeed_state()
-        destroy_subgroups()  # the job's groups: their gloo threads would poll through the rest
+        with fresh_deepspeed_state():
+            if "worker" in job:
+                _run_worker(job["worker"], job["argv"])
+            else:
+                _run_launch_job(job, args.local_rank)
+        destroy_subgroups()
+
+
+def _run_launch_job(job: dict, local_rank: int) -> None:
+    """A ``launch.<job>`` job's ``main`` with the job dict's options (see
+    :func:`run_jobs_in_one_launch`)."""
+    import importlib
+
+    from launch.jobs.runs import StopRequest
+
+    module = importlib.import_module(f"launch.{job['job']}")
+    argv = job["argv"] + ["--local_rank", str(local_rank)]
+    assert hasattr(module, "StopRequest") or "stop_after" not in job, job
+    if hasattr(module, "StopRequest"):
+        module.StopRequest = (_stop_after(StopRequest, job["stop_after"])
+                              if "stop_after" in job else StopRequest)
+    if job.get("truncate") and local_rank == 0:
+        data = Path(job["truncate"]).read_bytes()
+        Path(job["truncate"]).write_bytes(data[:len(data) // 2])
+    saved = {name: os.environ.get(name) for name in job.get("env", {})}
+    _set_env(job.get("env", {}))
+    attention = dict(_attention_functions())
+    try:
+        _run(module, argv, job, local_rank)
+    finally:
+        _set_env(saved)
+        _attention_functions().clear()
+        _attention_functions().update(attention)
 
 
 def _run_worker(file: str, argv: List[str]) -> None:
-    """A test module's ``_worker_main(argv)`` (a ``"worker"`` job), as a fresh process would run
-    it: DeepSpeed's globals reset before and after, the module's groups destroyed after, the
-    environment it changed (a W&B case sets ``WANDB_*``) restored."""
+    """A test module's ``_worker_main(argv)`` (a ``"worker"`` job), the environment it changed
+    (a W&B case sets ``WANDB_*``) restored after it."""
     import importlib.util
 
-    from deepspeed_state import reset_deepspeed_state
-
     from megaloss.integrations.deepspeed import freeze_imported_objects
-    from megaloss.testing import destroy_subgroups
 
     folder = str(Path(file).resolve().parent)
     if folder not in sys.path:
@@ -238,7 +242,6 @@ def _run_worker(file: str, argv: List[str]) -> None:
     spec.loader.exec_module(module)
     freeze_imported_objects()  # the module's imports (and the earlier jobs' survivors)
     environ = dict(os.environ)
-    reset_deepspeed_state()
     try:
         module._worker_main(argv)
     finally:
@@ -246,8 +249,6 @@ def _run_worker(file: str, argv: List[str]) -> None:
         os.environ.update(environ)
         if "wandb" in sys.modules:  # wandb reads WANDB_DIR once per setup: a later job's run
             sys.modules["wandb"].teardown()  # would land in this worker's folder
-    reset_deepspeed_state()
-    destroy_subgroups()
 
 
 def _attention_functions() -> dict:

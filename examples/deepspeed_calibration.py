@@ -86,3 +86,7 @@ assert abs(step.global_loss().item() - ref_loss.item()) < 1e-6 * ref_loss.item()
 # fp32 parameters: the update read back as (after - before) carries ~1e-5 rounding; an engine
 # scale off by the DP size would show as 0.5.
 assert worst < 1e-4, worst
+# torch's docs (torch.distributed, "Shutdown"): destroy the process groups at the end. Left
+# alive, gloo's threads are torn down with the interpreter and a rank can die in std::terminate
+# ("terminate called without an active exception", exit -6) after a finished run.
+dist.destroy_process_group()

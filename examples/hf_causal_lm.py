@@ -29,3 +29,7 @@ for _ in range(20):
     m = train_step(me, [{"input_ids": x, "labels": x} for x in ids])  # logs via engine.monitor
     if torch.distributed.get_rank() == 0:
         print(f"step {m.step}: loss {m.loss:.3f}")
+# torch's docs (torch.distributed, "Shutdown"): destroy the process groups at the end. Left
+# alive, gloo's threads are torn down with the interpreter and a rank can die in std::terminate
+# ("terminate called without an active exception", exit -6) after a finished run.
+torch.distributed.destroy_process_group()

@@ -426,6 +426,9 @@ def layout_worker(spec_path: str) -> None:
         if dist.get_rank() == 0:
             torch.save(record, spec["result"])
         dist.barrier()
+    # torch's docs ask for it; left alive, gloo's threads can end a finished rank in std::terminate
+    # ("terminate called without an active exception") at interpreter exit
+    dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -736,6 +739,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 if key not in refs:
                     refs[key] = run_training(spec, "reference")
             rc = proc.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - t0)))
+            torch.distributed.destroy_process_group()  # the reference's (as layout_worker's)
         except BaseException:
             if proc.poll() is None:
                 import signal

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence
 
 from megaloss.testing import free_port
 
@@ -27,10 +27,11 @@ def launcher_env(**extra: str) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 
-def script_env(**extra: str) -> dict:
-    """The environment of a ``bash launch/<job>.sh`` run as the README shows it: one thread per
-    process and no PYTHONPATH (the script puts the repository root there itself)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+def script_env(base: Optional[Mapping[str, str]] = None, **extra: str) -> dict:
+    """The environment of a ``bash launch/<job>.sh`` run as the README shows it: ``base``
+    (default ``os.environ``; a background job passes the session's) with one thread per process
+    and no PYTHONPATH (the script puts the repository root there itself)."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k != "PYTHONPATH"}
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 

@@ -221,11 +221,17 @@ def _embed_failure(tmp_path, case):
     return cause, output
 
 
-def _run_script(args, cwd, timeout=280):
+def _run_script(args, cwd, timeout=280, env=None):
     proc = subprocess.run(["bash", str(REPO / "launch" / "train_lm.sh"), *args], cwd=cwd,
-                          env=script_env(TMPDIR=str(cwd)), stdout=subprocess.PIPE,
+                          env=script_env(env, TMPDIR=str(cwd)), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
     return proc.returncode, proc.stdout
+
+
+def background_jobs(folder, env):
+    """The script's own argument check, started with the session (tests/conftest.py): a
+    subprocess that imports torch (~2.5 s) runs on the core the fast tier leaves idle."""
+    return {"bad_steps": lambda: _run_script(["--steps", "-5"], folder, timeout=100, env=env)}
 
 
 def _refused_rerun(tmp_path):
@@ -323,9 +329,10 @@ def test_embed_failure_on_rank0_is_what_the_launcher_shows_last(launches, case):
     assert "terminate called" not in output
 
 
-@pytest.mark.timeout(120)
-def test_script_checks_arguments_before_the_launcher_starts(tmp_path):
-    rc, output = _run_script(["--steps", "-5"], tmp_path, timeout=100)
+@pytest.mark.timeout(1500)  # it waits for the background jobs before its own (nice 10)
+@pytest.mark.background("bad_steps")
+def test_script_checks_arguments_before_the_launcher_starts(background):
+    rc, output = background
     assert rc == 2 and output.count("--steps must be >= 1") == 1, output
     assert "Killing subprocess" not in output and "cmd = " not in output, output
 

@@ -69,8 +69,10 @@ def _sections(out: str):
 
 
 def background_jobs(folder, env):
-    """The tool's two runs, started with the session (tests/conftest.py).
+    """The tool's runs, started with the session (tests/conftest.py).
 
+    ``help``: ``--help`` from a directory outside the checkout (fast tier: its ~2.5 s of
+    importing torch run on the core the single-process tests leave idle); the process.
     ``four_procs``: one launch of 4 processes: 1 ZeRO-2, 2 ZeRO-3 tied, 3 ZeRO-2 with the wrong
     scale injected, 4 DP 1 x TP 2 x PP 2 tied; (the process, its report per layout).
     ``embed``: the embedding job on 2 processes; the process."""
@@ -88,7 +90,10 @@ def background_jobs(folder, env):
         tmp_path.mkdir()
         return _run_tool(tmp_path, env, "--deepspeed_config", _config(tmp_path, 2),
                          "--num_procs", "2", "--job", "embed")
-    return {"four_procs": four_procs, "embed": embed}
+    def help_text():
+        return subprocess.run([sys.executable, "-m", "megaloss.tools.check_layout", "--help"],
+                              cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+    return {"help": help_text, "four_procs": four_procs, "embed": embed}
 
 
 @pytest.mark.deepspeed
@@ -220,9 +225,10 @@ def test_config_defaults_to_the_shipped_one_and_errors_name_the_file(tmp_path):
         check_layout.read_user_config(str(bad))
 
 
-def test_help_runs_from_any_directory(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "megaloss.tools.check_layout", "--help"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+@pytest.mark.timeout(1500)  # it waits for the background jobs before its own (nice 10)
+@pytest.mark.background("help")
+def test_help_runs_from_any_directory(background):
+    proc = background
     assert proc.returncode == 0, proc.stderr
     assert "Does my layout train like one device?" in proc.stdout
     assert "--deepspeed_config" in proc.stdout and "exit status: 0 PASS, 1 FAIL" in proc.stdout

@@ -177,6 +177,7 @@ SCRIPT = textwrap.dedent("""
         write_metrics(me.engine, {"x": 1.0})
         print("monitor:", me.ds_config["csv_monitor"]["output_path"])
         me.engine.destroy()
+    torch.distributed.destroy_process_group()  # else gloo's threads can abort the exit (-6)
 """)
 
 

@@ -80,7 +80,7 @@ def _reference(dp, gas, reduction):
                               reduction="none", ignore_index=-100)
         total = total + (per * step.weights(i).reshape(-1)).sum()
     total.backward()
-    return float(total), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return float(total.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _run(rank, world, sp, tp, layouts):

@@ -90,6 +90,7 @@ def background_jobs(folder, env):
         tmp_path.mkdir()
         return _run_tool(tmp_path, env, "--deepspeed_config", _config(tmp_path, 2),
                          "--num_procs", "2", "--job", "embed")
+
     def help_text():
         return subprocess.run([sys.executable, "-m", "megaloss.tools.check_layout", "--help"],
                               cwd=folder, env=env, capture_output=True, text=True, timeout=120)

@@ -3,33 +3,36 @@ parallel layout, wired into DeepSpeed.
 
 The package is a stack; each layer imports only the layers above it in this list:
 
-- :mod:`megaloss.ops`: single-device math (chunk kernels, autograd Functions, options);
+- :mod:`megaloss.ops`: single-device math: the one chunk driver
+  (:mod:`~megaloss.ops.chunk_driver`) and each vocabulary-level loss's chunk kernel, the
+  InfoNCE rows, the options;
 - :mod:`megaloss.parallel`: process groups (:class:`Topology`; ``group=None`` is torch's default
   group everywhere) and collectives;
-- :mod:`megaloss.losses`: the linear CE (one entry point, :func:`linear_cross_entropy`, on one
-  device or vocab-parallel), the per-token log-probabilities (:func:`linear_log_probs`),
-  gathered MNR, GradCache (functional + module), the policy-gradient losses
-  (:func:`policy_loss`), DPO / IPO (:func:`dpo_loss`) and the linear distillation loss
-  (:func:`linear_distillation_loss`);
 - :mod:`megaloss.calibration`: global loss calibration and the engine-factor probes;
+- :mod:`megaloss.losses`: the linear CE (:func:`linear_cross_entropy`, on one device or
+  vocab-parallel), the per-token log-probabilities (:func:`linear_log_probs`), gathered MNR,
+  GradCache, the policy-gradient losses (:func:`policy_loss`, normalised by the calibration),
+  DPO / IPO (:func:`dpo_loss`) and the linear distillation loss
+  (:func:`linear_distillation_loss`);
 - :mod:`megaloss.integrations`: DeepSpeed (:mod:`~megaloss.integrations.deepspeed`) and Hugging
-  Face (:mod:`~megaloss.integrations.hf`) adapters.
+  Face (:mod:`~megaloss.integrations.hf`) adapters;
+- :mod:`megaloss.cli`: the console scripts (``megaloss-check-layout``, ``megaloss-comm-model``).
 
-Beside the stack: :mod:`megaloss.testing` (``run_distributed``: spawned gloo processes for tests).
+Beside the stack: :mod:`megaloss.testing` (``run_distributed``: spawned gloo processes for tests),
+:mod:`megaloss.configs` (the shipped ds_configs), and the deprecated names
+(:mod:`megaloss._deprecated`, which ``import megaloss`` exposes with a warning).
+
+Return values: a loss function returns its loss tensor; ``return_stats=True`` returns its
+``*Output`` NamedTuple (``loss`` first, then detached parts and counts). Per-token quantities
+(:func:`linear_log_probs`) come as their Output always.
 
 ``import megaloss`` imports torch and nothing optional: the integration names below
-(``MegalossConfig``, ``CausalLMWithLoss``, ``DeepSpeedMPU``, ``probe_deepspeed``, ...) are loaded
-on first use.
-
-Renamed (the old names keep working for one release and emit a ``DeprecationWarning``):
-``vocab_parallel_linear_cross_entropy[_with_stats]`` -> ``linear_cross_entropy[_with_stats]
-(..., vocab_parallel_options=VocabParallelOptions(...))``; ``mnr_loss_with_metrics`` ->
-``mnr_loss_with_stats``; ``gather=`` -> ``gather_across_ranks=``; ``grad_cache`` ->
-``grad_cache_step``.
+(``MegalossConfig``, ``CausalLMWithLoss``, ...) are loaded on first use.
 """
 from importlib import import_module
 from typing import Any
 
+from . import _deprecated
 from .calibration import (
     EngineScale,
     EngineScaleError,
@@ -39,9 +42,7 @@ from .calibration import (
     probe_ddp,
     probe_no_engine,
 )
-
-# deprecated aliases (one release; they warn when called), kept out of __all__
-from .losses import (  # noqa: F401
+from .losses import (
     CrossEntropyOutput,
     DistillationOutput,
     DPOOptions,
@@ -66,57 +67,48 @@ from .losses import (  # noqa: F401
     dpo_pair_weights,
     grad_cache_step,
     linear_cross_entropy,
-    linear_cross_entropy_with_stats,
     linear_distillation_loss,
-    linear_distillation_loss_with_stats,
     linear_log_probs,
     mnr_loss,
-    mnr_loss_with_metrics,
-    mnr_loss_with_stats,
     policy_calibrator,
     policy_loss,
     policy_loss_weights,
     policy_metrics,
     sequence_log_probs,
     split_rows,
-    vocab_parallel_linear_cross_entropy,
-    vocab_parallel_linear_cross_entropy_with_stats,
 )
-from .losses.grad_cache import grad_cache  # noqa: F401
 from .ops import CrossEntropyOptions, DistillationOptions, LogProbsOptions
 from .ops.labels import causal_shift
-from .parallel import SINGLE_RANK, Topology, init_dp_tp_mesh, mark_tensor_parallel
+from .parallel import (
+    SINGLE_RANK,
+    Topology,
+    init_dp_tp_mesh,
+    init_parallel_mesh,
+    mark_tensor_parallel,
+)
 
+# loaded on first use (they import deepspeed / transformers)
 _LAZY = {
     "MegalossConfig": "megaloss.integrations.deepspeed.config",
-    "CEConfig": "megaloss.integrations.deepspeed.config",
-    "MNRConfig": "megaloss.integrations.deepspeed.config",
-    "PolicyConfig": "megaloss.integrations.deepspeed.config",
-    "DPOConfig": "megaloss.integrations.deepspeed.config",
-    "DistillationConfig": "megaloss.integrations.deepspeed.config",
     "load_megaloss_config": "megaloss.integrations.deepspeed.config",
-    "DeepSpeedMPU": "megaloss.integrations.deepspeed.mpu",
-    "probe_deepspeed": "megaloss.integrations.deepspeed.probe",
     "CausalLMWithLoss": "megaloss.integrations.hf.causal_lm",
     "CausalLMWithDistillation": "megaloss.integrations.hf.distillation",
-    "EmbeddingModelWithMNR": "megaloss.integrations.hf.embedding",
 }
 
 __all__ = [
     # process groups
-    "Topology", "SINGLE_RANK", "init_dp_tp_mesh", "mark_tensor_parallel",
-    # cross-entropy
+    "Topology", "SINGLE_RANK", "init_parallel_mesh", "init_dp_tp_mesh", "mark_tensor_parallel",
+    # cross-entropy (one device or vocab-parallel)
     "CrossEntropyOptions", "VocabParallelOptions", "linear_cross_entropy",
-    "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss", "CrossEntropyOutput",
-    "VocabParallelLMHead", "VocabParallelEmbedding", "causal_shift",
+    "LinearCrossEntropyLoss", "CrossEntropyOutput", "VocabParallelLMHead",
+    "VocabParallelEmbedding", "causal_shift",
     # per-token log-probabilities (policy / preference losses)
     "LogProbsOptions", "linear_log_probs", "LinearLogProbs", "LogProbsOutput",
-    "VocabParallelLMHead", "causal_shift",
     # distillation
-    "DistillationOptions", "linear_distillation_loss", "linear_distillation_loss_with_stats",
-    "LinearDistillationLoss", "DistillationOutput",
+    "DistillationOptions", "linear_distillation_loss", "LinearDistillationLoss",
+    "DistillationOutput",
     # contrastive
-    "MNROptions", "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MultipleNegativesRankingLoss",
+    "MNROptions", "mnr_loss", "MNROutput", "MultipleNegativesRankingLoss",
     "grad_cache_step", "GradCacheStep", "split_rows",
     # policy gradient and preference
     "PolicyLossOptions", "PolicyLossOutput", "PolicyLossWeights", "policy_loss",
@@ -125,15 +117,19 @@ __all__ = [
     # calibration
     "LossCalibrator", "StepCalibration", "compute_loss_weights", "EngineScale",
     "EngineScaleError", "probe_no_engine", "probe_ddp",
-    # integration (loaded on first use)
+    # integrations (loaded on first use)
     *_LAZY,
 ]
 __version__ = "0.2.0"
 
 
-def __getattr__(name: str) -> Any:  # PEP 562: integration names load on first use
+def __getattr__(name: str) -> Any:  # PEP 562: integration and deprecated names on first use
     if name in _LAZY:
         value = getattr(import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _deprecated.__all__:
+        return getattr(_deprecated, name)
+    if name in _deprecated.MOVED:
+        return _deprecated.moved(name)
     raise AttributeError(f"module 'megaloss' has no attribute {name!r}")

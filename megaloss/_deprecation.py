@@ -1,12 +1,14 @@
-"""Renamed public names and keywords: the old spelling keeps working for one release and emits a
-:class:`DeprecationWarning` that names its replacement (one place for the wording)."""
+"""The machinery of renamed public names and keywords: the old spelling keeps working for one
+release and emits a :class:`DeprecationWarning` that names its replacement (one place for the
+wording). The deprecated functions themselves are :mod:`megaloss._deprecated`; the deprecated
+methods of the loss modules are :class:`ReturnStatsAliases` here."""
 from __future__ import annotations
 
 import functools
 import warnings
 from typing import Any, Callable, Dict, TypeVar
 
-__all__ = ["warn_renamed", "deprecated_alias", "renamed_keywords"]
+__all__ = ["warn_renamed", "deprecated_alias", "renamed_keywords", "ReturnStatsAliases"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -56,3 +58,20 @@ def _rename(owner: str, kwargs: Dict[str, Any], renames: Dict[str, str]) -> None
             raise TypeError(f"{owner}() got both {old}= (deprecated) and {new}=; pass only {new}=")
         warn_renamed(f"{owner}({old}=...)", f"{new}=", stacklevel=4)
         kwargs[new] = kwargs.pop(old)
+
+
+class ReturnStatsAliases:
+    """The loss modules' renamed methods, in one place: ``forward_with_stats(...)`` (and MNR's
+    older ``forward_with_metrics(...)``) are ``forward(..., return_stats=True)`` with a
+    warning."""
+
+    def forward_with_stats(self, *args: Any, **kwargs: Any) -> Any:
+        """Deprecated: ``forward(..., return_stats=True)``."""
+        warn_renamed(f"{type(self).__name__}.forward_with_stats", "forward(..., return_stats=True)")
+        return self.forward(*args, return_stats=True, **kwargs)
+
+    def forward_with_metrics(self, *args: Any, **kwargs: Any) -> Any:
+        """Deprecated: ``forward(..., return_stats=True)`` (formerly ``forward_with_stats``)."""
+        warn_renamed(f"{type(self).__name__}.forward_with_metrics",
+                     "forward(..., return_stats=True) (formerly forward_with_stats)")
+        return self.forward(*args, return_stats=True, **kwargs)

@@ -27,7 +27,7 @@ extra columns and in a second table (one row per implementation; ``--impl-csv``)
 * ``megaloss_torch`` / ``megaloss_triton``: megaloss with the epilogue forced
   (``CrossEntropyOptions(impl=...)``; plain ``megaloss`` is ``impl="auto"``: Triton on CUDA);
   ``megaloss_triton`` runs on CPU only under ``TRITON_INTERPRET=1`` (slowly);
-* ``megaloss_compile``: megaloss with its chunk function (GEMM + torch epilogue) wrapped in
+* ``megaloss_compile``: megaloss with its torch chunk epilogue wrapped in
   ``torch.compile`` — the alternative to hand-written kernels;
 * ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``; ``cce``: Cut Cross-Entropy's
   ``linear_cross_entropy`` (Wijmans et al. 2024, arXiv:2411.09009) — CUDA only, and only when
@@ -86,12 +86,12 @@ def _loss_fns(methods: List[str], chunk: int, dev,
     not}`` for the others."""
     import torch.nn.functional as F
 
-    from megaloss.losses import linear_cross_entropy, linear_cross_entropy_with_stats
+    from megaloss.losses import linear_cross_entropy
     from megaloss.ops.options import CrossEntropyOptions
 
     def forced(impl):
         opts = CrossEntropyOptions(chunk_size=chunk, impl=impl)
-        return lambda h, w, y: linear_cross_entropy_with_stats(h, w, y, options=opts).loss
+        return lambda h, w, y: linear_cross_entropy(h, w, y, options=opts)
 
     fns: Dict[str, Any] = {}
     notes: Dict[str, str] = {}
@@ -137,24 +137,24 @@ def _cannot_run(method: str, device: str) -> str:
 
 
 def _compiled_megaloss(chunk: int, backend: str):
-    """megaloss with ``torch.compile`` around its chunk function (the GEMM and the torch
-    epilogue), swapped into the chunk loop only while this loss runs."""
+    """megaloss with ``torch.compile`` around its torch chunk epilogue (everything after the
+    chunk's GEMM), swapped into the cross-entropy kernel only while this loss runs."""
     import torch
 
-    from megaloss.losses import linear_cross_entropy_with_stats
-    from megaloss.ops import chunked_linear_ce
-    from megaloss.ops.cross_entropy_chunk import chunk_cross_entropy
+    from megaloss.losses import linear_cross_entropy
+    from megaloss.ops import cross_entropy_chunk
     from megaloss.ops.options import CrossEntropyOptions
 
-    compiled = torch.compile(chunk_cross_entropy, dynamic=False, backend=backend)
+    eager = cross_entropy_chunk.torch_epilogue
+    compiled = torch.compile(eager, dynamic=False, backend=backend)
     opts = CrossEntropyOptions(chunk_size=chunk, impl="torch")
 
     def loss_fn(h, w, y):
-        chunked_linear_ce.chunk_cross_entropy = compiled
+        cross_entropy_chunk.torch_epilogue = compiled
         try:
-            return linear_cross_entropy_with_stats(h, w, y, options=opts).loss
+            return linear_cross_entropy(h, w, y, options=opts)
         finally:
-            chunked_linear_ce.chunk_cross_entropy = chunk_cross_entropy
+            cross_entropy_chunk.torch_epilogue = eager
 
     return loss_fn
 
@@ -417,7 +417,7 @@ def main(argv=None) -> int:
     dtypes = ("float32", "bfloat16", "float16")
     p.add_argument("--cpu-dtypes", nargs="+", choices=dtypes, default=["float32"],
                    help="dtypes of the CPU rows (default float32; float16 shows the deferred "
-                        "fp16 schedule: one extra GEMM, see megaloss/ops/chunked_linear_ce.py)")
+                        "fp16 schedule: one extra GEMM, see megaloss/ops/chunk_driver.py)")
     p.add_argument("--cuda-dtypes", nargs="+", choices=dtypes, default=["bfloat16"],
                    help="dtypes of the CUDA rows (default bfloat16)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")

@@ -281,13 +281,13 @@ hid.grad, w.grad = torch.zeros_like(hid), torch.zeros_like(w)
 config = f"N={n} H={h} V={v} {str(dtype).split('.')[-1]} chunk=1024 tp=1"
 ref = None
 for impl, fn in [
-        ("linear_cross_entropy (auto)", lambda o: megaloss.linear_cross_entropy_with_stats(
-            hid, w, y, options=o)),
-        ("vocab_parallel tp=1 (auto)", lambda o: megaloss.linear_cross_entropy_with_stats(
-            hid, w, y, options=o, vocab_parallel_options=megaloss.VocabParallelOptions())),
+        ("linear_cross_entropy (auto)", lambda o: megaloss.linear_cross_entropy(
+            hid, w, y, options=o, return_stats=True)),
+        ("vocab_parallel tp=1 (auto)", lambda o: megaloss.linear_cross_entropy(
+            hid, w, y, options=o, return_stats=True, vocab_parallel_options=megaloss.VocabParallelOptions())),
         ("vocab_parallel tp=1 (torch epilogue)",
-         lambda o: megaloss.linear_cross_entropy_with_stats(
-             hid, w, y, options=o.replace(impl="torch"),
+         lambda o: megaloss.linear_cross_entropy(
+             hid, w, y, options=o.replace(impl="torch"), return_stats=True,
              vocab_parallel_options=megaloss.VocabParallelOptions()))]:
     def step(fn=fn):
         loss = fn(CrossEntropyOptions(chunk_size=1024)).loss

@@ -1,22 +1,31 @@
 """The losses, each a functional form and a module, built from :mod:`megaloss.ops` (math) and
 :mod:`megaloss.parallel` (groups and collectives).
 
-- :mod:`.cross_entropy`: the linear cross-entropy entry points, :func:`linear_cross_entropy` and
-  :func:`linear_cross_entropy_with_stats` (one device, or vocab-parallel with
-  ``vocab_parallel_options``), and :class:`LinearCrossEntropyLoss`.
-- :mod:`.vocab_parallel`: the vocab-parallel path (lm_head split over the vocabulary across TP
-  ranks): :class:`VocabParallelOptions`, :class:`VocabParallelLMHead`, :func:`vocab_shard_range`.
+Return values (one rule for every loss): a loss function returns its loss tensor, like torch's
+losses; ``return_stats=True`` returns its ``*Output`` NamedTuple, whose first field ``loss`` is
+that tensor and whose other fields are detached parts and counts (what its ``*_metrics``
+function reads). Functions that compute per-token quantities rather than a loss
+(:func:`linear_log_probs`, :func:`sequence_log_probs`) return them always. Module forms take the
+same ``options=`` (or the option fields as keywords), ``vocab_parallel_options=`` where the loss
+has a vocab-parallel form, and ``forward(..., return_stats=False)``.
+
+- :mod:`.cross_entropy`: the linear cross-entropy, :func:`linear_cross_entropy` (one device, or
+  vocab-parallel with ``vocab_parallel_options``; class weights ``ce_weight``; token accuracy in
+  :class:`CrossEntropyOutput`), and :class:`LinearCrossEntropyLoss`.
+- :mod:`.vocab_parallel`: the layout every vocabulary-level loss shares (lm_head split over the
+  vocabulary across TP ranks): :class:`VocabParallelOptions`, :func:`vocab_shard_range` and the
+  one set-up of a call, :func:`~.vocab_parallel.vocab_layout`.
+- :mod:`.vocab_parallel_head`: :class:`VocabParallelLMHead`, the lm_head shard as a module.
 - :mod:`.vocab_parallel_embedding`: :class:`VocabParallelEmbedding`, the input embedding split
   the same way, which can share the head's shard (tied embeddings under TP).
 - :mod:`.distillation`: knowledge distillation through both lm_heads without logits
-  (:func:`linear_distillation_loss`, :func:`linear_distillation_loss_with_stats`,
-  :class:`LinearDistillationLoss`; one device or vocab-parallel; full or top-k teacher).
-- :mod:`.ce_output`: :class:`CrossEntropyOutput`, what the ``*_with_stats`` forms return.
+  (:func:`linear_distillation_loss`, :class:`LinearDistillationLoss`; one device or
+  vocab-parallel; full or top-k teacher).
 - :mod:`.log_probs`: per-token log-probabilities (and entropy, log-sum-exp, greedy match) of
   the labels under the lm_head, chunked, on one device or vocab-parallel
   (:func:`linear_log_probs`, :class:`LinearLogProbs`, :class:`LogProbsOutput`).
 - :mod:`.mnr`: gathered Multiple Negatives Ranking / InfoNCE with exact cross-rank gradients
-  (:func:`mnr_loss`, :func:`mnr_loss_with_stats`, :class:`MultipleNegativesRankingLoss`).
+  (:func:`mnr_loss`, :class:`MultipleNegativesRankingLoss`).
 - :mod:`.policy`: policy-gradient losses (GRPO, BNPO / DAPO, Dr. GRPO, CISPO; PPO clipping, KL,
   entropy bonus, GSPO's sequence ratio) on per-token log-probs, normalised over the global
   batch by the calibrator (:func:`policy_loss`).
@@ -24,22 +33,11 @@
 - :mod:`.grad_cache`: GradCache, a contrastive loss over a batch embedded a mini-batch at a time
   (:func:`grad_cache_step`, :func:`split_rows`).
 
-Deprecated names (one release, with a DeprecationWarning): ``vocab_parallel_linear_cross_entropy``
-and its ``_with_stats`` form, ``mnr_loss_with_metrics``.
+Deprecated names are :mod:`megaloss._deprecated` (``import megaloss`` exposes them).
 """
-from . import grad_cache  # noqa: F401  (the module, no longer shadowed by a function)
-from .ce_output import CrossEntropyOutput
-from .cross_entropy import (
-    LinearCrossEntropyLoss,
-    linear_cross_entropy,
-    linear_cross_entropy_with_stats,
-)
-from .distillation import (
-    DistillationOutput,
-    LinearDistillationLoss,
-    linear_distillation_loss,
-    linear_distillation_loss_with_stats,
-)
+from . import grad_cache  # noqa: F401  (the module; the old function of that name is deprecated)
+from .cross_entropy import CrossEntropyOutput, LinearCrossEntropyLoss, linear_cross_entropy
+from .distillation import DistillationOutput, LinearDistillationLoss, linear_distillation_loss
 from .dpo import (
     DPO_METRICS,
     DPOOptions,
@@ -51,15 +49,7 @@ from .dpo import (
 )
 from .grad_cache import GradCacheStep, grad_cache_step, split_rows
 from .log_probs import LinearLogProbs, LogProbsOutput, linear_log_probs
-from .mnr import (
-    SIMILARITIES,
-    MNROptions,
-    MNROutput,
-    MultipleNegativesRankingLoss,
-    mnr_loss,
-    mnr_loss_with_metrics,  # noqa: F401 (deprecated name, kept one release)
-    mnr_loss_with_stats,
-)
+from .mnr import SIMILARITIES, MNROptions, MNROutput, MultipleNegativesRankingLoss, mnr_loss
 from .policy import (
     POLICY_METRICS,
     PolicyLossOptions,
@@ -72,22 +62,15 @@ from .policy import (
     policy_loss_weights,
     policy_metrics,
 )
-from .vocab_parallel import (
-    VocabParallelLMHead,
-    VocabParallelOptions,
-    vocab_parallel_linear_cross_entropy,  # noqa: F401 (deprecated)
-    vocab_parallel_linear_cross_entropy_with_stats,  # noqa: F401 (deprecated)
-    vocab_shard_range,
-)
+from .vocab_parallel import VocabParallelOptions, vocab_shard_range
 from .vocab_parallel_embedding import VocabParallelEmbedding
+from .vocab_parallel_head import VocabParallelLMHead
 
 __all__ = [
-    "linear_cross_entropy", "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss",
-    "CrossEntropyOutput", "VocabParallelOptions", "VocabParallelLMHead", "vocab_shard_range",
-    "VocabParallelEmbedding",
-    "linear_distillation_loss", "linear_distillation_loss_with_stats", "LinearDistillationLoss",
-    "DistillationOutput",
-    "mnr_loss", "mnr_loss_with_stats", "MNROutput", "MNROptions", "MultipleNegativesRankingLoss",
+    "linear_cross_entropy", "LinearCrossEntropyLoss", "CrossEntropyOutput",
+    "VocabParallelOptions", "VocabParallelLMHead", "vocab_shard_range", "VocabParallelEmbedding",
+    "linear_distillation_loss", "LinearDistillationLoss", "DistillationOutput",
+    "mnr_loss", "MNROutput", "MNROptions", "MultipleNegativesRankingLoss",
     "SIMILARITIES", "grad_cache_step", "GradCacheStep", "split_rows",
     "policy_loss", "policy_loss_weights", "policy_loss_reduction", "policy_calibrator",
     "policy_metrics", "completion_labels", "PolicyLossOptions", "PolicyLossOutput",

@@ -1,75 +1,67 @@
 """The chunked fused linear cross-entropy ``F.cross_entropy(F.linear(h, W, b), y)`` without ever
-holding the ``[tokens, vocab]`` logits: the one entry point (:func:`linear_cross_entropy`, and
-:func:`linear_cross_entropy_with_stats` with the same signature), on one device or, given
-``vocab_parallel_options``, over an lm_head split across tensor-parallel ranks (the math of that
-path is :mod:`megaloss.losses.vocab_parallel`), and its module form.
+holding the ``[tokens, vocab]`` logits: the one entry point :func:`linear_cross_entropy`, on one
+device or, given ``vocab_parallel_options``, over an lm_head split across tensor-parallel ranks
+(the layout of :mod:`megaloss.losses.vocab_parallel`), and its module form.
 
-Math (see :mod:`megaloss.ops.cross_entropy_chunk`): torch's cross-entropy with label smoothing,
-plus the PaLM z-loss ``z_loss * logsumexp(logits)**2`` per valid token, on logits optionally
-soft-capped as ``c * tanh(logits / c)`` (Gemma 2). Schedule (XTuner v1's chunked CE,
-``xtuner/v1/loss/ce_loss.py``; Liger-Kernel's ``ops/fused_linear_cross_entropy.py``): see
-:mod:`megaloss.ops.chunked_linear_ce`.
+Math (:mod:`megaloss.ops.cross_entropy_chunk`): torch's cross-entropy with label smoothing and
+class weights, plus the PaLM z-loss ``z_loss * logsumexp(logits)**2`` per valid token, on logits
+optionally soft-capped as ``c * tanh(logits / c)`` (Gemma 2). Schedule (XTuner v1's chunked CE,
+``xtuner/v1/loss/ce_loss.py``; Liger-Kernel's ``ops/fused_linear_cross_entropy.py``): the chunk
+driver, :mod:`megaloss.ops.chunk_driver`.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
-from ..ops.chunked_linear_ce import chunked_linear_cross_entropy
-from ..ops.options import CrossEntropyOptions, resolve_options
-from ..ops.validation import check_ce_tensors, check_label_range
-from .ce_output import CrossEntropyOutput
-from .vocab_parallel import (
-    VocabParallelOptions,
-    _check_vocab_parallel_options,
-    sharded_linear_cross_entropy,
-)
+from .._deprecation import ReturnStatsAliases
+from ..ops.chunk_driver import chunked_head
+from ..ops.cross_entropy_chunk import CrossEntropyKernel
+from ..ops.options import CrossEntropyOptions, module_options, resolve_options
+from ..ops.validation import check_ce_tensors, first_bad_label
+from .vocab_parallel import VocabParallelOptions, check_vocab_parallel_options, vocab_layout
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_with_stats", "LinearCrossEntropyLoss",
-           "CrossEntropyOutput", "VocabParallelOptions"]
+__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "CrossEntropyOutput"]
 
 
-def linear_cross_entropy_with_stats(
-    hidden_states: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    bias: Optional[torch.Tensor] = None,
-    loss_weights: Optional[torch.Tensor] = None,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    logit_softcapping: Optional[float] = None,
-    chunk_size: int = 1024,
-    accum_dtype: torch.dtype = torch.float32,
-    impl: str = "auto",
-    options: Optional[CrossEntropyOptions] = None,
-    vocab_parallel_options: Optional[VocabParallelOptions] = None,
-) -> CrossEntropyOutput:
-    """:func:`linear_cross_entropy` (same arguments, errors and loss), also returning the
-    z-loss part and the valid-token count: a :class:`CrossEntropyOutput`."""
-    opts = resolve_options(CrossEntropyOptions, options, dict(
-        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-        z_loss=z_loss, logit_softcapping=logit_softcapping, chunk_size=chunk_size,
-        accum_dtype=accum_dtype, impl=impl))
-    _check_vocab_parallel_options(vocab_parallel_options)
-    if vocab_parallel_options is not None:
-        return sharded_linear_cross_entropy(hidden_states, weight, labels, bias, loss_weights,
-                                            opts, vocab_parallel_options)
-    check_ce_tensors(hidden_states, weight, labels, bias, loss_weights)
-    vocab_size = weight.shape[0]
-    check_label_range(labels, vocab_size, opts.ignore_index)
-    shape = labels.shape
-    flat_labels = labels.reshape(-1).long()
-    loss, z = chunked_linear_cross_entropy(
-        hidden_states.reshape(-1, hidden_states.shape[-1]), weight, bias, flat_labels,
-        None if loss_weights is None else loss_weights.reshape(-1), opts, vocab_size=vocab_size)
-    if opts.reduction == "none":
-        loss, z = loss.view(shape), z.view(shape)
-    return CrossEntropyOutput(loss, z, (flat_labels != opts.ignore_index).sum())
+class CrossEntropyOutput(NamedTuple):
+    """What :func:`linear_cross_entropy` returns with ``return_stats=True``.
+
+    Attributes:
+        loss: the loss, as returned without ``return_stats`` (differentiable; fp32, fp64 for
+            fp64 inputs; a scalar, or the shape of ``labels`` for ``reduction="none"``).
+        z_loss: the z-loss part of ``loss``, same reduction and shape, no gradient (for logging).
+        num_valid_tokens: int64 scalar, tokens whose label is not ``ignore_index``.
+        num_correct_tokens: int64 scalar, valid tokens whose label has the largest logit (a tie
+            counts): the token accuracy is ``num_correct_tokens / num_valid_tokens``. Exact
+            under any vocabulary split (the label's own logit is compared with the global max).
+    """
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor
+    num_valid_tokens: torch.Tensor
+    num_correct_tokens: torch.Tensor
+
+
+def _check_ce_weight(ce_weight: Optional[torch.Tensor], vocab_size: int, device,
+                     opts: CrossEntropyOptions) -> None:
+    if ce_weight is None:
+        return
+    if not isinstance(ce_weight, torch.Tensor) or not ce_weight.is_floating_point():
+        got = ce_weight.dtype if isinstance(ce_weight, torch.Tensor) else type(ce_weight).__name__
+        raise TypeError(f"ce_weight must be a floating torch.Tensor or None, got {got}")
+    if tuple(ce_weight.shape) != (vocab_size,):
+        raise ValueError(f"ce_weight must have shape [{vocab_size}] (one weight per class of the "
+                         f"whole vocabulary), got {tuple(ce_weight.shape)}")
+    if ce_weight.device != device:
+        raise ValueError(f"ce_weight is on {ce_weight.device} but hidden_states on {device}")
+    if bool((ce_weight < 0).any()) or not bool(torch.isfinite(ce_weight).all()):
+        raise ValueError("ce_weight must hold finite weights >= 0")
+    if opts.impl == "triton":
+        raise ValueError("ce_weight runs on the torch epilogue; impl='triton' does not take it "
+                         "(use impl='auto' or 'torch')")
 
 
 def linear_cross_entropy(
@@ -79,6 +71,7 @@ def linear_cross_entropy(
     *,
     bias: Optional[torch.Tensor] = None,
     loss_weights: Optional[torch.Tensor] = None,
+    ce_weight: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
@@ -87,15 +80,17 @@ def linear_cross_entropy(
     chunk_size: int = 1024,
     accum_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
+    return_stats: bool = False,
     options: Optional[CrossEntropyOptions] = None,
     vocab_parallel_options: Optional[VocabParallelOptions] = None,
-) -> torch.Tensor:
+):
     """Cross-entropy of ``hidden_states @ weight.T + bias`` against ``labels``, chunked; on one
     device, or with the lm_head split over the vocabulary across tensor-parallel ranks.
 
     Equal in value and gradients to
-    ``F.cross_entropy(softcap(F.linear(hidden_states, weight, bias)), labels, ignore_index=...,
-    label_smoothing=..., reduction=...)`` plus ``z_loss * logsumexp(logits)**2`` per valid token.
+    ``F.cross_entropy(softcap(F.linear(hidden_states, weight, bias)), labels, weight=ce_weight,
+    ignore_index=..., label_smoothing=..., reduction=...)`` plus ``z_loss *
+    logsumexp(logits)**2`` per valid token (times its class weight with ``ce_weight``).
 
     Args:
         hidden_states: ``[..., H]`` float (fp32 / bf16 / fp16 / fp64), any strides. With
@@ -112,13 +107,20 @@ def linear_cross_entropy(
             for causal LM (``labels[..., t]`` is the target of position ``t``).
         bias: optional ``[V]`` (``[Vp]``, this rank's shard, with ``vocab_parallel_options``).
         loss_weights: optional ``[...]`` float per-token weights (shape of ``labels``), e.g.
-            from :class:`megaloss.LossCalibrator`.
+            from :class:`megaloss.LossCalibrator`; ``"mean"`` is then ``sum(w l) / sum(w)``.
+        ce_weight: optional ``[V]`` float class weights >= 0, torch's ``weight=`` (Liger-Kernel's
+            ``ce_weight``): each token's loss is scaled by its label's weight, label smoothing
+            weights the classes it averages over, and ``"mean"`` divides by the sum of the
+            labels' weights (times ``loss_weights``). The whole ``[V]`` vector on every TP
+            rank. Runs on the torch epilogue (``impl="auto"`` picks it).
         ignore_index: label without loss or gradient; this and the keywords below are the
             fields of :class:`~megaloss.ops.options.CrossEntropyOptions`, documented there.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (torch's meanings).
         label_smoothing, z_loss, logit_softcapping, chunk_size, accum_dtype: see
             :class:`~megaloss.ops.options.CrossEntropyOptions`.
         impl: the chunk epilogue: the Triton kernels on CUDA, the torch one elsewhere.
+        return_stats: return a :class:`CrossEntropyOutput` (the loss and its parts and counts)
+            instead of the loss alone.
         options: these fields as one :class:`~megaloss.ops.options.CrossEntropyOptions`
             (e.g. from a ds_config, ``MegalossConfig.ce.options()``), instead of the keywords.
         vocab_parallel_options: a :class:`VocabParallelOptions` (TP group, real vocab size,
@@ -128,16 +130,19 @@ def linear_cross_entropy(
             :mod:`megaloss.losses.vocab_parallel`). ``None``: one device, no collective.
 
     Returns:
-        fp32 scalar (fp64 for fp64 inputs), or ``[...]`` for ``reduction="none"`` (with
-        ``sequence_parallel=True``: ``[tp * N_local]``, the gathered tokens, rank 0's first).
+        The loss: fp32 scalar (fp64 for fp64 inputs), or ``[...]`` for ``reduction="none"``
+        (with ``sequence_parallel=True``: ``[tp * N_local]``, the gathered tokens, rank 0's
+        first); with ``return_stats=True`` a :class:`CrossEntropyOutput` holding it.
 
     Raises:
         ValueError: a label outside ``[0, V)`` that is not ``ignore_index``; shape mismatches
             (``labels`` vs ``hidden_states[..., :-1]``, ``weight`` hidden size, ``bias``,
-            ``loss_weights``); inputs on different devices; an option out of range. With
-            ``vocab_parallel_options`` also: token count, hidden size, shard rows or vocab
-            size differing across TP ranks, or ``weight`` without ``ceil(V / tp)`` rows,
-            raised on every TP rank alike.
+            ``loss_weights``, ``ce_weight``); inputs on different devices; negative or
+            non-finite ``ce_weight``, or ``ce_weight`` with ``impl="triton"``; an option out of
+            range. With ``vocab_parallel_options`` also: token count, hidden size, shard rows
+            or vocab size differing across TP ranks, or ``weight`` without ``ceil(V / tp)``
+            rows. Under ``vocab_parallel_options`` every such error is raised on every TP rank
+            alike (the rank at fault raises its own error, the others one naming it).
         TypeError: non-tensor inputs, non-floating hidden states/weight, non-integer labels;
             ``options`` together with option keywords not at their default (naming them);
             ``options`` / ``vocab_parallel_options`` of the wrong type.
@@ -147,40 +152,91 @@ def linear_cross_entropy(
     ``"none"`` backward recomputes the logits chunk by chunk and honours a per-token
     ``grad_output``. Inputs without ``requires_grad`` cost no gradient work.
     """
-    return linear_cross_entropy_with_stats(
-        hidden_states, weight, labels, bias=bias, loss_weights=loss_weights,
+    opts = resolve_options(CrossEntropyOptions, options, dict(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         z_loss=z_loss, logit_softcapping=logit_softcapping, chunk_size=chunk_size,
-        accum_dtype=accum_dtype, impl=impl, options=options,
-        vocab_parallel_options=vocab_parallel_options).loss
+        accum_dtype=accum_dtype, impl=impl))
+    check_vocab_parallel_options(vocab_parallel_options)
+
+    def check(vocab_size: int) -> Optional[int]:
+        check_ce_tensors(hidden_states, weight, labels, bias, loss_weights)
+        _check_ce_weight(ce_weight, vocab_size, hidden_states.device, opts)
+        return first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
+
+    layout = vocab_layout(vocab_parallel_options, weight, hidden_states, labels, check,
+                          ignore_index=opts.ignore_index, what="cross-entropy")
+    flat_labels = layout.tokens(labels.reshape(-1).long())
+    weights = layout.tokens(None if loss_weights is None else loss_weights.reshape(-1))
+    hidden = layout.hidden(hidden_states.reshape(-1, hidden_states.shape[-1]))
+
+    sdt = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+    valid = flat_labels != opts.ignore_index
+    w_tok = valid.to(sdt)
+    if weights is not None:
+        w_tok = w_tok * weights.to(sdt)
+    class_of_label = None
+    if ce_weight is not None:
+        label_ids = flat_labels.clamp(0, ce_weight.shape[0] - 1)  # ignored ids masked below
+        class_of_label = torch.where(valid, ce_weight.to(sdt)[label_ids], 0.0)
+    if opts.reduction == "mean":
+        total = w_tok if class_of_label is None else w_tok * class_of_label
+        # Clamped so that "every label ignored" gives 0 (not 0/0); no host sync.
+        coef = w_tok / total.sum().clamp_min(torch.finfo(sdt).tiny)
+    else:
+        coef = w_tok
+
+    kernel = CrossEntropyKernel(flat_labels, opts, layout.vocab_slice(), ce_weight)
+    loss, lse, correct = chunked_head(
+        kernel, hidden, layout.rows(weight), layout.rows(bias), coef=coef,
+        reduction="none" if opts.reduction == "none" else "sum", chunk_size=opts.chunk_size,
+        accum_dtype=opts.accum_dtype)
+    lse = lse.detach()
+    z = opts.z_loss * lse * lse * coef.to(lse.dtype)
+    if class_of_label is not None:
+        z = z * class_of_label.to(lse.dtype)
+    if opts.reduction != "none":
+        z = z.sum()
+    elif not layout.gathered:
+        loss, z = loss.view(labels.shape), z.view(labels.shape)
+    if not return_stats:
+        return loss
+    return CrossEntropyOutput(loss, z, valid.sum(), (correct > 0).sum())
 
 
-class LinearCrossEntropyLoss(nn.Module):
+class LinearCrossEntropyLoss(ReturnStatsAliases, nn.Module):
     """Module form of :func:`linear_cross_entropy`.
 
     Args:
         options: a :class:`~megaloss.ops.options.CrossEntropyOptions`; or, instead, its fields
             as keyword arguments (``reduction="sum", z_loss=1e-4, ...``), validated here.
+        ce_weight: optional ``[V]`` class weights (a buffer of the module).
+        vocab_parallel_options: optional :class:`VocabParallelOptions` (``weight`` is then this
+            rank's shard).
 
     ``forward(hidden_states [..., H], weight [V, H], labels [...], *, bias=None,
-    loss_weights=None)`` returns the loss.
+    loss_weights=None, return_stats=False)`` returns what :func:`linear_cross_entropy` does.
 
     Raises:
         ValueError / TypeError: bad options (at construction), bad tensors (in forward).
     """
 
-    def __init__(self, options: Optional[CrossEntropyOptions] = None, **option_fields):
+    def __init__(self, options: Optional[CrossEntropyOptions] = None, *,
+                 ce_weight: Optional[torch.Tensor] = None,
+                 vocab_parallel_options: Optional[VocabParallelOptions] = None,
+                 **option_fields):
         super().__init__()
-        if options is not None and option_fields:
-            raise TypeError("pass either options or its fields as keyword arguments, not both")
-        self.options = options if options is not None else CrossEntropyOptions(**option_fields)
+        self.options = module_options(CrossEntropyOptions, options, option_fields)
+        check_vocab_parallel_options(vocab_parallel_options)
+        self.vocab_parallel_options = vocab_parallel_options
+        self.register_buffer("ce_weight", ce_weight)
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                bias: Optional[torch.Tensor] = None,
-                loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return linear_cross_entropy_with_stats(hidden_states, weight, labels, bias=bias,
-                                               loss_weights=loss_weights,
-                                               options=self.options).loss
+                bias: Optional[torch.Tensor] = None, loss_weights: Optional[torch.Tensor] = None,
+                return_stats: bool = False):
+        return linear_cross_entropy(hidden_states, weight, labels, bias=bias,
+                                    loss_weights=loss_weights, ce_weight=self.ce_weight,
+                                    options=self.options, return_stats=return_stats,
+                                    vocab_parallel_options=self.vocab_parallel_options)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.options.as_dict().items())

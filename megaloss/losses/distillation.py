@@ -3,10 +3,10 @@
 (or the teacher's stored top-k log-probs), chunk by chunk, on one device or with both heads
 split over the vocabulary across tensor-parallel ranks.
 
-Entry points: :func:`linear_distillation_loss`, :func:`linear_distillation_loss_with_stats`
-(same arguments; also the divergence, the hard-label CE and the top-1 agreement), and the module
-:class:`LinearDistillationLoss`. Math: :mod:`megaloss.ops.distillation_chunk`; schedule:
-:mod:`megaloss.ops.chunked_linear_distillation`; options:
+Entry points: :func:`linear_distillation_loss` (with ``return_stats=True`` also the divergence,
+the hard-label CE and the top-1 agreement) and the module :class:`LinearDistillationLoss`.
+Math: :mod:`megaloss.ops.distillation_chunk`; schedule:
+:mod:`megaloss.ops.chunk_driver`; options:
 :class:`~megaloss.ops.options.DistillationOptions`.
 
 Vocab-parallel (``vocab_parallel_options``, the same :class:`VocabParallelOptions` as the
@@ -23,25 +23,18 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from ..ops.chunked_linear_distillation import Teacher, chunked_linear_distillation
-from ..ops.options import DistillationOptions, resolve_options
-from ..ops.validation import check_ce_tensors, first_bad_label, label_range_error
-from ..parallel.comm import all_gather_dim0, all_reduce_max_, all_reduce_sum_
-from ..parallel.groups import group_rank, group_size, resolve_group
-from ..parallel.mappings import copy_to_region, gather_from_region
-from .vocab_parallel import (
-    VocabParallelOptions,
-    _check_vocab_parallel_options,
-    _shard_vocab_size,
-    vocab_shard_range,
-)
+from .._deprecation import ReturnStatsAliases
+from ..ops.chunk_driver import chunked_head
+from ..ops.distillation_chunk import DistillationKernel, Teacher
+from ..ops.options import DistillationOptions, module_options, resolve_options
+from ..ops.validation import check_ce_tensors, first_bad_label
+from .vocab_parallel import VocabParallelOptions, check_vocab_parallel_options, vocab_layout
 
-__all__ = ["DistillationOutput", "linear_distillation_loss", "linear_distillation_loss_with_stats",
-           "LinearDistillationLoss"]
+__all__ = ["DistillationOutput", "linear_distillation_loss", "LinearDistillationLoss"]
 
 
 class DistillationOutput(NamedTuple):
-    """What :func:`linear_distillation_loss_with_stats` returns.
+    """What :func:`linear_distillation_loss` returns with ``return_stats=True``.
 
     Attributes:
         loss: as :func:`linear_distillation_loss` returns it (differentiable; fp32, fp64 for
@@ -152,133 +145,6 @@ def _check_all(hidden_states, weight, labels, bias, loss_weights, teacher_hidden
                    teacher_bias, topk_ids, topk_log_probs, opts, vocab_size)
 
 
-def linear_distillation_loss_with_stats(
-    hidden_states: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    teacher_hidden_states: Optional[torch.Tensor] = None,
-    teacher_weight: Optional[torch.Tensor] = None,
-    teacher_topk_ids: Optional[torch.Tensor] = None,
-    teacher_topk_log_probs: Optional[torch.Tensor] = None,
-    bias: Optional[torch.Tensor] = None,
-    teacher_bias: Optional[torch.Tensor] = None,
-    loss_weights: Optional[torch.Tensor] = None,
-    kind: str = "forward_kl",
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    temperature_squared: bool = True,
-    alpha: float = 0.0,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    logit_softcapping: Optional[float] = None,
-    teacher_logit_softcapping: Optional[float] = None,
-    chunk_size: int = 1024,
-    accum_dtype: torch.dtype = torch.float32,
-    options: Optional[DistillationOptions] = None,
-    vocab_parallel_options: Optional[VocabParallelOptions] = None,
-) -> DistillationOutput:
-    """:func:`linear_distillation_loss` (same arguments, errors and loss), also returning the
-    divergence, the hard-label CE and the top-1 agreement: a :class:`DistillationOutput`."""
-    opts = resolve_options(DistillationOptions, options, dict(
-        kind=kind, beta=beta, temperature=temperature, temperature_squared=temperature_squared,
-        alpha=alpha, ignore_index=ignore_index, reduction=reduction,
-        logit_softcapping=logit_softcapping, teacher_logit_softcapping=teacher_logit_softcapping,
-        chunk_size=chunk_size, accum_dtype=accum_dtype))
-    _check_vocab_parallel_options(vocab_parallel_options)
-    args = (hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
-            teacher_weight, teacher_bias, teacher_topk_ids, teacher_topk_log_probs)
-    if vocab_parallel_options is None:
-        vocab_size = weight.shape[0] if isinstance(weight, torch.Tensor) else 0
-        _check_all(*args, opts, vocab_size)
-        first = first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
-        if first is not None:
-            raise label_range_error(first, vocab_size, opts.ignore_index)
-        return _distill(*args, opts, vocab_size=vocab_size, vocab_start=0, n_real=vocab_size,
-                        group=None, gathered=False)
-    return _sharded(*args, opts, vocab_parallel_options)
-
-
-def _sharded(hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
-             teacher_weight, teacher_bias, topk_ids, topk_log_probs, opts, parallel):
-    """The vocab-parallel path: local checks whose failure on any TP rank raises on all."""
-    group = resolve_group(parallel.tp_group)
-    tp, rank = group_size(group), group_rank(group)
-    args = (hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
-            teacher_weight, teacher_bias, topk_ids, topk_log_probs)
-    error: Optional[Exception] = None
-    vocab_size = bad = rows = 0
-    try:
-        rows = weight.shape[0] if isinstance(weight, torch.Tensor) else 0
-        vocab_size = _shard_vocab_size(rows, tp, parallel.vocab_size)
-        _check_all(*args, opts, vocab_size)
-        bad = first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
-    except (ValueError, TypeError) as err:
-        error = err
-    device = hidden_states.device if isinstance(hidden_states, torch.Tensor) else "cpu"
-    n_tokens = labels.numel() if isinstance(labels, torch.Tensor) else -1
-    hidden = hidden_states.shape[-1] if isinstance(hidden_states, torch.Tensor) else -1
-    mine = torch.tensor([error is not None, n_tokens, hidden, rows, vocab_size,
-                         _NO_BAD if bad is None else bad], dtype=torch.long, device=device)
-    everyone = all_gather_dim0(mine, group).view(-1, mine.numel())
-    if error is not None:
-        raise error
-    failed = everyone[:, 0].nonzero().flatten().tolist()
-    if failed:
-        raise ValueError(f"invalid distillation inputs on tensor-parallel rank(s) {failed} (see "
-                         "the error raised there)")
-    for i, name in enumerate(("token count", "hidden size", "weight rows", "vocab_size"), 1):
-        values = everyone[:, i].tolist()
-        if len(set(values)) > 1:
-            raise ValueError(f"{name} differs across tensor-parallel ranks: {values}")
-    flagged = everyone[:, 5]
-    if bool((flagged != _NO_BAD).any()):
-        raise label_range_error(int(flagged[flagged != _NO_BAD][0]), vocab_size,
-                                opts.ignore_index)
-    start, stop, _ = vocab_shard_range(vocab_size, tp, rank)
-    return _distill(*args, opts, vocab_size=vocab_size, vocab_start=start, n_real=stop - start,
-                    group=group, gathered=parallel.sequence_parallel and tp > 1)
-
-
-_NO_BAD = -(2 ** 62)
-
-
-def _distill(hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
-             teacher_weight, teacher_bias, topk_ids, topk_log_probs, opts, *, vocab_size,
-             vocab_start, n_real, group, gathered) -> DistillationOutput:
-    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    flat_labels = labels.reshape(-1).long()
-    weights = None if loss_weights is None else loss_weights.reshape(-1)
-    t_hidden = (None if teacher_hidden_states is None
-                else teacher_hidden_states.detach().reshape(-1, teacher_hidden_states.shape[-1]))
-    ids = None if topk_ids is None else topk_ids.reshape(-1, topk_ids.shape[-1]).long()
-    lp = (None if topk_log_probs is None
-          else topk_log_probs.detach().reshape(-1, topk_log_probs.shape[-1]))
-    if group is not None:
-        if gathered:
-            hidden = gather_from_region(hidden, group)
-            flat_labels = all_gather_dim0(flat_labels, group)
-            weights = None if weights is None else all_gather_dim0(weights.detach(), group)
-            t_hidden = None if t_hidden is None else all_gather_dim0(t_hidden, group)
-            ids = None if ids is None else all_gather_dim0(ids, group)
-            lp = None if lp is None else all_gather_dim0(lp, group)
-        else:
-            hidden = copy_to_region(hidden, group)
-    teacher = Teacher(t_hidden, None if teacher_weight is None else teacher_weight[:n_real],
-                      None if teacher_bias is None else teacher_bias[:n_real], ids, lp)
-    kwargs = {}
-    if group is not None:
-        kwargs = dict(reduce_max=lambda t: all_reduce_max_(t, group),
-                      reduce_sum=lambda t: all_reduce_sum_(t, group))
-    loss, divergence, ce, match = chunked_linear_distillation(
-        hidden, weight[:n_real], None if bias is None else bias[:n_real], teacher, flat_labels,
-        weights, opts, vocab_size=vocab_size, vocab_start=vocab_start, **kwargs)
-    if opts.reduction == "none" and not gathered:
-        loss, divergence, ce = (x.view(labels.shape) for x in (loss, divergence, ce))
-    valid = flat_labels != opts.ignore_index
-    return DistillationOutput(loss, divergence, ce, (match.bool() & valid).sum(), valid.sum())
-
-
 def linear_distillation_loss(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -302,9 +168,10 @@ def linear_distillation_loss(
     teacher_logit_softcapping: Optional[float] = None,
     chunk_size: int = 1024,
     accum_dtype: torch.dtype = torch.float32,
+    return_stats: bool = False,
     options: Optional[DistillationOptions] = None,
     vocab_parallel_options: Optional[VocabParallelOptions] = None,
-) -> torch.Tensor:
+):
     """Distillation loss of the student ``hidden_states @ weight.T + bias`` towards a frozen
     teacher, chunked: neither model's ``[tokens, vocab]`` logits outlive a chunk.
 
@@ -356,14 +223,17 @@ def linear_distillation_loss(
             ``ignore_index``, ``reduction``, ``logit_softcapping``,
             ``teacher_logit_softcapping``, ``chunk_size``, ``accum_dtype`` are the fields of
             :class:`~megaloss.ops.options.DistillationOptions`, documented there.
+        return_stats: return a :class:`DistillationOutput` (the loss, the divergence, the
+            hard-label CE and the top-1 agreement) instead of the loss alone.
         options: those fields as one :class:`~megaloss.ops.options.DistillationOptions`
             (e.g. ``MegalossConfig.distillation.options()``), instead of the keywords.
         vocab_parallel_options: a :class:`megaloss.VocabParallelOptions`: both heads are this
             rank's vocab shards; the loss is the full-vocabulary one, identical on every TP rank.
 
     Returns:
-        fp32 scalar (fp64 for fp64 inputs), or ``[...]`` for ``reduction="none"`` (with
-        ``sequence_parallel=True``: ``[tp * N_local]``, the gathered tokens).
+        The loss: fp32 scalar (fp64 for fp64 inputs), or ``[...]`` for ``reduction="none"``
+        (with ``sequence_parallel=True``: ``[tp * N_local]``, the gathered tokens); with
+        ``return_stats=True`` a :class:`DistillationOutput` holding it.
 
     Raises:
         ValueError: a label or top-k id outside ``[0, V)``; repeated top-k ids in a position;
@@ -375,19 +245,55 @@ def linear_distillation_loss(
         TypeError: non-tensor or wrongly typed inputs; ``options`` together with option keywords
             not at their default; ``options`` / ``vocab_parallel_options`` of the wrong type.
     """
-    return linear_distillation_loss_with_stats(
-        hidden_states, weight, labels, teacher_hidden_states=teacher_hidden_states,
-        teacher_weight=teacher_weight, teacher_topk_ids=teacher_topk_ids,
-        teacher_topk_log_probs=teacher_topk_log_probs, bias=bias, teacher_bias=teacher_bias,
-        loss_weights=loss_weights, kind=kind, beta=beta, temperature=temperature,
-        temperature_squared=temperature_squared, alpha=alpha, ignore_index=ignore_index,
-        reduction=reduction, logit_softcapping=logit_softcapping,
-        teacher_logit_softcapping=teacher_logit_softcapping, chunk_size=chunk_size,
-        accum_dtype=accum_dtype, options=options,
-        vocab_parallel_options=vocab_parallel_options).loss
+    opts = resolve_options(DistillationOptions, options, dict(
+        kind=kind, beta=beta, temperature=temperature, temperature_squared=temperature_squared,
+        alpha=alpha, ignore_index=ignore_index, reduction=reduction,
+        logit_softcapping=logit_softcapping, teacher_logit_softcapping=teacher_logit_softcapping,
+        chunk_size=chunk_size, accum_dtype=accum_dtype))
+    check_vocab_parallel_options(vocab_parallel_options)
+
+    def check(vocab_size: int) -> Optional[int]:
+        check_ce_tensors(hidden_states, weight, labels, bias, loss_weights)
+        _check_teacher(hidden_states, weight, labels, teacher_hidden_states, teacher_weight,
+                       teacher_bias, teacher_topk_ids, teacher_topk_log_probs, opts, vocab_size)
+        return first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
+
+    layout = vocab_layout(vocab_parallel_options, weight, hidden_states, labels, check,
+                          ignore_index=opts.ignore_index, what="distillation")
+    flat_labels = layout.tokens(labels.reshape(-1).long())
+    weights = layout.tokens(None if loss_weights is None else loss_weights.reshape(-1))
+    hidden = layout.hidden(hidden_states.reshape(-1, hidden_states.shape[-1]))
+    t_hidden, ids, lp = teacher_hidden_states, teacher_topk_ids, teacher_topk_log_probs
+    teacher = Teacher(
+        layout.tokens(None if t_hidden is None
+                      else t_hidden.detach().reshape(-1, t_hidden.shape[-1])),
+        layout.rows(teacher_weight), layout.rows(teacher_bias),
+        layout.tokens(None if ids is None else ids.reshape(-1, ids.shape[-1]).long()),
+        layout.tokens(None if lp is None else lp.detach().reshape(-1, lp.shape[-1])))
+
+    sdt = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+    valid = flat_labels != opts.ignore_index
+    w_tok = valid.to(sdt)
+    if weights is not None:
+        w_tok = w_tok * weights.to(sdt)
+    coef = (w_tok / w_tok.sum().clamp_min(torch.finfo(sdt).tiny) if opts.reduction == "mean"
+            else w_tok)
+    kernel = DistillationKernel(teacher, flat_labels, opts, layout.vocab_slice())
+    loss, divergence, ce, match = chunked_head(
+        kernel, hidden, layout.rows(weight), layout.rows(bias), coef=coef,
+        reduction="none" if opts.reduction == "none" else "sum", chunk_size=opts.chunk_size,
+        accum_dtype=opts.accum_dtype)
+    if not return_stats:
+        return loss.view(labels.shape) if opts.reduction == "none" and not layout.gathered \
+            else loss
+    parts = torch.stack([divergence, ce]).detach() * coef.to(divergence.dtype)
+    parts = parts.sum(dim=1) if opts.reduction != "none" else parts
+    if opts.reduction == "none" and not layout.gathered:
+        loss, parts = loss.view(labels.shape), parts.view(2, *labels.shape)
+    return DistillationOutput(loss, parts[0], parts[1], (match.bool() & valid).sum(), valid.sum())
 
 
-class LinearDistillationLoss(nn.Module):
+class LinearDistillationLoss(ReturnStatsAliases, nn.Module):
     """Module form of :func:`linear_distillation_loss`.
 
     Args:
@@ -397,8 +303,8 @@ class LinearDistillationLoss(nn.Module):
 
     ``forward(hidden_states, weight, labels, *, teacher_hidden_states=None,
     teacher_weight=None, teacher_topk_ids=None, teacher_topk_log_probs=None, bias=None,
-    teacher_bias=None, loss_weights=None)`` returns the loss; :meth:`forward_with_stats` a
-    :class:`DistillationOutput`.
+    teacher_bias=None, loss_weights=None, return_stats=False)`` returns what
+    :func:`linear_distillation_loss` does.
 
     Raises:
         ValueError / TypeError: bad options (at construction), bad tensors (in forward).
@@ -408,20 +314,15 @@ class LinearDistillationLoss(nn.Module):
                  vocab_parallel_options: Optional[VocabParallelOptions] = None,
                  **option_fields):
         super().__init__()
-        if options is not None and option_fields:
-            raise TypeError("pass either options or its fields as keyword arguments, not both")
-        self.options = options if options is not None else DistillationOptions(**option_fields)
+        self.options = module_options(DistillationOptions, options, option_fields)
+        check_vocab_parallel_options(vocab_parallel_options)
         self.vocab_parallel_options = vocab_parallel_options
 
-    def forward_with_stats(self, hidden_states: torch.Tensor, weight: torch.Tensor,
-                           labels: torch.Tensor, **tensors) -> DistillationOutput:
-        return linear_distillation_loss_with_stats(
+    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                **tensors):
+        return linear_distillation_loss(
             hidden_states, weight, labels, options=self.options,
             vocab_parallel_options=self.vocab_parallel_options, **tensors)
-
-    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                **tensors) -> torch.Tensor:
-        return self.forward_with_stats(hidden_states, weight, labels, **tensors).loss
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.options.as_dict().items())

@@ -24,8 +24,7 @@ Metrics (:func:`dpo_metrics`, TRL's names, means over the step's global pairs):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Union
+from typing import Dict, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -43,10 +42,10 @@ DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewa
 _NUM_STATS = len(DPO_METRICS) + 1  # the sums of the metrics, then the pair count
 
 
-@dataclass
-class DPOOutput:
-    """What :func:`dpo_loss` returns: ``loss`` (differentiable scalar, this call's share of the
-    global loss) and ``stats`` (detached float64 ``[7]`` local sums for :func:`dpo_metrics`)."""
+class DPOOutput(NamedTuple):
+    """What :func:`dpo_loss` returns with ``return_stats=True``: ``loss`` (differentiable
+    scalar, this call's share of the global loss) and ``stats`` (detached float64 ``[7]``
+    local sums for :func:`dpo_metrics`)."""
 
     loss: torch.Tensor
     stats: torch.Tensor
@@ -112,8 +111,9 @@ def dpo_loss(
     pair_weights: Optional[torch.Tensor] = None,
     loss_type: str = "sigmoid",
     beta: float = 0.1,
+    return_stats: bool = False,
     options: Optional[DPOOptions] = None,
-) -> DPOOutput:
+):
     """The DPO / IPO loss of a micro-batch of pairs (module docstring for the math).
 
     Args:
@@ -125,10 +125,13 @@ def dpo_loss(
         pair_weights: ``[P]`` from :func:`dpo_pair_weights` (the step's global pair count);
             ``None``: the mean over this call's pairs.
         loss_type, beta: the fields of :class:`~megaloss.ops.options.DPOOptions`.
+        return_stats: return a :class:`DPOOutput` (the loss and the local sums
+            :func:`dpo_metrics` reads) instead of the loss alone.
         options: these fields as one :class:`DPOOptions` instead of the keywords.
 
     Returns:
-        :class:`DPOOutput`.
+        The loss (differentiable scalar), or with ``return_stats=True`` a :class:`DPOOutput`
+        holding it.
 
     Raises:
         ValueError: shape mismatches; lengths missing for ``"ipo"``; an option out of range.
@@ -168,7 +171,7 @@ def dpo_loss(
                               chosen_log_probs.detach().to(torch.float64),
                               rejected_log_probs.detach().to(torch.float64)])
         stats = torch.cat([(values * counted).sum(-1), counted.sum().reshape(1)])
-    return DPOOutput(loss, stats)
+    return DPOOutput(loss, stats) if return_stats else loss
 
 
 def dpo_metrics(stats: Union[torch.Tensor, Sequence[torch.Tensor]], *,

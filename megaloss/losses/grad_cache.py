@@ -39,7 +39,6 @@ from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .._deprecation import deprecated_alias
 from ..parallel.comm import all_reduce_max_, backend_device
 from ..parallel.groups import GroupLike
 
@@ -264,8 +263,3 @@ def _check_replay_scales(replay_scales: List[Tensor], upstream: Tensor) -> None:
             f"surrogate at {float(last)}: pass a backward that scales each replay as the "
             "caller scales the returned loss (e.g. divide by the window's gradient accumulation "
             "steps; under DeepSpeed inner_replay_backward(engine, scale=...))")
-
-
-# The function's old name, which shadowed this module in ``megaloss.losses`` (one release).
-grad_cache = deprecated_alias(grad_cache_step, "megaloss.losses.grad_cache.grad_cache",
-                              "megaloss.grad_cache_step")

@@ -5,8 +5,8 @@ log-sum-exp and the greedy match alongside. On one device or, given ``vocab_para
 over an lm_head split across tensor-parallel ranks (the layout of
 :mod:`megaloss.losses.vocab_parallel`).
 
-Math: :mod:`megaloss.ops.log_probs_chunk`; schedule (recompute in backward):
-:mod:`megaloss.ops.chunked_log_probs`. The full-logits formula it replaces is TRL's
+Math: :mod:`megaloss.ops.log_probs_chunk`; schedule (recompute in backward): the chunk driver,
+:mod:`megaloss.ops.chunk_driver`. The full-logits formula it replaces is TRL's
 ``selective_log_softmax`` (``trl/trainer/utils.py``: ``logits.gather(labels) -
 logsumexp(logits)``) on ``logits / temperature``.
 """
@@ -17,19 +17,11 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from ..ops.chunked_log_probs import chunked_linear_log_probs
-from ..ops.options import LogProbsOptions, resolve_options
-from ..ops.validation import check_ce_tensors, check_label_range, first_bad_label
-from ..parallel.comm import all_gather_dim0, all_reduce_max_, all_reduce_sum_
-from ..parallel.groups import group_rank, group_size, resolve_group
-from ..parallel.mappings import copy_to_region, gather_from_region
-from .vocab_parallel import (
-    VocabParallelOptions,
-    _check_across_ranks,
-    _check_vocab_parallel_options,
-    _shard_vocab_size,
-    vocab_shard_range,
-)
+from ..ops.chunk_driver import chunked_head
+from ..ops.log_probs_kernel import LogProbsKernel
+from ..ops.options import LogProbsOptions, module_options, resolve_options
+from ..ops.validation import check_ce_tensors, first_bad_label
+from .vocab_parallel import VocabParallelOptions, check_vocab_parallel_options, vocab_layout
 
 __all__ = ["LogProbsOutput", "linear_log_probs", "LinearLogProbs"]
 
@@ -122,59 +114,30 @@ def linear_log_probs(
 
     Gradients flow into ``hidden_states``, ``weight`` and ``bias`` through ``log_probs`` and
     ``entropy`` with any per-token upstream gradients: backward recomputes the logits chunk by
-    chunk (:mod:`megaloss.ops.chunked_log_probs`).
+    chunk (:mod:`megaloss.ops.chunk_driver`).
     """
     opts = resolve_options(LogProbsOptions, options, dict(
         ignore_index=ignore_index, temperature=temperature, logit_softcapping=logit_softcapping,
         return_entropy=return_entropy, chunk_size=chunk_size, accum_dtype=accum_dtype,
         impl=impl))
-    _check_vocab_parallel_options(vocab_parallel_options)
-    if vocab_parallel_options is not None:
-        return _sharded_log_probs(hidden_states, weight, labels, bias, opts,
-                                  vocab_parallel_options)
-    check_ce_tensors(hidden_states, weight, labels, bias, None)
-    check_label_range(labels, weight.shape[0], opts.ignore_index)
-    out = chunked_linear_log_probs(hidden_states.reshape(-1, hidden_states.shape[-1]), weight,
-                                   bias, labels.reshape(-1).long(), opts)
-    return _shaped(out, labels.shape)
+    check_vocab_parallel_options(vocab_parallel_options)
 
+    def check(vocab_size: int) -> Optional[int]:
+        check_ce_tensors(hidden_states, weight, labels, bias, None)
+        return first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
 
-def _shaped(out, shape) -> LogProbsOutput:
-    return LogProbsOutput(*(None if t is None else t.view(shape)
-                            for t in (out.log_probs, out.entropy, out.lse.detach(),
-                                      out.greedy_match)))
-
-
-def _sharded_log_probs(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                       bias: Optional[torch.Tensor], opts: LogProbsOptions,
-                       parallel: VocabParallelOptions) -> LogProbsOutput:
-    """The vocab-parallel path: the layout and checks of
-    :func:`megaloss.losses.vocab_parallel.sharded_linear_cross_entropy`."""
-    check_ce_tensors(hidden_states, weight, labels, bias, None)
-    group = resolve_group(parallel.tp_group)
-    tp, rank = group_size(group), group_rank(group)
-    rows = weight.shape[0]
-    vocab_size = _shard_vocab_size(rows, tp, parallel.vocab_size)
-    flat_labels = labels.reshape(-1).long()
-    hidden_size = hidden_states.shape[-1]
-    _check_across_ranks(group, flat_labels.numel(), hidden_size, rows, vocab_size,
-                        opts.ignore_index,
-                        first_bad_label(flat_labels, vocab_size, opts.ignore_index),
-                        hidden_states.device, "weight")
-    hidden = hidden_states.reshape(-1, hidden_size)
-    gathered = parallel.sequence_parallel and tp > 1
-    if gathered:
-        hidden = gather_from_region(hidden, group)
-        flat_labels = all_gather_dim0(flat_labels, group)
-    else:
-        hidden = copy_to_region(hidden, group)
-    start, stop, _ = vocab_shard_range(vocab_size, tp, rank)
-    n_real = stop - start
-    out = chunked_linear_log_probs(
-        hidden, weight[:n_real], None if bias is None else bias[:n_real], flat_labels, opts,
-        vocab_start=start, reduce_max=lambda t: all_reduce_max_(t, group),
-        reduce_sum=lambda t: all_reduce_sum_(t, group))
-    return _shaped(out, flat_labels.shape if gathered else labels.shape)
+    layout = vocab_layout(vocab_parallel_options, weight, hidden_states, labels, check,
+                          ignore_index=opts.ignore_index, what="log-probs")
+    flat_labels = layout.tokens(labels.reshape(-1).long())
+    hidden = layout.hidden(hidden_states.reshape(-1, hidden_states.shape[-1]))
+    kernel = LogProbsKernel(flat_labels, opts, layout.vocab_slice())
+    log_probs, entropy, lse, _, greedy = chunked_head(
+        kernel, hidden, layout.rows(weight), layout.rows(bias), chunk_size=opts.chunk_size,
+        accum_dtype=opts.accum_dtype)
+    shape = flat_labels.shape if layout.gathered else labels.shape
+    return LogProbsOutput(log_probs.view(shape),
+                          entropy.view(shape) if opts.return_entropy else None,
+                          lse.detach().view(shape), greedy.bool().view(shape))
 
 
 class LinearLogProbs(nn.Module):
@@ -198,12 +161,8 @@ class LinearLogProbs(nn.Module):
                  vocab_parallel_options: Optional[VocabParallelOptions] = None,
                  **option_fields):
         super().__init__()
-        if options is not None and option_fields:
-            raise TypeError("pass either options or its fields as keyword arguments, not both")
-        if options is not None and not isinstance(options, LogProbsOptions):
-            raise TypeError(f"options must be a LogProbsOptions, got {type(options).__name__}")
-        _check_vocab_parallel_options(vocab_parallel_options)
-        self.options = options if options is not None else LogProbsOptions(**option_fields)
+        self.options = module_options(LogProbsOptions, options, option_fields)
+        check_vocab_parallel_options(vocab_parallel_options)
         self.vocab_parallel_options = vocab_parallel_options
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

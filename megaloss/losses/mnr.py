@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._deprecation import deprecated_alias, renamed_keywords, warn_renamed
+from .._deprecation import ReturnStatsAliases, renamed_keywords
 from ..ops.infonce_rows import infonce_rows
 from ..ops.options import SIMILARITIES, MNROptions, mnr_option_error, resolve_options
 from ..parallel.comm import all_gather_dim0, all_reduce_sum_
@@ -73,7 +73,7 @@ from ..parallel.groups import (
 )
 from ..parallel.mappings import all_reduce_sum_autograd, gather_from_region
 
-__all__ = ["mnr_loss", "mnr_loss_with_stats", "MNROutput", "MNROptions",
+__all__ = ["mnr_loss", "MNROutput", "MNROptions",
            "MultipleNegativesRankingLoss", "SIMILARITIES"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -83,10 +83,12 @@ _NAMES = ("query", "positive", "negatives")
 
 
 class MNROutput(NamedTuple):
-    """Result of :func:`mnr_loss_with_stats` (0-dim tensors, identical on every rank).
+    """What :func:`mnr_loss` returns with ``return_stats=True`` (0-dim tensors, identical on
+    every rank).
 
     Attributes:
-        loss: the global loss (what :func:`mnr_loss` returns; carries the gradient).
+        loss: the global loss (what :func:`mnr_loss` returns without ``return_stats``; carries
+            the gradient).
         accuracy: fraction of the ``N`` global queries whose positive no unmasked candidate
             outscores (ties count as hits; query -> document direction; no gradient). NaN when
             ``N == 0``.
@@ -111,7 +113,7 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
              similarity: str = "cosine", symmetric: bool = False,
              gather_across_ranks: bool = True, group: GroupLike = None, local_loss: bool = True,
              duplicate_ids: Optional[torch.Tensor] = None, chunk_size: int = 1024,
-             options: Optional[MNROptions] = None) -> torch.Tensor:
+             return_stats: bool = False, options: Optional[MNROptions] = None):
     """Multiple Negatives Ranking / InfoNCE loss against every document of the global batch.
 
     Args:
@@ -136,12 +138,16 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
             (:mod:`megaloss.ops.infonce_rows`) the loss's working memory is
             ``chunk_size x C`` floats instead of several ``rows x C`` matrices. Any value gives
             the same result up to summation order.
+        return_stats: return an :class:`MNROutput` (the loss, in-batch top-1 accuracy and
+            mean rank of the positive) instead of the loss alone; one extra small all-reduce
+            with ``local_loss=True``.
         options: ``temperature``, ``similarity``, ``symmetric``, ``gather_across_ranks``,
             ``local_loss`` and ``chunk_size`` as one :class:`~megaloss.ops.options.MNROptions`
             (e.g. from a ds_config, ``MegalossConfig.mnr.options()``), instead of the keywords.
 
     Returns:
-        0-dim tensor, the global mean loss ``L`` (same value on every rank), in
+        0-dim tensor (an :class:`MNROutput` holding it with ``return_stats=True``), the global
+        mean loss ``L`` (same value on every rank), in
         ``promote_types(dtype, float32)``. Scaled so that after the data-parallel engine averages
         gradients over ``group``, every parameter gradient equals the single-device gradient of
         ``L`` on the concatenated global batch (module docstring). ``0`` when ``N == 0``.
@@ -154,29 +160,10 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
         TypeError: non-floating embeddings, non-integer ``duplicate_ids``; ``options``
             together with option keywords not at their default (naming them).
     """
-    return _mnr(query, positive, negatives, _keywords(
+    out = _mnr(query, positive, negatives, _keywords(
         options, temperature, similarity, symmetric, gather_across_ranks, local_loss,
-        chunk_size), group, duplicate_ids, metrics=False).loss
-
-
-@renamed_keywords(gather="gather_across_ranks")
-def mnr_loss_with_stats(query: torch.Tensor, positive: torch.Tensor,
-                        negatives: Optional[torch.Tensor] = None, *,
-                        temperature: Temperature = 0.05, similarity: str = "cosine",
-                        symmetric: bool = False, gather_across_ranks: bool = True,
-                        group: GroupLike = None, local_loss: bool = True,
-                        duplicate_ids: Optional[torch.Tensor] = None, chunk_size: int = 1024,
-                        options: Optional[MNROptions] = None) -> MNROutput:
-    """:func:`mnr_loss` plus in-batch top-1 accuracy and mean rank of the positive (see
-    :class:`MNROutput`). Same arguments and errors; costs one extra small all-reduce with
-    ``local_loss=True``."""
-    return _mnr(query, positive, negatives, _keywords(
-        options, temperature, similarity, symmetric, gather_across_ranks, local_loss,
-        chunk_size), group, duplicate_ids, metrics=True)
-
-
-mnr_loss_with_metrics = deprecated_alias(mnr_loss_with_stats, "mnr_loss_with_metrics",
-                                         "mnr_loss_with_stats")
+        chunk_size), group, duplicate_ids, metrics=return_stats)
+    return out if return_stats else out.loss
 
 
 def _keywords(options, temperature, similarity, symmetric, gather_across_ranks, local_loss,
@@ -401,7 +388,7 @@ def _mnr(query, positive, negatives, options: dict, group, duplicate_ids, *,
 
 
 # module form ----------------------------------------------------------------------------------
-class MultipleNegativesRankingLoss(nn.Module):
+class MultipleNegativesRankingLoss(ReturnStatsAliases, nn.Module):
     """Gathered MNR / InfoNCE loss (see the module docstring for the math and the
     data-parallel gradient contract).
 
@@ -417,8 +404,8 @@ class MultipleNegativesRankingLoss(nn.Module):
             one :class:`~megaloss.ops.options.MNROptions`, instead of the keywords (kept as
             ``self.options``).
 
-    ``forward(query [B, D], positive [B, D], negatives [B, K, D] | None, duplicate_ids [B] | None)``
-    returns the 0-dim global loss; :meth:`forward_with_stats` returns an :class:`MNROutput`.
+    ``forward(query [B, D], positive [B, D], negatives [B, K, D] | None, duplicate_ids [B] | None,
+    *, return_stats=False)`` returns what :func:`mnr_loss` does.
     Under ZeRO-3 call ``forward`` (the module's hooks gather ``logit_scale`` only there).
 
     Raises:
@@ -472,20 +459,9 @@ class MultipleNegativesRankingLoss(nn.Module):
 
     def forward(self, query: torch.Tensor, positive: torch.Tensor,
                 negatives: Optional[torch.Tensor] = None,
-                duplicate_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return mnr_loss(query, positive, negatives, duplicate_ids=duplicate_ids, **self._options())
-
-    def forward_with_stats(self, query: torch.Tensor, positive: torch.Tensor,
-                           negatives: Optional[torch.Tensor] = None,
-                           duplicate_ids: Optional[torch.Tensor] = None) -> MNROutput:
-        """Loss plus top-1 accuracy and mean rank of the positive (:class:`MNROutput`)."""
-        return mnr_loss_with_stats(query, positive, negatives, duplicate_ids=duplicate_ids,
-                                   **self._options())
-
-    def forward_with_metrics(self, *args, **kwargs) -> MNROutput:
-        """Deprecated alias of :meth:`forward_with_stats`."""
-        warn_renamed("MultipleNegativesRankingLoss.forward_with_metrics", "forward_with_stats")
-        return self.forward_with_stats(*args, **kwargs)
+                duplicate_ids: Optional[torch.Tensor] = None, *, return_stats: bool = False):
+        return mnr_loss(query, positive, negatives, duplicate_ids=duplicate_ids,
+                        return_stats=return_stats, **self._options())
 
     def extra_repr(self) -> str:
         t = (f"logit_scale=learnable(max={self.max_logit_scale:.4f})" if self.learnable_temperature

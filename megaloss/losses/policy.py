@@ -48,7 +48,6 @@ Metrics (TRL's names, :func:`policy_metrics`): ``kl`` and ``entropy`` are global
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -81,9 +80,8 @@ class PolicyLossWeights(NamedTuple):
     entropy_weights: torch.Tensor
 
 
-@dataclass
-class PolicyLossOutput:
-    """What :func:`policy_loss` returns.
+class PolicyLossOutput(NamedTuple):
+    """What :func:`policy_loss` returns with ``return_stats=True``.
 
     Attributes:
         loss: differentiable scalar, this call's share of the global loss (a float64 loss for
@@ -217,8 +215,9 @@ def policy_loss(
     entropy_coef: float = 0.0,
     importance_sampling_level: str = "token",
     max_completion_length: Optional[int] = None,
+    return_stats: bool = False,
     options: Optional[PolicyLossOptions] = None,
-) -> PolicyLossOutput:
+):
     """The clipped policy-gradient loss of one micro-batch (module docstring for the math).
 
     Args:
@@ -237,10 +236,13 @@ def policy_loss(
         loss_type: this and ``epsilon_low``, ``epsilon_high``, ``delta``, ``beta``,
             ``entropy_coef``, ``importance_sampling_level``, ``max_completion_length`` are the
             fields of :class:`~megaloss.ops.options.PolicyLossOptions`, documented there.
+        return_stats: return a :class:`PolicyLossOutput` (the loss and the local sums
+            :func:`policy_metrics` reads) instead of the loss alone.
         options: these fields as one :class:`PolicyLossOptions` instead of the keywords.
 
     Returns:
-        :class:`PolicyLossOutput` (``loss``: ``sum w*l - entropy_coef * sum h*H``).
+        The loss ``sum w*l - entropy_coef * sum h*H`` (differentiable scalar), or with
+        ``return_stats=True`` a :class:`PolicyLossOutput` holding it.
 
     Raises:
         ValueError: shape mismatches; ``ref_log_probs`` missing with ``beta > 0``; ``entropy``
@@ -308,7 +310,7 @@ def policy_loss(
         h = torch.where(valid, entropy, zero)
         loss = loss - opts.entropy_coef * (h * weights.entropy_weights.to(h.dtype)).sum()
     stats = _stats(valid, ratio, advantages, kl, entropy, opts)
-    return PolicyLossOutput(loss, stats)
+    return PolicyLossOutput(loss, stats) if return_stats else loss
 
 
 def _local_weights(valid: torch.Tensor, opts: PolicyLossOptions,

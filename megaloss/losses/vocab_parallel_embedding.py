@@ -33,7 +33,8 @@ from torch import nn
 from ..parallel.groups import GroupLike, group_rank, group_size, resolve_group
 from ..parallel.mappings import reduce_from_region
 from ..parallel.param_tags import mark_tensor_parallel
-from .vocab_parallel import VocabParallelLMHead, vocab_shard_range
+from .vocab_parallel import vocab_shard_range
+from .vocab_parallel_head import VocabParallelLMHead
 
 __all__ = ["VocabParallelEmbedding"]
 

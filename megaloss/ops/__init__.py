@@ -1,33 +1,50 @@
-"""Single-device math: chunk kernels and the autograd Functions built on them. No process
-groups: cross-rank combination comes in as ``reduce_max`` / ``reduce_sum`` callables.
+"""Single-device math: one chunk driver and the chunk kernels of the vocabulary-level losses. No
+process groups: cross-rank combination comes in as a kernel's ``reduce_max`` / ``reduce_sum``
+callables (:class:`~.chunk_kernel.VocabSlice`).
 
-- :mod:`.options`: :class:`CrossEntropyOptions`, :class:`MNROptions`, :class:`LogProbsOptions`,
-  :class:`DistillationOptions` (and the policy / DPO options), the validated options of the
-  losses, and :func:`~.options.resolve_options` (``options=`` or keywords).
-- :mod:`.chunk_gradients`: the head's input / weight / bias gradients accumulated chunk by chunk
-  (shared by the CE, log-probs and distillation chunk loops).
-- :mod:`.chunk_stats`: the per-token statistics of a CE chunk and the loss from them (the leaf
-  both epilogues import): :class:`ChunkResult`, :func:`~.chunk_stats.loss_from_stats`.
-- :mod:`.cross_entropy_chunk`: loss, log-sum-exp and logit gradient of one chunk of tokens: the
-  torch epilogue and the choice of epilogue (:func:`~.cross_entropy_chunk.epilogue_impl`).
-- :mod:`.triton_epilogue`: the same epilogue as two fused Triton kernels (CUDA, or CPU under
-  ``TRITON_INTERPRET=1``); imports ``triton``, so it is imported only when selected.
-- :mod:`.chunked_linear_ce`: the chunk loop and its autograd Function (gradients in forward).
-- :mod:`.log_probs_chunk`: per-token log-probabilities, entropy, log-sum-exp and greedy match of
-  one chunk, and its logit gradient for arbitrary per-token upstream gradients.
-- :mod:`.triton_log_probs`: that epilogue as two fused Triton kernels (imports ``triton``; imported
-  only when selected).
-- :mod:`.chunked_log_probs`: their chunk loop and autograd Function (recompute in backward).
-- :mod:`.distillation_chunk`: distillation loss (forward / reverse KL, generalised JSD, hard-label
-  CE) of one chunk against one vocab slice, full or top-k teacher, with the student's gradient.
-- :mod:`.chunked_linear_distillation`: its chunk loop and autograd Function.
+- :mod:`.chunk_driver`: :func:`~.chunk_driver.chunked_head`, the one loop and autograd Function
+  of every vocabulary-level loss (``hidden @ weight.T`` a chunk at a time; gradient formed in
+  forward for a scalar loss, recomputed in backward for per-token upstream gradients and fp16).
+- :mod:`.chunk_kernel`: the :class:`~.chunk_kernel.ChunkKernel` contract and the logit math the
+  kernels share (soft-capping, the label's column in a vocabulary slice, the stats dtype).
+- :mod:`.chunk_gradients`: the head's input / weight / bias gradients accumulated chunk by chunk.
+- :mod:`.cross_entropy_chunk`: the cross-entropy kernel (label smoothing, z-loss, soft-capping,
+  class weights, token accuracy); :mod:`.chunk_stats` the statistics and loss both of its
+  epilogues share; :mod:`.triton_epilogue` its fused Triton epilogue.
+- :mod:`.log_probs_chunk`: the per-token log-probabilities / entropy math, its kernel in
+  :mod:`.log_probs_kernel`;
+  :mod:`.triton_log_probs` its Triton epilogue.
+- :mod:`.distillation_chunk`: the distillation kernel (forward / reverse KL, generalised JSD,
+  hard-label CE; full or top-k teacher).
+- :mod:`.epilogue_choice`: torch or Triton epilogue (``impl``).
 - :mod:`.infonce_rows`: InfoNCE rows against a set of columns, chunked, gradients in forward.
+- :mod:`.options`: the validated options of every loss (one base, :class:`~.options.OptionsBase`).
 - :mod:`.labels`: :func:`~.labels.causal_shift`, Hugging Face's unshifted labels to targets.
 - :mod:`.validation`: tensor checks that raise ValueError/TypeError naming the argument.
+
+Adding a vocabulary-level loss (the pattern of Liger-Kernel's ``src/liger_kernel/chunked_loss/``
+and torchtitan's ``ChunkedLossWrapper``):
+
+1. a kernel: subclass :class:`~.chunk_kernel.ChunkKernel` in ``ops/<loss>_chunk.py``; set
+   ``n_outputs`` / ``n_differentiable`` / ``saved`` and write ``forward(logits, rows, coef)``
+   (row statistics of the slice, combined with the slice's ``reduce_max`` / ``reduce_sum``,
+   then the per-token terms, and ``coef``-weighted logit gradient when ``coef`` is given) and
+   ``backward(logits, rows, saved, upstream)`` (often ``forward`` again with
+   ``coef=upstream[0]``);
+2. the options: a frozen dataclass on :class:`~.options.OptionsBase` in :mod:`.options`;
+3. the public function in ``megaloss/losses/``: check the inputs inside
+   :func:`megaloss.losses.vocab_parallel.vocab_layout` (every TP rank agrees before any
+   collective), build the kernel with ``layout.vocab_slice()``, call
+   :func:`~.chunk_driver.chunked_head`, return the loss (``return_stats=True``: its
+   ``*Output``); a module form and a ds_config field built from the options.
+
+The cross-entropy's class weights and token accuracy were added that way: a few lines in its
+kernel and its function.
 """
+from .chunk_driver import chunked_head
+from .chunk_kernel import ChunkKernel, VocabSlice
 from .chunk_stats import ChunkResult
-from .chunked_linear_ce import chunked_linear_cross_entropy
-from .cross_entropy_chunk import chunk_cross_entropy
+from .cross_entropy_chunk import CrossEntropyKernel, chunk_cross_entropy
 from .options import (
     CE_IMPLS,
     CE_REDUCTIONS,
@@ -37,8 +54,10 @@ from .options import (
     DistillationOptions,
     LogProbsOptions,
     MNROptions,
+    OptionsBase,
 )
 
-__all__ = ["CrossEntropyOptions", "MNROptions", "LogProbsOptions", "CE_REDUCTIONS", "CE_IMPLS",
-           "SIMILARITIES", "ChunkResult", "chunk_cross_entropy", "chunked_linear_cross_entropy",
-           "DistillationOptions", "DISTILLATION_KINDS"]
+__all__ = ["CrossEntropyOptions", "MNROptions", "LogProbsOptions", "DistillationOptions",
+           "OptionsBase", "CE_REDUCTIONS", "CE_IMPLS", "SIMILARITIES", "DISTILLATION_KINDS",
+           "ChunkKernel", "VocabSlice", "chunked_head", "ChunkResult", "CrossEntropyKernel",
+           "chunk_cross_entropy"]

@@ -1,8 +1,6 @@
 """The parameter and input gradients of a chunked ``hidden @ weight.T (+ bias)`` head, built chunk
-by chunk from each chunk's logit gradient: shared by the chunk loops of the cross-entropy
-(:mod:`megaloss.ops.chunked_linear_ce`), the per-token log-probabilities
-(:mod:`megaloss.ops.chunked_log_probs`) and the distillation loss
-(:mod:`megaloss.ops.chunked_linear_distillation`).
+by chunk from each chunk's logit gradient: what the chunk driver
+(:mod:`megaloss.ops.chunk_driver`) accumulates for every vocabulary-level loss.
 
 The GEMMs run in the compute dtype (``promote_types(hidden, weight)``); the weight and bias
 gradients accumulate across chunks in ``promote_types(accum_dtype, compute dtype)`` (fp32 for

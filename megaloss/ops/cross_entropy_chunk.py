@@ -12,7 +12,11 @@ For token ``t`` with logits ``z_t = W h_t + b`` over the vocabulary ``[0, V)``:
 
 which is ``F.cross_entropy(y, target, label_smoothing=eps)`` (torch's smoothing: a mix of the
 one-hot and the uniform distribution over all V classes) plus the PaLM z-loss
-``z_loss * lse**2``. Its gradient w.r.t. the logits is
+``z_loss * lse**2``. With class weights ``w [V]`` (torch's ``weight=``, Liger-Kernel's
+``ce_weight``) it is ``w_target ((1 - eps)(lse - y_target) + z_loss lse^2) + eps / V
+sum_j w_j (lse - y_j)``, torch's weighted smoothed cross-entropy plus the z-loss weighted as the
+token's class (the caller's ``"mean"`` divides by the sum of ``w_target``). Its gradient w.r.t.
+the logits is
 
 .. math::
 
@@ -20,7 +24,9 @@ one-hot and the uniform distribution over all V classes) plus the PaLM z-loss
     \text{target}]
                                    - \varepsilon / V, \qquad p_j = e^{y_j - \mathrm{lse}}
 
-times ``1 - tanh(z_j/c)^2`` under soft-capping. Ignored tokens have loss 0 and gradient 0.
+times ``1 - tanh(z_j/c)^2`` under soft-capping (with class weights: ``p_j (w_t (1 - eps +
+2 z lse) + eps W / V) - (1 - eps) w_t [j = t] - eps w_j / V``, ``W = sum_j w_j``). Ignored
+tokens have loss 0 and gradient 0.
 
 When the vocabulary is split over tensor-parallel ranks (Megatron-core's vocab-parallel CE), this
 function sees only its slice ``[vocab_start, vocab_start + V_local)``; the per-token max and the
@@ -41,69 +47,76 @@ module does not import this one.
 """
 from __future__ import annotations
 
-import functools
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .chunk_stats import ChunkResult, Reduce, loss_from_stats, no_reduce, stats_dtype
+from .chunk_driver import head_logits
+from .chunk_kernel import (
+    ChunkKernel,
+    Reduce,
+    VocabSlice,
+    label_columns,
+    no_reduce,
+    softcap,
+    softcap_chain_,
+    stats_dtype,
+)
+from .chunk_stats import ChunkResult, ClassWeights, loss_from_stats
+from .epilogue_choice import epilogue_impl
 from .options import CrossEntropyOptions
 
-__all__ = ["ChunkResult", "chunk_cross_entropy", "torch_epilogue", "epilogue_impl",
-           "stats_dtype", "Reduce", "no_reduce"]
+__all__ = ["ChunkResult", "CrossEntropyKernel", "chunk_cross_entropy", "torch_epilogue",
+           "epilogue_impl", "stats_dtype", "Reduce", "no_reduce"]
 
 
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+class CrossEntropyKernel(ChunkKernel):
+    """The cross-entropy as a chunk kernel: results ``(loss, lse, correct)`` per token, the
+    loss differentiable; ``lse`` saved for the recompute schedule.
 
-
-@functools.lru_cache(maxsize=None)
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # ImportError, or a broken install (missing driver libraries, ...)
-        return False
-    return True
-
-
-def _interpreter_ready() -> bool:
-    """Whether triton was imported under ``TRITON_INTERPRET=1`` (its interpreter runs kernels on
-    CPU tensors). Imports triton: only asked when ``impl="triton"`` meets CPU tensors."""
-    from .triton_epilogue import interpreted
-    return interpreted()
-
-
-def epilogue_impl(impl: str, logits: torch.Tensor) -> str:
-    """Which epilogue (``"torch"`` or ``"triton"``) ``impl`` selects for this chunk's logits.
-
-    ``"auto"``: Triton for CUDA tensors of fp32 / bf16 / fp16 when ``triton`` imports, torch
-    otherwise (CPU tensors always take torch, interpreter or not).
-
-    Raises:
-        ValueError: ``impl="triton"`` that cannot run here: float64 logits, ``triton`` not
-            installed, CPU tensors without ``TRITON_INTERPRET=1``, or another device type.
+    Args:
+        labels: ``[N]`` int64 global ids or ``opts.ignore_index``.
+        opts: the options (``impl`` picks the epilogue per chunk).
+        vocab: this device's :class:`~megaloss.ops.chunk_kernel.VocabSlice`.
+        class_weight: optional ``[V]`` class weights (the whole vector; this slice's part is
+            taken here), torch epilogue only.
     """
-    if impl == "torch":
-        return "torch"
-    if impl == "auto":
-        ok = logits.is_cuda and logits.dtype in _TRITON_DTYPES and _triton_importable()
-        return "triton" if ok else "torch"
-    if impl != "triton":
-        raise ValueError(f"impl must be one of ('auto', 'torch', 'triton'), got {impl!r}")
-    if logits.dtype not in _TRITON_DTYPES:
-        raise ValueError(f"impl='triton' computes in fp32 and takes fp32/bf16/fp16 inputs, got "
-                         f"{logits.dtype}; use impl='auto' or 'torch'")
-    if not _triton_importable():
-        raise ValueError("impl='triton' needs the triton package (pip install triton); use "
-                         "impl='auto' or 'torch'")
-    if logits.device.type == "cpu":
-        if not _interpreter_ready():
-            raise ValueError("impl='triton' on CPU tensors runs only under Triton's interpreter: "
-                             "set TRITON_INTERPRET=1 before triton is first imported (slow, for "
-                             "tests); use impl='auto' or 'torch' on CPU")
-    elif not logits.is_cuda:
-        raise ValueError(f"impl='triton' runs on CUDA tensors, got device {logits.device}; use "
-                         f"impl='auto' or 'torch'")
-    return "triton"
+
+    n_outputs, n_differentiable, saved = 3, 1, (1,)
+
+    def __init__(self, labels: torch.Tensor, opts: CrossEntropyOptions, vocab: VocabSlice,
+                 class_weight: Optional[torch.Tensor] = None):
+        self.labels, self.opts, self.vocab = labels, opts, vocab
+        self.class_weight = class_weight
+
+    def _weights(self, rows: slice, n_local: int, dtype: torch.dtype) -> Optional[ClassWeights]:
+        w = self.class_weight
+        if w is None:
+            return None
+        w = w.to(dtype)
+        labels = self.labels[rows]
+        valid = labels != self.opts.ignore_index
+        of_label = torch.where(valid, w[labels.clamp(0, w.shape[0] - 1)], 0.0)
+        start = self.vocab.start
+        return ClassWeights(of_label, w[start:start + n_local], float(w.sum()))
+
+    def _epilogue(self, logits, rows, coef, lse) -> ChunkResult:
+        vocab = self.vocab
+        weights = self._weights(rows, logits.shape[1], stats_dtype(logits.dtype))
+        epilogue = torch_epilogue
+        if weights is None and epilogue_impl(self.opts.impl, logits) == "triton":
+            from .triton_epilogue import triton_chunk_epilogue as epilogue  # imports triton
+        kwargs = {} if weights is None else {"class_weights": weights}
+        return epilogue(logits, self.labels[rows], coef, self.opts, vocab_size=vocab.vocab_size,
+                        vocab_start=vocab.start, lse=lse, reduce_max=vocab.reduce_max,
+                        reduce_sum=vocab.reduce_sum, **kwargs)
+
+    def forward(self, logits, rows, coef):
+        res = self._epilogue(logits, rows, coef, None)
+        return (res.loss, res.lse, res.correct), res.grad_logits
+
+    def backward(self, logits, rows, saved: Sequence[torch.Tensor], upstream):
+        return self._epilogue(logits, rows, upstream[0], saved[0]).grad_logits
 
 
 def chunk_cross_entropy(
@@ -120,7 +133,8 @@ def chunk_cross_entropy(
     reduce_max: Reduce = no_reduce,
     reduce_sum: Reduce = no_reduce,
 ) -> ChunkResult:
-    """Loss, log-sum-exp and (optionally) logit gradient of one chunk.
+    """Loss, log-sum-exp and (optionally) logit gradient of one chunk, from its hidden states:
+    the chunk's GEMM, then the epilogue ``opts.impl`` selects.
 
     Args:
         hidden: ``[C, H]`` chunk of hidden states, in the compute dtype.
@@ -144,12 +158,9 @@ def chunk_cross_entropy(
     Raises:
         ValueError: ``opts.impl="triton"`` where it cannot run (see :func:`epilogue_impl`).
     """
-    logits = torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
-    epilogue = torch_epilogue
-    if epilogue_impl(opts.impl, logits) == "triton":
-        from .triton_epilogue import triton_chunk_epilogue as epilogue  # imports triton
-    return epilogue(logits, labels, coef, opts, vocab_size=vocab_size, vocab_start=vocab_start,
-                    lse=lse, reduce_max=reduce_max, reduce_sum=reduce_sum)
+    kernel = CrossEntropyKernel(labels, opts, VocabSlice(vocab_size, vocab_start, reduce_max,
+                                                         reduce_sum))
+    return kernel._epilogue(head_logits(hidden, weight, bias), slice(None), coef, lse)
 
 
 def torch_epilogue(
@@ -163,22 +174,23 @@ def torch_epilogue(
     lse: Optional[torch.Tensor] = None,
     reduce_max: Reduce = no_reduce,
     reduce_sum: Reduce = no_reduce,
+    class_weights: Optional[ClassWeights] = None,
 ) -> ChunkResult:
     """The eager epilogue: :func:`chunk_cross_entropy` after its GEMM, on ``logits
     [C, V_local]`` (the caller's own buffer: worked on in place when already in the stats dtype).
-    Returns a :class:`ChunkResult` in the stats dtype."""
+    Returns a :class:`ChunkResult` in the stats dtype; ``class_weights`` (a chunk's
+    :class:`~megaloss.ops.chunk_stats.ClassWeights`) weights the classes as the module doc."""
     sdt = stats_dtype(logits.dtype)
     n_local = logits.shape[1]
-    logits, tanh = _softcap(logits.to(sdt), opts.logit_softcapping)  # no copy for fp32/fp64
-    valid = labels != opts.ignore_index
-    local_target = labels - vocab_start
-    in_slice = valid & (local_target >= 0) & (local_target < n_local)
-    gather_idx = local_target.clamp(0, max(n_local - 1, 0)).unsqueeze(1)
+    logits, tanh = softcap(logits.to(sdt), opts.logit_softcapping)  # no copy for fp32/fp64
+    cols = label_columns(labels, opts.ignore_index, vocab_start, n_local)
 
+    correct = None
     if lse is None:
-        row_max, stats, probs = _row_statistics(logits, in_slice, gather_idx, opts,
-                                                reduce_max, reduce_sum)
-        loss, lse = loss_from_stats(row_max, stats, labels, opts, vocab_size)
+        row_max, stats, probs = _row_statistics(logits, cols, opts, reduce_max, reduce_sum,
+                                                class_weights)
+        loss, lse, correct = loss_from_stats(row_max, stats, labels, opts, vocab_size,
+                                             class_weights)
         probs_scale: Optional[torch.Tensor] = 1.0 / stats[0]  # exp(y - max) / sum_exp = softmax
     else:  # second pass (deferred gradient): the softmax straight from the saved lse
         lse = lse.to(sdt)
@@ -187,36 +199,31 @@ def torch_epilogue(
         probs_scale = None
 
     if coef is None:
-        return ChunkResult(loss, lse, None)
-    grad = _logit_gradient(probs, probs_scale, lse, coef.to(sdt), in_slice, gather_idx, tanh,
-                           opts, vocab_size)
-    return ChunkResult(loss, lse, grad)
+        return ChunkResult(loss, lse, None, correct)
+    grad = _logit_gradient(probs, probs_scale, lse, coef.to(sdt), cols, tanh, opts, vocab_size,
+                           class_weights)
+    return ChunkResult(loss, lse, grad, correct)
 
 
-def _softcap(logits: torch.Tensor, cap: Optional[float]
-             ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Step 1: ``y = c * tanh(z / c)`` (Gemma 2), and ``tanh`` for the gradient's chain rule."""
-    if cap is None:
-        return logits, None
-    tanh = torch.tanh(logits / cap)
-    return tanh * cap, tanh
-
-
-def _row_statistics(logits: torch.Tensor, in_slice: torch.Tensor, gather_idx: torch.Tensor,
-                    opts: CrossEntropyOptions, reduce_max: Reduce, reduce_sum: Reduce
+def _row_statistics(logits: torch.Tensor, cols, opts: CrossEntropyOptions, reduce_max: Reduce,
+                    reduce_sum: Reduce, class_weights: Optional[ClassWeights]
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 2: ``(row_max [C], stats [2|3, C], exp [C, V_local])``, combined across slices: the
     global max, then the stacked sums of :mod:`megaloss.ops.chunk_stats` (sum-exp relative to
-    the global max, target logit, sum of logits). ``logits`` is overwritten by ``exp``."""
+    the global max, target logit, (weighted) sum of logits). ``logits`` is overwritten by
+    ``exp``."""
     n_rows, n_local = logits.shape
     if n_local > 0:  # a vocab-parallel rank may hold no real vocab rows
         row_max = logits.amax(dim=1)
-        target_logit = logits.gather(1, gather_idx).squeeze(1) * in_slice
+        target_logit = logits.gather(1, cols.index).squeeze(1) * cols.in_slice
     else:
         row_max = logits.new_full((n_rows,), float("-inf"))
         target_logit = logits.new_zeros(n_rows)
     row_max = reduce_max(row_max)
-    sum_logits = logits.sum(dim=1) if opts.label_smoothing > 0 else None
+    sum_logits = None
+    if opts.label_smoothing > 0:
+        sum_logits = (logits.sum(dim=1) if class_weights is None
+                      else torch.mv(logits, class_weights.local))
     exp = logits.sub_(row_max.unsqueeze(1)).exp_()
     stats = torch.stack([exp.sum(dim=1), target_logit]
                         + ([sum_logits] if sum_logits is not None else []))
@@ -224,21 +231,31 @@ def _row_statistics(logits: torch.Tensor, in_slice: torch.Tensor, gather_idx: to
 
 
 def _logit_gradient(probs: torch.Tensor, probs_scale: Optional[torch.Tensor], lse: torch.Tensor,
-                    coef: torch.Tensor, in_slice: torch.Tensor, gather_idx: torch.Tensor,
-                    tanh: Optional[torch.Tensor], opts: CrossEntropyOptions,
-                    vocab_size: int) -> torch.Tensor:
-    """Step 4: ``coef * (p (1 + 2 z lse) - (1 - eps)[j = target] - eps / V)``, times
-    ``1 - tanh^2`` under soft-capping; in place over ``probs`` (``p = probs * probs_scale``)."""
+                    coef: torch.Tensor, cols, tanh: Optional[torch.Tensor],
+                    opts: CrossEntropyOptions, vocab_size: int,
+                    class_weights: Optional[ClassWeights]) -> torch.Tensor:
+    """Step 4: ``coef * (p (1 + 2 z lse) - (1 - eps)[j = target] - eps / V)`` (class-weighted
+    as the module doc), times ``1 - tanh^2`` under soft-capping; in place over ``probs``
+    (``p = probs * probs_scale``)."""
     eps = opts.label_smoothing
-    row_scale = coef * (1.0 + 2.0 * opts.z_loss * lse)
+    if class_weights is None:
+        row_scale = coef * (1.0 + 2.0 * opts.z_loss * lse)
+        target_coef = coef
+    else:
+        target_coef = coef * class_weights.of_label
+        row_scale = (target_coef * (1.0 - eps + 2.0 * opts.z_loss * lse)
+                     + coef * (eps * class_weights.total / vocab_size))
     if probs_scale is not None:
         row_scale = row_scale * probs_scale
     grad = probs.mul_(row_scale.unsqueeze(1))
     if grad.shape[1] > 0:
-        grad.scatter_add_(1, gather_idx,
-                          (-(1.0 - eps) * coef * in_slice).unsqueeze(1).to(grad.dtype))
+        grad.scatter_add_(1, cols.index,
+                          (-(1.0 - eps) * target_coef * cols.in_slice).unsqueeze(1)
+                          .to(grad.dtype))
     if eps > 0:
-        grad.sub_((coef * (eps / vocab_size)).unsqueeze(1))
-    if tanh is not None:
-        grad.mul_(1.0 - tanh * tanh)
-    return grad
+        smooth = (coef * (eps / vocab_size)).unsqueeze(1)
+        if class_weights is None:
+            grad.sub_(smooth)
+        else:
+            grad.sub_(smooth * class_weights.local.unsqueeze(0))
+    return softcap_chain_(grad, tanh)

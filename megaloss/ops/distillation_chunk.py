@@ -33,18 +33,37 @@ heads; three combines of ``[stats, tokens]`` tensors make every statistic global
 local maxima of ``s`` and ``t``; (2) SUM of the sum-exps (and the target logit, the top-1 match,
 the top-k sums); (3) SUM of the divergence's per-token partial sums (``D`` and ``sum_o Q_o g_o``).
 Statistics are fp32 (fp64 for fp64 inputs).
+
+:class:`DistillationKernel` is the loss's :class:`~megaloss.ops.chunk_kernel.ChunkKernel`: the
+chunk driver hands it the student's logits, it applies the teacher's lm_head to the same chunk
+(Liger-Kernel's ``chunked_loss/fused_linear_distillation.py`` schedule: neither model's
+``[tokens, vocab]`` logits outlive a chunk). The teacher is a constant: it gets no gradient,
+whatever its ``requires_grad``. Its recompute schedule (``reduction="none"``, fp16) recomputes
+both heads' logits in backward.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .chunk_stats import Reduce, no_reduce, stats_dtype
+from .chunk_driver import head_logits
+from .chunk_kernel import (
+    ChunkKernel,
+    Reduce,
+    VocabSlice,
+    label_columns,
+    no_reduce,
+    softcap,
+    softcap_chain_,
+    stats_dtype,
+    where0,
+)
 from .options import DistillationOptions
 
-__all__ = ["DistillationChunk", "TopKTeacher", "chunk_distillation"]
+__all__ = ["DistillationChunk", "DistillationKernel", "Teacher", "TopKTeacher",
+           "distillation_epilogue"]
 
 
 class TopKTeacher(NamedTuple):
@@ -71,16 +90,6 @@ class DistillationChunk(NamedTuple):
     grad_logits: Optional[torch.Tensor]
 
 
-def _softcap(x: torch.Tensor, cap: Optional[float]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    if cap is None:
-        return x, None
-    tanh = torch.tanh(x / cap)
-    return tanh * cap, tanh
-
-
-def _where(cond: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x`` where ``cond`` else 0, also where ``x`` is nan/inf (``0 * log 0`` terms)."""
-    return torch.where(cond, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _terms(kind: str, beta: float, log_p: torch.Tensor, log_q: torch.Tensor
@@ -90,27 +99,24 @@ def _terms(kind: str, beta: float, log_p: torch.Tensor, log_q: torch.Tensor
     Zero-probability outcomes contribute 0 (``0 log 0 = 0``)."""
     p, q = log_p.exp(), log_q.exp()
     if kind == "forward_kl":
-        return _where(p > 0, p * (log_p - log_q)), None
+        return where0(p > 0, p * (log_p - log_q)), None
     if kind == "reverse_kl":
         g = log_q - log_p
-        return _where(q > 0, q * g), _where(q > 0, g)
+        return where0(q > 0, q * g), where0(q > 0, g)
     log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
-    d = beta * _where(p > 0, p * (log_p - log_m)) + (1 - beta) * _where(q > 0, q * (log_q - log_m))
-    return d, _where(q > 0, (1 - beta) * (log_q - log_m))
+    d = beta * where0(p > 0, p * (log_p - log_m)) + (1 - beta) * where0(q > 0, q * (log_q - log_m))
+    return d, where0(q > 0, (1 - beta) * (log_q - log_m))
 
 
-def chunk_distillation(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-    teacher: "torch.Tensor | TopKTeacher", labels: torch.Tensor, coef: Optional[torch.Tensor],
-    opts: DistillationOptions, *, vocab_size: int, vocab_start: int = 0,
-    reduce_max: Reduce = no_reduce, reduce_sum: Reduce = no_reduce,
+def distillation_epilogue(
+    z: torch.Tensor, teacher: "torch.Tensor | TopKTeacher", labels: torch.Tensor,
+    coef: Optional[torch.Tensor], opts: DistillationOptions, *, vocab_size: int,
+    vocab_start: int = 0, reduce_max: Reduce = no_reduce, reduce_sum: Reduce = no_reduce,
 ) -> DistillationChunk:
     """Loss, metrics and (optionally) the student-logit gradient of one chunk.
 
     Args:
-        hidden: ``[C, H]`` student hidden states (compute dtype).
-        weight / bias: ``[V_local, H]`` / ``[V_local]`` (or ``None``): the real rows of this
-            slice of the student's lm_head.
+        z: ``[C, V_local]`` the student's raw logits over this slice (the caller's buffer).
         teacher: ``[C, V_local]`` the teacher's logits over the same slice (any float dtype),
             or a :class:`TopKTeacher` (global ids).
         labels: ``[C]`` int64 global ids or ``opts.ignore_index``.
@@ -124,14 +130,11 @@ def chunk_distillation(
     Returns:
         :class:`DistillationChunk`.
     """
-    z = torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
     sdt = stats_dtype(z.dtype)
-    y, tanh = _softcap(z.to(sdt), opts.logit_softcapping)
+    y, tanh = softcap(z.to(sdt), opts.logit_softcapping)
     del z  # the fp32 copy (or the soft-capped values) is what is kept
-    valid = labels != opts.ignore_index
-    local_target = labels - vocab_start
-    in_slice = valid & (local_target >= 0) & (local_target < y.shape[1])
-    target_idx = local_target.clamp(0, max(y.shape[1] - 1, 0)).unsqueeze(1)
+    valid, in_slice, target_idx = label_columns(labels, opts.ignore_index, vocab_start,
+                                                y.shape[1])
     if isinstance(teacher, TopKTeacher):
         temp = opts.temperature
         s = y / temp if temp != 1.0 else y
@@ -139,10 +142,67 @@ def chunk_distillation(
                        else s.new_full((s.shape[0],), float("-inf")))
         return _topk_chunk(s, y, tanh, teacher, labels, valid, in_slice, target_idx, coef, opts,
                            vocab_start, vocab_size, s_max_local, reduce_max, reduce_sum)
-    t, _ = _softcap(teacher.to(sdt), opts.teacher_logit_softcapping)
+    t, _ = softcap(teacher.to(sdt), opts.teacher_logit_softcapping)
     del teacher
     return _full_chunk(y, tanh, t, valid, in_slice, target_idx, coef, opts, reduce_max,
                        reduce_sum)
+
+
+class Teacher:
+    """The teacher of a distillation call: either ``hidden [N, Ht]`` with ``weight [V_local,
+    Ht]`` (and ``bias``), whose product is formed a chunk at a time, or a top-k form ``ids
+    [N, k]`` / ``log_probs [N, k]``. Detached: the teacher gets no gradient."""
+
+    def __init__(self, hidden: Optional[torch.Tensor] = None,
+                 weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                 topk_ids: Optional[torch.Tensor] = None,
+                 topk_log_probs: Optional[torch.Tensor] = None):
+        self.hidden = None if hidden is None else hidden.detach()
+        self.weight = None if weight is None else weight.detach()
+        self.bias = None if bias is None else bias.detach()
+        self.topk_ids = topk_ids
+        self.topk_log_probs = None if topk_log_probs is None else topk_log_probs.detach()
+
+    def chunk(self, rows: slice) -> "torch.Tensor | TopKTeacher":
+        """The teacher of the tokens ``rows``: its logits ``[C, V_local]`` or its top-k."""
+        if self.topk_ids is not None:
+            return TopKTeacher(self.topk_ids[rows], self.topk_log_probs[rows])
+        with torch.no_grad():
+            h = self.hidden[rows]
+            dtype = torch.promote_types(h.dtype, self.weight.dtype)
+            return head_logits(h.to(dtype), self.weight.to(dtype),
+                               None if self.bias is None else self.bias.to(dtype))
+
+
+class DistillationKernel(ChunkKernel):
+    """The distillation loss as a chunk kernel: results ``(loss, divergence, ce, top1_match)``
+    per token, the loss differentiable; nothing saved (its recompute schedule reruns both
+    heads).
+
+    Args:
+        teacher: the :class:`Teacher` of the same ``N`` tokens (its lm_head over the same
+            vocabulary rows as the student's).
+        labels: ``[N]`` int64 global ids or ``opts.ignore_index``.
+        opts: the options.
+        vocab: this device's :class:`~megaloss.ops.chunk_kernel.VocabSlice`.
+    """
+
+    n_outputs, n_differentiable, saved = 4, 1, ()
+
+    def __init__(self, teacher: Teacher, labels: torch.Tensor, opts: DistillationOptions,
+                 vocab: VocabSlice):
+        self.teacher, self.labels, self.opts, self.vocab = teacher, labels, opts, vocab
+
+    def forward(self, logits, rows, coef):
+        vocab = self.vocab
+        res = distillation_epilogue(
+            logits, self.teacher.chunk(rows), self.labels[rows], coef, self.opts,
+            vocab_size=vocab.vocab_size, vocab_start=vocab.start, reduce_max=vocab.reduce_max,
+            reduce_sum=vocab.reduce_sum)
+        return (res.loss, res.divergence, res.ce, res.top1_match), res.grad_logits
+
+    def backward(self, logits, rows, saved: Sequence[torch.Tensor], upstream):
+        return self.forward(logits, rows, upstream[0])[1]
 
 
 def _full_chunk(y, tanh, t, valid, in_slice, target_idx, coef, opts: DistillationOptions,
@@ -180,7 +240,7 @@ def _full_chunk(y, tanh, t, valid, in_slice, target_idx, coef, opts: Distillatio
     p.div_(sums[1].unsqueeze(1))
     lse_y = lse_s if temp == 1.0 else y_max + sums[4].log()
     ce = lse_y - sums[3]
-    top1 = _where(valid, sums[2].clamp(max=1.0))
+    top1 = where0(valid, sums[2].clamp(max=1.0))
     need_grad = coef is not None
     if kind == "forward_kl":
         divergence = reduce_sum(_row_dot(p, log_p - log_q).unsqueeze(0))[0]  # round 3
@@ -200,14 +260,14 @@ def _full_chunk(y, tanh, t, valid, in_slice, target_idx, coef, opts: Distillatio
                   if need_grad else None)
     loss = _combine(divergence, ce, valid, opts)
     if not need_grad:
-        return DistillationChunk(loss, _where(valid, divergence), _where(valid, ce), top1, None)
+        return DistillationChunk(loss, where0(valid, divergence), where0(valid, ce), top1, None)
 
     def probs_y():  # softmax(y) = exp(T (log Q + lse_s) - lse_y), formed only when alpha > 0
         return (log_q + lse_s.unsqueeze(1)).mul_(temp).sub_(lse_y.unsqueeze(1)).exp_()
 
     grad = _logit_gradient(grad_s, probs_y, in_slice, target_idx, tanh, coef.to(sdt), temp,
                            opts)
-    return DistillationChunk(loss, _where(valid, divergence), _where(valid, ce), top1, grad)
+    return DistillationChunk(loss, where0(valid, divergence), where0(valid, ce), top1, grad)
 
 
 def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -243,7 +303,7 @@ def _combine(divergence, ce, valid, opts):
     loss = opts.soft_scale * divergence
     if opts.alpha > 0:
         loss = loss + opts.alpha * ce
-    return _where(valid, loss)
+    return where0(valid, loss)
 
 
 def _logit_gradient(grad_s, probs_y, in_slice, target_idx, tanh, coef, temp, opts):
@@ -256,9 +316,7 @@ def _logit_gradient(grad_s, probs_y, in_slice, target_idx, tanh, coef, temp, opt
         if grad.shape[1] > 0:
             grad.scatter_add_(1, target_idx, (-opts.alpha * coef * in_slice).unsqueeze(1)
                               .to(grad.dtype))
-    if tanh is not None:
-        grad.mul_(1.0 - tanh * tanh)
-    return grad
+    return softcap_chain_(grad, tanh)
 
 
 def _topk_chunk(s, y, tanh, teacher: TopKTeacher, labels, valid, in_slice, target_idx, coef,
@@ -277,9 +335,9 @@ def _topk_chunk(s, y, tanh, teacher: TopKTeacher, labels, valid, in_slice, targe
     s_max = reduce_max(s_max_local.clone())                               # round 1
     exp_s = (s - s_max.unsqueeze(1)).exp()
     if n_local > 0:
-        exp_k = _where(held, exp_s.gather(1, idx))
+        exp_k = where0(held, exp_s.gather(1, idx))
         in_k = torch.zeros_like(exp_s).scatter_add_(1, idx, held.to(sdt)) > 0
-        tail = _where(~in_k, exp_s).sum(dim=1)
+        tail = where0(~in_k, exp_s).sum(dim=1)
         s_k = s.gather(1, idx)
     else:
         exp_k = torch.zeros_like(log_p_k)
@@ -302,34 +360,34 @@ def _topk_chunk(s, y, tanh, teacher: TopKTeacher, labels, valid, in_slice, targe
     # A tail without tokens (all V ids used) has no mass at all.
     p_tail = (-torch.expm1(lse_p.clamp(max=0.0))).clamp_min(torch.finfo(sdt).tiny)
     no_tail = torch.isfinite(log_p_k).sum(dim=1, keepdim=True) >= vocab_size
-    p_tail = _where(~no_tail, p_tail)
+    p_tail = where0(~no_tail, p_tail)
     log_p_tail = p_tail.log()
     d_k, g_k = _terms(kind, opts.beta, log_p_k, log_q_k)
     d_tail, g_tail = _terms(kind, opts.beta, log_p_tail, log_q_tail)
-    parts = [_where(held, d_k).sum(dim=1)]
+    parts = [where0(held, d_k).sum(dim=1)]
     if g_k is not None:
-        parts.append(_where(held, log_q_k.exp() * g_k).sum(dim=1))
+        parts.append(where0(held, log_q_k.exp() * g_k).sum(dim=1))
     parts = reduce_sum(torch.stack(parts))                                # round 3
     divergence = parts[0] + d_tail.squeeze(1)
     ce, probs_y = _ce_value(y, s_max, sums, ce_extra, temp, opts)
     loss = _combine(divergence, ce, valid, opts)
-    top1 = _where(valid, sums[2].clamp(max=1.0))
+    top1 = where0(valid, sums[2].clamp(max=1.0))
     if coef is None:
-        return DistillationChunk(loss, _where(valid, divergence), _where(valid, ce), top1, None)
+        return DistillationChunk(loss, where0(valid, divergence), where0(valid, ce), top1, None)
     q = exp_s / sums[0].unsqueeze(1)
     if g_k is None:  # forward KL: Q_j - P_j on the top-k, Q_j (1 - P_tail / Q_tail) in the tail
         grad_s = q.clone()
         if n_local > 0:
-            grad_s.scatter_add_(1, idx, _where(held, -log_p_k.exp()))
+            grad_s.scatter_add_(1, idx, where0(held, -log_p_k.exp()))
         tail_ratio = p_tail / sums[1].clamp_min(torch.finfo(sdt).tiny).unsqueeze(1)
-        grad_s.sub_(_where(~in_k, exp_s * tail_ratio))
+        grad_s.sub_(where0(~in_k, exp_s * tail_ratio))
     else:
-        g_bar = (parts[1] + _where(log_q_tail.isfinite(), log_q_tail.exp() * g_tail).squeeze(1))
+        g_bar = (parts[1] + where0(log_q_tail.isfinite(), log_q_tail.exp() * g_tail).squeeze(1))
         g_full = torch.where(in_k, torch.zeros((), dtype=sdt, device=s.device), g_tail)
         if n_local > 0:
-            g_full = g_full.scatter_add(1, idx, _where(held, g_k))
+            g_full = g_full.scatter_add(1, idx, where0(held, g_k))
         grad_s = q.mul_(g_full - g_bar.unsqueeze(1))
     grad = _logit_gradient(
         grad_s, lambda: probs_y if probs_y is not None else (y - lse_s.unsqueeze(1)).exp(),
         in_slice, target_idx, tanh, coef.to(sdt), temp, opts)
-    return DistillationChunk(loss, _where(valid, divergence), _where(valid, ce), top1, grad)
+    return DistillationChunk(loss, where0(valid, divergence), where0(valid, ce), top1, grad)

@@ -34,7 +34,8 @@ Statistics are kept in fp32 (fp64 for fp64 inputs). Two epilogues compute this, 
 ``opts.impl`` as for the cross-entropy (:func:`megaloss.ops.cross_entropy_chunk.epilogue_impl`):
 the torch one here (any device, the reference) and two fused Triton kernels in
 :mod:`megaloss.ops.triton_log_probs` (CUDA, or CPU under Triton's interpreter); both finish with
-:func:`results_from_stats`.
+:func:`results_from_stats`. :class:`megaloss.ops.log_probs_kernel.LogProbsKernel` is their
+chunk kernel for the chunk driver.
 """
 from __future__ import annotations
 
@@ -42,11 +43,11 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .chunk_stats import Reduce, no_reduce, stats_dtype
+from .chunk_kernel import Reduce, label_columns, no_reduce, softcap, softcap_chain_, stats_dtype
 from .options import LogProbsOptions
 
-__all__ = ["LogProbsChunk", "chunk_log_probs", "chunk_log_probs_grad", "scaled_logits",
-           "results_from_stats"]
+__all__ = ["LogProbsChunk", "chunk_log_probs", "chunk_log_probs_grad",
+           "scaled_logits", "results_from_stats"]
 
 
 class LogProbsChunk(NamedTuple):
@@ -67,21 +68,10 @@ def scaled_logits(logits: torch.Tensor, opts: LogProbsOptions
     """``(y, tanh)``: ``y = softcap(logits) / T`` in the stats dtype (the caller's buffer is
     reused when it already has that dtype and no soft-cap applies), and ``tanh(z / c)`` for the
     chain rule (``None`` without soft-capping)."""
-    y = logits.to(stats_dtype(logits.dtype))
-    tanh = None
-    if opts.logit_softcapping is not None:
-        tanh = torch.tanh(y / opts.logit_softcapping)
-        y = tanh * opts.logit_softcapping
+    y, tanh = softcap(logits.to(stats_dtype(logits.dtype)), opts.logit_softcapping)
     if opts.temperature != 1.0:
         y = y.div_(opts.temperature)
     return y, tanh
-
-
-def _label_index(labels: torch.Tensor, opts: LogProbsOptions, vocab_start: int, n_local: int):
-    valid = labels != opts.ignore_index
-    local = labels - vocab_start
-    in_slice = valid & (local >= 0) & (local < n_local)
-    return valid, in_slice, local.clamp(0, max(n_local - 1, 0)).unsqueeze(1)
 
 
 def chunk_log_probs(logits: torch.Tensor, labels: torch.Tensor, opts: LogProbsOptions, *,
@@ -99,7 +89,7 @@ def chunk_log_probs(logits: torch.Tensor, labels: torch.Tensor, opts: LogProbsOp
     """
     n_rows, n_local = logits.shape
     y, _ = scaled_logits(logits, opts)
-    valid, in_slice, idx = _label_index(labels, opts, vocab_start, n_local)
+    valid, in_slice, idx = label_columns(labels, opts.ignore_index, vocab_start, n_local)
     if n_local > 0:  # a vocab-parallel rank may hold no real vocab rows
         row_max = y.amax(dim=1)
         target = y.gather(1, idx).squeeze(1) * in_slice
@@ -157,7 +147,7 @@ def chunk_log_probs_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.
     """
     n_local = logits.shape[1]
     y, tanh = scaled_logits(logits, opts)
-    _, in_slice, idx = _label_index(labels, opts, vocab_start, n_local)
+    _, in_slice, idx = label_columns(labels, opts.ignore_index, vocab_start, n_local)
     a = grad_log_probs.to(y.dtype)
     if grad_entropy is None:
         grad = y.sub_(lse.unsqueeze(1)).exp_().mul_(-a.unsqueeze(1))
@@ -170,8 +160,8 @@ def chunk_log_probs_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.
         del probs
     if n_local > 0:
         grad.scatter_add_(1, idx, (a * in_slice).unsqueeze(1))
-    if tanh is not None:
-        grad.mul_(1.0 - tanh * tanh)
+    softcap_chain_(grad, tanh)
     if opts.temperature != 1.0:
         grad.div_(opts.temperature)
     return grad
+

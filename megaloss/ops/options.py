@@ -10,6 +10,9 @@ are built from these dataclasses) or the functional API's keyword arguments down
 - :class:`DPOOptions`: the preference losses (DPO sigmoid, IPO) of :func:`megaloss.dpo_loss`.
 - :class:`DistillationOptions`: the linear distillation loss (single-device and vocab-parallel).
 - :func:`resolve_options`: ``options=`` or the option keywords of an entry point, not both.
+
+Every options class (and :class:`megaloss.VocabParallelOptions`) is a frozen dataclass on
+:class:`OptionsBase`: ``replace(**changes)`` (a validated copy) and ``as_dict()``.
 """
 from __future__ import annotations
 
@@ -19,10 +22,30 @@ from typing import Any, Dict, Optional, Type, TypeVar
 
 import torch
 
-__all__ = ["CrossEntropyOptions", "CE_REDUCTIONS", "CE_IMPLS", "MNROptions", "SIMILARITIES",
-           "LogProbsOptions", "mnr_option_error", "resolve_options", "PolicyLossOptions",
-           "POLICY_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "DPOOptions", "DPO_LOSS_TYPES",
-           "DistillationOptions", "DISTILLATION_KINDS"]
+__all__ = ["OptionsBase", "CrossEntropyOptions", "CE_REDUCTIONS", "CE_IMPLS", "MNROptions",
+           "SIMILARITIES", "LogProbsOptions", "mnr_option_error", "resolve_options",
+           "module_options", "PolicyLossOptions", "POLICY_LOSS_TYPES",
+           "IMPORTANCE_SAMPLING_LEVELS", "DPOOptions", "DPO_LOSS_TYPES", "DistillationOptions",
+           "DISTILLATION_KINDS"]
+
+OptionsT = TypeVar("OptionsT", bound="OptionsBase")
+
+
+class OptionsBase:
+    """What every frozen options dataclass of megaloss shares."""
+
+    def replace(self: OptionsT, **changes: Any) -> OptionsT:
+        """A copy with ``changes`` applied (validated again).
+
+        Raises:
+            ValueError / TypeError: a changed field out of range or of the wrong type.
+        """
+        return replace(self, **changes)
+
+    def as_dict(self) -> Dict[str, Any]:
+        """``{field name: value}`` in field order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
 
 CE_REDUCTIONS = ("mean", "sum", "none")
 CE_IMPLS = ("auto", "torch", "triton")
@@ -30,7 +53,7 @@ SIMILARITIES = ("cosine", "dot")
 
 
 @dataclass(frozen=True)
-class CrossEntropyOptions:
+class CrossEntropyOptions(OptionsBase):
     """Options of :func:`megaloss.linear_cross_entropy` and its vocab-parallel form.
 
     Attributes:
@@ -81,13 +104,6 @@ class CrossEntropyOptions:
         # Python floats whatever numeric type came in (ints, numpy scalars).
         object.__setattr__(self, "label_smoothing", float(self.label_smoothing))
         object.__setattr__(self, "z_loss", float(self.z_loss))
-
-    def replace(self, **changes: Any) -> "CrossEntropyOptions":
-        """A copy with ``changes`` applied (validated)."""
-        return replace(self, **changes)
-
-    def as_dict(self) -> Dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _check_float(name: str, value: Any, low: float, high: float, *, open_low: bool = False,
@@ -148,7 +164,7 @@ def _check_chunk_fields(options: Any) -> None:
 
 
 @dataclass(frozen=True)
-class MNROptions:
+class MNROptions(OptionsBase):
     """Options of :func:`megaloss.mnr_loss` and :class:`megaloss.MultipleNegativesRankingLoss`.
 
     Attributes:
@@ -182,13 +198,6 @@ class MNROptions:
                 raise error
         object.__setattr__(self, "temperature", float(self.temperature))
 
-    def replace(self, **changes: Any) -> "MNROptions":
-        """A copy with ``changes`` applied (validated)."""
-        return replace(self, **changes)
-
-    def as_dict(self) -> Dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 def mnr_option_error(name: str, value: Any) -> Optional[Exception]:
     """The error for MNR option ``name`` set to ``value``, or ``None`` when it is valid (one
@@ -208,7 +217,7 @@ def mnr_option_error(name: str, value: Any) -> Optional[Exception]:
 
 
 @dataclass(frozen=True)
-class LogProbsOptions:
+class LogProbsOptions(OptionsBase):
     """Options of :func:`megaloss.linear_log_probs` and :class:`megaloss.LinearLogProbs`.
 
     The scaled logits are ``y = softcap(z) / temperature``: soft-capping acts on the raw lm_head
@@ -250,13 +259,6 @@ class LogProbsOptions:
         _check_chunk_fields(self)
         object.__setattr__(self, "temperature", float(self.temperature))
 
-    def replace(self, **changes: Any) -> "LogProbsOptions":
-        """A copy with ``changes`` applied (validated)."""
-        return replace(self, **changes)
-
-    def as_dict(self) -> Dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 # --- policy-gradient and preference losses ---------------------------------------------------
 
@@ -266,7 +268,7 @@ DPO_LOSS_TYPES = ("sigmoid", "ipo")
 
 
 @dataclass(frozen=True)
-class PolicyLossOptions:
+class PolicyLossOptions(OptionsBase):
     """Options of :func:`megaloss.policy_loss` (names and defaults of TRL 1.16's ``GRPOConfig``,
     ``trl/trainer/grpo_config.py``).
 
@@ -336,16 +338,9 @@ class PolicyLossOptions:
         if self.delta is not None:
             object.__setattr__(self, "delta", float(self.delta))
 
-    def replace(self, **changes: Any) -> "PolicyLossOptions":
-        """A copy with ``changes`` applied (validated)."""
-        return replace(self, **changes)
-
-    def as_dict(self) -> Dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 @dataclass(frozen=True)
-class DPOOptions:
+class DPOOptions(OptionsBase):
     """Options of :func:`megaloss.dpo_loss` (names and defaults of TRL 1.16's ``DPOConfig``,
     ``trl/trainer/dpo_config.py``).
 
@@ -368,13 +363,6 @@ class DPOOptions:
         _check_finite_positive("beta", self.beta)
         object.__setattr__(self, "beta", float(self.beta))
 
-    def replace(self, **changes: Any) -> "DPOOptions":
-        """A copy with ``changes`` applied (validated)."""
-        return replace(self, **changes)
-
-    def as_dict(self) -> Dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 # --- end of policy-gradient and preference losses --------------------------------------------
 
 
@@ -383,7 +371,7 @@ DISTILLATION_KINDS = ("forward_kl", "reverse_kl", "jsd")
 
 
 @dataclass(frozen=True)
-class DistillationOptions:
+class DistillationOptions(OptionsBase):
     """Options of :func:`megaloss.linear_distillation_loss` and its vocab-parallel form.
 
     With ``P`` the teacher's and ``Q`` the student's distribution at ``temperature`` (softmax of
@@ -459,13 +447,6 @@ class DistillationOptions:
         """``(1 - alpha) * T2``: the divergence's factor in the loss."""
         t2 = self.temperature ** 2 if self.temperature_squared else 1.0
         return (1.0 - self.alpha) * t2
-
-    def replace(self, **changes: Any) -> "DistillationOptions":
-        """A copy with ``changes`` applied (validated)."""
-        return replace(self, **changes)
-
-    def as_dict(self) -> Dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 # --- end distillation --------------------------------------------------------------------------
 
 
@@ -497,6 +478,24 @@ def resolve_options(cls: Type[Options], options: Optional[Options],
     if clash:
         raise TypeError(f"pass either options= or the option keywords, not both: got options= "
                         f"and {', '.join(clash)}")
+    return options
+
+
+def module_options(cls: Type[Options], options: Optional[Options],
+                   option_fields: Dict[str, Any]) -> Options:
+    """The options of a loss module built with ``options=`` *or* the option fields as keyword
+    arguments (only those given).
+
+    Raises:
+        TypeError: both given, or ``options`` not a ``cls``.
+        ValueError: an option out of range (from ``cls``).
+    """
+    if options is None:
+        return cls(**option_fields)
+    if option_fields:
+        raise TypeError("pass either options or its fields as keyword arguments, not both")
+    if not isinstance(options, cls):
+        raise TypeError(f"options must be a {cls.__name__}, got {type(options).__name__}")
     return options
 
 

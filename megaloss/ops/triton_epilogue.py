@@ -48,7 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_stats import ChunkResult, Reduce, loss_from_stats
+from .chunk_kernel import Reduce
+from .chunk_stats import ChunkResult, loss_from_stats
 from .options import CrossEntropyOptions
 
 __all__ = ["triton_chunk_epilogue", "interpreted", "MAX_BLOCK"]
@@ -199,12 +200,13 @@ def triton_chunk_epilogue(
             packed[0].mul_(torch.exp(local_max - row_max))
             packed = reduce_sum(packed)
             # Step 3: the loss from the statistics.
-            loss, lse = loss_from_stats(row_max, packed, labels, opts, vocab_size)
+            loss, lse, correct = loss_from_stats(row_max, packed, labels, opts, vocab_size)
         else:
             lse = lse.to(torch.float32)
             loss = torch.zeros_like(lse)
+            correct = None
         if coef is None:
-            return ChunkResult(loss, lse, None)
+            return ChunkResult(loss, lse, None, correct)
         if n_rows > 0 and n_cols > 0:  # pass 2 (step 4): the gradient, over the logits
             block = min(_block(n_cols), 2048)
             _grad_kernel[(n_rows, triton.cdiv(n_cols, block))](
@@ -212,4 +214,4 @@ def triton_chunk_epilogue(
                 coef.to(torch.float32).contiguous(), n_cols, vocab_start, opts.ignore_index,
                 1.0 if cap is None else cap, 2.0 * opts.z_loss, eps / vocab_size, 1.0 - eps,
                 HAS_CAP=cap is not None, BLOCK=block, num_warps=4)
-    return ChunkResult(loss, lse, logits)
+    return ChunkResult(loss, lse, logits, correct)

@@ -15,7 +15,7 @@ helpers it reuses).
    columns): ``(a [j = label] - p_j (a + b (y_j - mu))) (1 - tanh^2) / T`` over the recomputed
    raw logits, stored in their dtype.
 
-Imports ``triton``: :mod:`megaloss.ops.chunked_log_probs` imports this module only when the
+Imports ``triton``: :mod:`megaloss.ops.log_probs_chunk` imports this module only when the
 Triton epilogue is selected.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_stats import Reduce, no_reduce
+from .chunk_kernel import Reduce, no_reduce
 from .log_probs_chunk import LogProbsChunk, results_from_stats
 from .options import LogProbsOptions
 from .triton_epilogue import _block, _device_guard, _tanh

@@ -176,7 +176,7 @@ def mnr_call(batch_sizes: Sequence[int], dim: int, *, negatives: int = 0,
              symmetric: bool = False, local_loss: bool = True, metrics: bool = True,
              duplicate_ids: bool = False, embedding_bytes: int = 4,
              similarity: str = "cosine") -> Dict[str, Traffic]:
-    """One ``mnr_loss`` / ``mnr_loss_with_stats`` call over a DP group whose ranks hold
+    """One ``mnr_loss`` call over a DP group whose ranks hold
     ``batch_sizes`` pairs (``len`` = DP), per rank.
 
     Forward: an all-gather of 11 int64 of metadata; the autograd all-gather of every rank's
@@ -377,17 +377,18 @@ def _layout_topology(tp: int, dp: int, sp: int):
 
 def gradcache_mnr_step(encoder, query_chunks, document_chunks, **loss_options):
     """One GradCache step of the gathered MNR loss (module docstring): embed every chunk without
-    gradients, ``mnr_loss_with_stats`` once over all of them, then re-encode chunk by chunk
-    and back-propagate the cached embedding gradients into ``encoder``. Returns the loss."""
+    gradients, ``mnr_loss(..., return_stats=True)`` once over all of them, then re-encode chunk
+    by chunk and back-propagate the cached embedding gradients into ``encoder``. Returns the
+    loss."""
     import torch
 
-    from megaloss import mnr_loss_with_stats
+    from megaloss import mnr_loss
     with torch.no_grad():
         q = torch.cat([encoder(x) for x in query_chunks])
         d = torch.cat([encoder(x) for x in document_chunks])
     q.requires_grad_(True)
     d.requires_grad_(True)
-    out = mnr_loss_with_stats(q, d, **loss_options)
+    out = mnr_loss(q, d, return_stats=True, **loss_options)
     out.loss.backward()
     start = 0
     for xq, xd in zip(query_chunks, document_chunks):
@@ -407,8 +408,8 @@ def _measure_world(rank: int, world: int) -> List[Dict[str, Any]]:
         EngineScale,
         LossCalibrator,
         VocabParallelOptions,
-        linear_cross_entropy_with_stats,
-        mnr_loss_with_stats,
+        linear_cross_entropy,
+        mnr_loss,
     )
     from megaloss.integrations.hf import step_loss_weights
     from megaloss.losses.vocab_parallel import vocab_shard_range
@@ -437,8 +438,8 @@ def _measure_world(rank: int, world: int) -> List[Dict[str, Any]]:
                                        label_smoothing=0.1 if o["label_smoothing"] else 0.0,
                                        z_loss=1e-4)
             with counter.phase("fwd"):
-                res = linear_cross_entropy_with_stats(
-                    h, w, labels, loss_weights=weights, options=opts,
+                res = linear_cross_entropy(
+                    h, w, labels, loss_weights=weights, options=opts, return_stats=True,
                     vocab_parallel_options=VocabParallelOptions(
                         tp_group=topo.tp_group, vocab_size=o["vocab"],
                         sequence_parallel=o["sequence_parallel"]))
@@ -471,9 +472,9 @@ def _measure_world(rank: int, world: int) -> List[Dict[str, Any]]:
                    .requires_grad_(True) if o["negatives"] else None)
             ids = torch.randint(0, 3, (b,), generator=g) if o["duplicate_ids"] else None
             with counter.phase("fwd"):
-                res = mnr_loss_with_stats(q, p, neg, similarity=o["similarity"],
-                                            symmetric=o["symmetric"], group=dg,
-                                            local_loss=o["local_loss"], duplicate_ids=ids)
+                res = mnr_loss(q, p, neg, similarity=o["similarity"], return_stats=True,
+                               symmetric=o["symmetric"], group=dg,
+                               local_loss=o["local_loss"], duplicate_ids=ids)
             with counter.phase("bwd"):
                 res.loss.backward()
             out.append(_record(case, o, tp, dp, sp, rank, counter))
@@ -493,7 +494,7 @@ def _measure_world(rank: int, world: int) -> List[Dict[str, Any]]:
                 else:
                     ws = step_loss_weights([b] * STEP_GAS, dg)
                     for i in range(STEP_GAS):
-                        res = mnr_loss_with_stats(enc(xq[i]), enc(xd[i]), group=dg)
+                        res = mnr_loss(enc(xq[i]), enc(xd[i]), group=dg, return_stats=True)
                         (res.loss * ws[i]).backward()
             name = "mnr-step-cached" if cached else "mnr-step"
             out.append(_record(name, o, tp, dp, sp, rank, counter))

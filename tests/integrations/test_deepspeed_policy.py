@@ -144,7 +144,8 @@ def _reference(state, data):
         if isinstance(opts, PolicyLossOptions):
             old = lp.detach() + 0.15 * noise[0]
             ref = lp.detach() + 0.1 * noise[1]
-            out = policy_loss(lp, old, adv, mask, ref_log_probs=ref, entropy=ent, options=opts)
+            out = policy_loss(lp, old, adv, mask, ref_log_probs=ref, entropy=ent, options=opts,
+                              return_stats=True)
             m = policy_metrics(out.stats, opts, group=SINGLE_RANK)
             side.append((old.float(), ref.float()))
         else:
@@ -152,7 +153,8 @@ def _reference(state, data):
             ref = (seq.detach() + noise[0, :, 0])
             n = mask.sum(-1)
             out = dpo_loss(seq[:half], seq[half:], ref[:half], ref[half:],
-                           chosen_lengths=n[:half], rejected_lengths=n[half:], options=opts)
+                           chosen_lengths=n[:half], rejected_lengths=n[half:], options=opts,
+                           return_stats=True)
             m = dpo_metrics(out.stats, group=SINGLE_RANK)
             side.append((ref[:half].float(), ref[half:].float()))
         out.loss.backward()

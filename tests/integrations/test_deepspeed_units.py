@@ -33,7 +33,7 @@ def test_vocab_parallel_head_is_tagged_for_deepspeed():
     """The TP head the wrapper installs is what DeepSpeed counts once per TP group."""
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
-    from megaloss.losses.vocab_parallel import VocabParallelLMHead
+    from megaloss.losses.vocab_parallel_head import VocabParallelLMHead
     head = VocabParallelLMHead(4, 10)
     assert all(is_model_parallel_parameter(p) for p in head.parameters())
 

@@ -113,7 +113,7 @@ def test_micro_batches_give_the_whole_batch_loss(loss_type):
                                      entropy_coef=0.01, max_completion_length=T)
     expected = policy_loss(whole_lp, batch["old_per_token_logps"], batch["advantages"],
                            batch["completion_mask"], ref_log_probs=batch["ref_per_token_logps"],
-                           entropy=whole_ent, options=opts)
+                           entropy=whole_ent, options=opts, return_stats=True)
     expected.loss.backward()
     assert abs(float(loss) - float(expected.loss.detach())) <= TOL
     torch.testing.assert_close(grad, whole_lp.grad, rtol=TOL, atol=TOL)

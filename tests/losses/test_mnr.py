@@ -10,12 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaloss.losses.mnr import (
-    MNROutput,
-    MultipleNegativesRankingLoss,
-    mnr_loss,
-    mnr_loss_with_metrics,
-)
+from megaloss._deprecated import mnr_loss_with_metrics
+from megaloss.losses.mnr import MNROutput, MultipleNegativesRankingLoss, mnr_loss
 
 TOL = dict(rtol=1e-9, atol=1e-11)  # float64 end to end; only summation order differs
 

@@ -96,7 +96,7 @@ def test_matches_trl_compute_loss(case):
     ours_in = [lp.clone().requires_grad_(), ent.clone().requires_grad_()]
     trl_in = [lp.clone().requires_grad_(), ent.clone().requires_grad_()]
     out = policy_loss(ours_in[0], old, adv, mask, ref_log_probs=ref, entropy=ours_in[1],
-                      options=opts)
+                      options=opts, return_stats=True)
     ref_loss, ref_metrics = _trl_loss(opts, trl_in[0], old, ref, trl_in[1], adv, mask)
     value, expected = float(out.loss.detach()), float(ref_loss.detach())
     assert abs(value - expected) <= TOL * max(1.0, abs(expected))
@@ -123,7 +123,8 @@ def test_micro_batches_sum_to_the_whole_batch(loss_type):
                              else 0.2)
     lp, old, ref, ent, adv, mask = _batch(1)
     whole = lp.clone().requires_grad_()
-    ref_out = policy_loss(whole, old, adv, mask, ref_log_probs=ref, entropy=ent, options=opts)
+    ref_out = policy_loss(whole, old, adv, mask, ref_log_probs=ref, entropy=ent, options=opts,
+                          return_stats=True)
     ref_out.loss.backward()
 
     split = lp.clone().requires_grad_()
@@ -137,7 +138,8 @@ def test_micro_batches_sum_to_the_whole_batch(loss_type):
     total, stats = 0.0, []
     for i, (p, o, a, m, r, e) in enumerate(micro):
         out = policy_loss(p, o, a, m, ref_log_probs=r, entropy=e,
-                          weights=policy_loss_weights(step, i, opts), options=opts)
+                          weights=policy_loss_weights(step, i, opts), options=opts,
+                          return_stats=True)
         step.loss_for_backward(out.loss).backward()
         total = total + float(out.loss)
         stats.append(out.stats)
@@ -152,16 +154,16 @@ def test_micro_batches_sum_to_the_whole_batch(loss_type):
 def test_bad_inputs_name_the_argument():
     lp, old, ref, ent, adv, mask = _batch()
     with pytest.raises(ValueError, match="ref_log_probs is required"):
-        policy_loss(lp, old, adv, mask, beta=0.1)
+        policy_loss(lp, old, adv, mask, beta=0.1, return_stats=True)
     with pytest.raises(ValueError, match="entropy is required"):
-        policy_loss(lp, old, adv, mask, entropy_coef=0.1)
+        policy_loss(lp, old, adv, mask, entropy_coef=0.1, return_stats=True)
     with pytest.raises(ValueError, match="old_log_probs must have shape"):
-        policy_loss(lp, old[:, :3], adv, mask)
+        policy_loss(lp, old[:, :3], adv, mask, return_stats=True)
     with pytest.raises(ValueError, match="advantages must have shape"):
-        policy_loss(lp, old, adv[:2], mask)
+        policy_loss(lp, old, adv[:2], mask, return_stats=True)
     with pytest.raises(ValueError, match="max_completion_length"):
-        policy_loss(lp, old, adv, mask, loss_type="dr_grpo")
+        policy_loss(lp, old, adv, mask, loss_type="dr_grpo", return_stats=True)
     with pytest.raises(ValueError, match="loss_type must be one of"):
         PolicyLossOptions(loss_type="ppo")
     with pytest.raises(TypeError, match="not both"):
-        policy_loss(lp, old, adv, mask, options=PolicyLossOptions(), beta=0.5)
+        policy_loss(lp, old, adv, mask, options=PolicyLossOptions(), beta=0.5, return_stats=True)

@@ -64,7 +64,7 @@ def test_matches_trl_compute_loss(loss_type, beta):
     seq = sequence_log_probs(ours, mask)
     n = mask.sum(-1)
     out = dpo_loss(seq[:P], seq[P:], ref[:P], ref[P:], chosen_lengths=n[:P],
-                   rejected_lengths=n[P:], options=opts)
+                   rejected_lengths=n[P:], options=opts, return_stats=True)
     ref_loss, ref_metrics = _trl(opts, theirs, ref, mask)
     assert abs(float(out.loss.detach()) - float(ref_loss.detach())) <= TOL
     out.loss.backward()
@@ -84,7 +84,7 @@ def test_micro_batches_sum_to_the_whole_batch(loss_type):
     whole = lp.clone().requires_grad_()
     seq = sequence_log_probs(whole, mask)
     expected = dpo_loss(seq[:P], seq[P:], ref[:P], ref[P:], chosen_lengths=n[:P],
-                        rejected_lengths=n[P:], options=opts)
+                        rejected_lengths=n[P:], options=opts, return_stats=True)
     expected.loss.backward()
 
     split = lp.clone().requires_grad_()
@@ -98,7 +98,7 @@ def test_micro_batches_sum_to_the_whole_batch(loss_type):
     total, stats = torch.zeros((), dtype=torch.float64), []
     for i, (c, r, rc, rr, nc, nr, _) in enumerate(parts):
         out = dpo_loss(c, r, rc, rr, chosen_lengths=nc, rejected_lengths=nr,
-                       pair_weights=dpo_pair_weights(step, i), options=opts)
+                       pair_weights=dpo_pair_weights(step, i), options=opts, return_stats=True)
         total = total + step.loss_for_backward(out.loss)
         stats.append(out.stats)
     total.backward()
@@ -111,9 +111,9 @@ def test_micro_batches_sum_to_the_whole_batch(loss_type):
 def test_bad_inputs_name_the_argument():
     x = torch.zeros(3, dtype=torch.float64)
     with pytest.raises(ValueError, match="chosen_lengths is required"):
-        dpo_loss(x, x, x, x, loss_type="ipo")
+        dpo_loss(x, x, x, x, loss_type="ipo", return_stats=True)
     with pytest.raises(ValueError, match="rejected_log_probs must have shape"):
-        dpo_loss(x, x[:2], x, x)
+        dpo_loss(x, x[:2], x, x, return_stats=True)
     with pytest.raises(ValueError, match="beta must be"):
         DPOOptions(beta=0.0)
     with pytest.raises(ValueError, match="loss_type must be one of"):

@@ -148,7 +148,7 @@ def test_grad_cache_module_is_not_shadowed_and_the_old_function_warns():
     import megaloss.losses
     from megaloss.losses import grad_cache as module
     assert inspect.ismodule(megaloss.losses.grad_cache) and module is megaloss.losses.grad_cache
-    from megaloss.losses.grad_cache import grad_cache as old_function
+    from megaloss._deprecated import grad_cache as old_function
 
     enc = torch.nn.Linear(3, 2).double()
     batch = torch.randn(6, 3, dtype=torch.float64)

@@ -197,3 +197,31 @@ def test_single_process_is_the_plain_loss():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="ceil"):
         megaloss.vocab_parallel_linear_cross_entropy(hidden, weight, labels, vocab_size=3)
+
+
+def _bad_shard_worker(rank, world):
+    import megaloss
+    hidden = torch.randn(6, 4, dtype=torch.float64)
+    rows = 19 if rank == 0 else 18  # V 37 at TP 2 wants 19 rows; rank 1 passes the unpadded 18
+    weight = torch.randn(rows, 4, dtype=torch.float64)
+    labels = torch.zeros(6, dtype=torch.long)
+    parallel = megaloss.VocabParallelOptions(vocab_size=37)
+    messages = []
+    for fn in (megaloss.linear_cross_entropy, megaloss.linear_log_probs):
+        try:
+            fn(hidden, weight, labels, vocab_parallel_options=parallel)
+        except ValueError as e:
+            messages.append(str(e))
+        else:
+            messages.append(None)
+    return messages
+
+
+def test_a_bad_shard_on_one_rank_raises_on_every_rank():
+    """The shard-rows check is local; it is agreed on with the others before any collective
+    that depends on it, so no rank waits for one that raised."""
+    msgs = run_distributed(_bad_shard_worker, 2, timeout=120)
+    for ce, lp in msgs[1:]:
+        assert "ceil(vocab_size / tp) = 19 rows" in ce and "ceil(vocab_size / tp)" in lp
+    for m in msgs[0]:
+        assert m is not None and "tensor-parallel rank(s) [1]" in m, msgs

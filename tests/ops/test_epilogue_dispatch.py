@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import megaloss
-from megaloss.ops import cross_entropy_chunk
+from megaloss.ops import epilogue_choice
 from megaloss.ops.cross_entropy_chunk import epilogue_impl
 from megaloss.ops.options import CE_IMPLS, CrossEntropyOptions
 
@@ -29,15 +29,15 @@ def test_auto_and_torch_take_torch_on_cpu(monkeypatch):
 
 def test_forced_triton_refusals(monkeypatch):
     logits = torch.zeros(2, 3)
-    monkeypatch.setattr(cross_entropy_chunk, "_triton_importable", lambda: True)
-    monkeypatch.setattr(cross_entropy_chunk, "_interpreter_ready", lambda: False)
+    monkeypatch.setattr(epilogue_choice, "_triton_importable", lambda: True)
+    monkeypatch.setattr(epilogue_choice, "_interpreter_ready", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         epilogue_impl("triton", logits)
-    monkeypatch.setattr(cross_entropy_chunk, "_interpreter_ready", lambda: True)
+    monkeypatch.setattr(epilogue_choice, "_interpreter_ready", lambda: True)
     assert epilogue_impl("triton", logits) == "triton"
     with pytest.raises(ValueError, match="float64"):
         epilogue_impl("triton", logits.double())
-    monkeypatch.setattr(cross_entropy_chunk, "_triton_importable", lambda: False)
+    monkeypatch.setattr(epilogue_choice, "_triton_importable", lambda: False)
     with pytest.raises(ValueError, match="needs the triton package"):
         epilogue_impl("triton", logits)
     with pytest.raises(ValueError, match="impl must be one of"):
@@ -45,8 +45,8 @@ def test_forced_triton_refusals(monkeypatch):
 
 
 def test_forced_triton_raises_through_the_public_api(monkeypatch):
-    monkeypatch.setattr(cross_entropy_chunk, "_triton_importable", lambda: True)
-    monkeypatch.setattr(cross_entropy_chunk, "_interpreter_ready", lambda: False)
+    monkeypatch.setattr(epilogue_choice, "_triton_importable", lambda: True)
+    monkeypatch.setattr(epilogue_choice, "_interpreter_ready", lambda: False)
     h, w = torch.randn(4, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
     y = torch.randint(0, 10, (4,))
     opts = CrossEntropyOptions(impl="triton")

@@ -5,8 +5,9 @@ import threading
 
 import torch
 
-from megaloss.ops.chunked_linear_ce import chunked_linear_cross_entropy
-from megaloss.ops.cross_entropy_chunk import no_reduce
+from megaloss.ops.chunk_driver import chunked_head
+from megaloss.ops.chunk_kernel import VocabSlice, no_reduce
+from megaloss.ops.cross_entropy_chunk import CrossEntropyKernel
 
 __all__ = ["Lockstep", "slices_and_one_device"]
 
@@ -60,9 +61,10 @@ class Lockstep:
 
 
 def slices_and_one_device(h, w, labels, bounds, opts, upstream):
-    """Runs ``chunked_linear_cross_entropy`` on the vocab slices ``bounds`` (``[(start, stop)]``
-    covering ``[0, V)``, in a :class:`Lockstep` group, with ``opts``) and on the whole vocabulary
-    with the torch epilogue; returns ``(slices, whole)``: per slice ``(start, stop, loss,
+    """Runs the chunked cross-entropy (the chunk driver over :class:`CrossEntropyKernel`, as
+    :func:`megaloss.linear_cross_entropy` calls it) on the vocab slices ``bounds``
+    (``[(start, stop)]`` covering ``[0, V)``, in a :class:`Lockstep` group, with ``opts``) and on
+    the whole vocabulary with the torch epilogue; returns ``(slices, whole)``: per slice ``(start, stop, loss,
     d_hidden, d_weight)``, and ``(loss, d_hidden, d_weight)``, the gradients of ``upstream``
     times the loss. The sum of the slices' ``d_hidden`` and the concatenation of their
     ``d_weight`` should give the whole vocabulary's (as vocab-parallel ranks do)."""
@@ -71,9 +73,13 @@ def slices_and_one_device(h, w, labels, bounds, opts, upstream):
     def run(start, stop, o, reducers=(no_reduce, no_reduce)):
         hl = h.clone().requires_grad_()
         wl = w[start:stop].clone().requires_grad_()
-        loss, _ = chunked_linear_cross_entropy(hl, wl, None, labels, None, o, vocab_size=vocab,
-                                               vocab_start=start, reduce_max=reducers[0],
-                                               reduce_sum=reducers[1])
+        valid = (labels != o.ignore_index).to(torch.float32)
+        coef = (valid / valid.sum().clamp_min(torch.finfo(valid.dtype).tiny)
+                if o.reduction == "mean" else valid)
+        kernel = CrossEntropyKernel(labels, o, VocabSlice(vocab, start, *reducers))
+        loss, _, _ = chunked_head(kernel, hl, wl, None, coef=coef,
+                                  reduction="none" if o.reduction == "none" else "sum",
+                                  chunk_size=o.chunk_size, accum_dtype=o.accum_dtype)
         return loss, hl, wl
 
     group = Lockstep(len(bounds))

@@ -44,9 +44,8 @@ from torch import nn
 
 from ...calibration import EngineScale, EngineScaleError, LossCalibrator, loss_weight_dtype
 from ...calibration.engine_scale import _snap, measure_grad_scale, probe_coefficients
-from ...losses.ce_output import CrossEntropyOutput
-from ...losses.cross_entropy import linear_cross_entropy_with_stats
-from ...losses.vocab_parallel import VocabParallelLMHead
+from ...losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy
+from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.options import CrossEntropyOptions
 from ...parallel.comm import all_reduce_max_, all_reduce_sum_
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_ranks, group_size
@@ -290,11 +289,11 @@ class CrossEntropyHeadStage(nn.Module):
         """Fused CE of ``hidden_states [..., H]`` against *shifted* ``labels [...]`` with
         per-token ``loss_weights`` (same shape), as :class:`megaloss.CrossEntropyOutput`."""
         if isinstance(self.lm_head, VocabParallelLMHead):
-            return self.lm_head.forward_with_stats(hidden_states, labels,
-                                                   loss_weights=loss_weights)
-        return linear_cross_entropy_with_stats(hidden_states, self.lm_head.weight, labels,
-                                               bias=self.lm_head.bias, loss_weights=loss_weights,
-                                               options=self.options)
+            return self.lm_head(hidden_states, labels, loss_weights=loss_weights,
+                                return_stats=True)
+        return linear_cross_entropy(hidden_states, self.lm_head.weight, labels,
+                                    bias=self.lm_head.bias, loss_weights=loss_weights,
+                                    options=self.options, return_stats=True)
 
 
 class PipelineCrossEntropyLoss:

@@ -31,8 +31,8 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 from torch import nn
 
-from ...losses.vocab_parallel import VocabParallelLMHead
 from ...losses.vocab_parallel_embedding import VocabParallelEmbedding
+from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.options import CrossEntropyOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike
 from .pipeline import CrossEntropyHeadStage

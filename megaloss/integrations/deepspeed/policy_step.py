@@ -172,7 +172,7 @@ def policy_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, A
                           mb["completion_mask"], ref_log_probs=mb.get("ref_log_probs"),
                           entropy=entropy,
                           weights=policy_loss_weights(step, i, opts, ignore_index=ignore),
-                          options=opts)
+                          options=opts, return_stats=True)
         engine.backward(step.loss_for_backward(out.loss))
         stats.append(out.stats)
         if i == gas - 1 and engine.zero_optimization_stage() == 0:
@@ -233,7 +233,8 @@ def dpo_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]
         out = dpo_loss(seq[:p], seq[p:], mb["ref_chosen_log_probs"],
                        mb["ref_rejected_log_probs"], chosen_lengths=lengths[:p],
                        rejected_lengths=lengths[p:],
-                       pair_weights=dpo_pair_weights(step, i, ignore_index=ignore), options=opts)
+                       pair_weights=dpo_pair_weights(step, i, ignore_index=ignore), options=opts,
+                       return_stats=True)
         engine.backward(step.loss_for_backward(out.loss))
         stats.append(out.stats)
         if i == gas - 1 and engine.zero_optimization_stage() == 0:

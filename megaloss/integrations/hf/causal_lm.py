@@ -26,9 +26,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ...losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy_with_stats
-from ...losses.vocab_parallel import VocabParallelLMHead
+from ...losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy
 from ...losses.vocab_parallel_embedding import VocabParallelEmbedding
+from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.labels import causal_shift
 from ...ops.options import CrossEntropyOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_size
@@ -59,8 +59,9 @@ class LinearCrossEntropyHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
                 loss_weights: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
-        return linear_cross_entropy_with_stats(hidden_states, self.weight, labels, bias=self.bias,
-                                               loss_weights=loss_weights, options=self.options)
+        return linear_cross_entropy(hidden_states, self.weight, labels, bias=self.bias,
+                                    loss_weights=loss_weights, options=self.options,
+                                    return_stats=True)
 
     def extra_repr(self) -> str:
         v, h = self.weight.shape
@@ -142,7 +143,8 @@ class _VocabParallelHead(VocabParallelLMHead):
 
     def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
                 loss_weights: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
-        return self.forward_with_stats(hidden_states, labels, loss_weights=loss_weights)
+        return super().forward(hidden_states, labels, loss_weights=loss_weights,
+                               return_stats=True)
 
 
 # What CausalLMWithLoss forwards to the wrapped model (transformers' PreTrainedModel API).

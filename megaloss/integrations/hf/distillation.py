@@ -18,8 +18,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ...losses.distillation import DistillationOutput, linear_distillation_loss_with_stats
-from ...losses.vocab_parallel import VocabParallelLMHead, vocab_shard_range
+from ...losses.distillation import DistillationOutput, linear_distillation_loss
+from ...losses.vocab_parallel import vocab_shard_range
+from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.options import CrossEntropyOptions, DistillationOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
 from .causal_lm import _linear_lm_head, _shifted_targets, _wrapper_options
@@ -46,9 +47,9 @@ class LinearDistillationHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
                 loss_weights: Optional[torch.Tensor] = None, **teacher) -> DistillationOutput:
-        return linear_distillation_loss_with_stats(hidden_states, self.weight, labels,
-                                                   bias=self.bias, loss_weights=loss_weights,
-                                                   options=self.options, **teacher)
+        return linear_distillation_loss(hidden_states, self.weight, labels, bias=self.bias,
+                                        loss_weights=loss_weights, options=self.options,
+                                        return_stats=True, **teacher)
 
 
 class _VocabParallelDistillationHead(VocabParallelLMHead):
@@ -60,9 +61,10 @@ class _VocabParallelDistillationHead(VocabParallelLMHead):
 
     def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
                 loss_weights: Optional[torch.Tensor] = None, **teacher) -> DistillationOutput:
-        return linear_distillation_loss_with_stats(
+        return linear_distillation_loss(
             hidden_states, self.weight, labels, bias=self.bias, loss_weights=loss_weights,
-            options=self.distillation_options, vocab_parallel_options=self.parallel, **teacher)
+            options=self.distillation_options, vocab_parallel_options=self.parallel,
+            return_stats=True, **teacher)
 
 
 def _teacher_rows(weight: torch.Tensor, tp: int, rank: int) -> torch.Tensor:

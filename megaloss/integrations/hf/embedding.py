@@ -4,7 +4,7 @@ Why the loss lives inside the module (measured on DeepSpeed 0.19.8, ``runtime/en
 ``loss.backward()`` is divided by the gradient-accumulation steps ``G`` only through hooks that
 ``engine.forward`` puts on its outputs, and under ZeRO-3 a parameter is only materialised inside
 its module's forward. Encoding queries and documents and computing
-:func:`megaloss.mnr_loss_with_stats` in one ``forward`` keeps both right for
+:func:`megaloss.mnr_loss` (``return_stats=True``) in one ``forward`` keeps both right for
 any ZeRO stage, with ``engine.backward(out.loss)`` as well as ``out.loss.backward()``.
 
 Gradient scaling. ``mnr_loss`` returns the loss ``L_m`` of micro-batch m's *global* batch (every
@@ -33,7 +33,7 @@ from torch import nn
 
 from ..._deprecation import renamed_keywords
 from ...losses.grad_cache import grad_cache_step, split_rows
-from ...losses.mnr import mnr_loss_with_stats
+from ...losses.mnr import mnr_loss
 from ...ops.options import MNROptions, resolve_options
 from ...parallel.comm import all_reduce_sum_
 from ...parallel.groups import GroupLike, group_size
@@ -183,8 +183,8 @@ class EmbeddingModelWithMNR(nn.Module):
         """The gathered MNR loss of embedding columns ``[query, positive (, negatives)]`` (what
         ``forward(..., embeddings_only=True)`` returns); collective over ``group``."""
         negatives = columns[2] if len(columns) > 2 else None
-        out = mnr_loss_with_stats(columns[0], columns[1], negatives, options=self.options,
-                                  group=self.group, duplicate_ids=duplicate_ids)
+        out = mnr_loss(columns[0], columns[1], negatives, return_stats=True,
+                       options=self.options, group=self.group, duplicate_ids=duplicate_ids)
         loss = out.loss if loss_weight is None else out.loss * loss_weight
         return EmbeddingOutput(loss=loss, value=out.loss.detach(), accuracy=out.accuracy,
                                mean_rank=out.mean_rank)

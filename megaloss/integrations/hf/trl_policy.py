@@ -138,7 +138,7 @@ class MegalossGRPOMixin:
         weights = PolicyLossWeights(loss_w.to(dtype), (m / n_tokens).to(dtype))
         out = policy_loss(log_probs, inputs.get("old_per_token_logps"), inputs["advantages"],
                           mask, ref_log_probs=inputs.get("ref_per_token_logps"),
-                          entropy=entropy, weights=weights, options=opts)
+                          entropy=entropy, weights=weights, options=opts, return_stats=True)
         mode = "train" if self.model.training else "eval"
         stats = self.accelerator.reduce(out.stats, reduction="sum")
         for name, value in policy_metrics(stats, opts, group=SINGLE_RANK).items():

@@ -1,0 +1,152 @@
+"""Every deprecated public function of megaloss, in one place (removed in the next release). Each
+keeps its old arguments and results and emits a :class:`DeprecationWarning` naming its
+replacement; ``import megaloss`` exposes them under their old names (outside ``__all__``).
+
+- ``linear_cross_entropy_with_stats``, ``linear_distillation_loss_with_stats``,
+  ``mnr_loss_with_stats`` (and the older ``mnr_loss_with_metrics``): the loss function with
+  ``return_stats=True`` (the return-value rule: a loss function returns its loss tensor;
+  ``return_stats=True`` its ``*Output`` NamedTuple).
+- ``vocab_parallel_linear_cross_entropy[_with_stats]``: :func:`megaloss.linear_cross_entropy`
+  with ``vocab_parallel_options=VocabParallelOptions(tp_group, vocab_size, sequence_parallel)``.
+- ``grad_cache``: :func:`megaloss.grad_cache_step` (the old name shadowed the module
+  :mod:`megaloss.losses.grad_cache`).
+
+The deprecated methods of the loss modules (``forward_with_stats``, ``forward_with_metrics``)
+are :class:`megaloss._deprecation.ReturnStatsAliases`; deprecated keywords (``gather=``) are
+renamed by :func:`megaloss._deprecation.renamed_keywords` on the function that takes them.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+
+from ._deprecation import renamed_keywords, warn_renamed
+from .losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy
+from .losses.distillation import DistillationOutput, linear_distillation_loss
+from .losses.grad_cache import grad_cache_step
+from .losses.mnr import MNROutput, mnr_loss
+from .losses.vocab_parallel import VocabParallelOptions
+from .ops.options import CrossEntropyOptions, resolve_options
+from .parallel.groups import GroupLike
+
+__all__ = ["linear_cross_entropy_with_stats", "linear_distillation_loss_with_stats",
+           "mnr_loss_with_stats", "mnr_loss_with_metrics", "vocab_parallel_linear_cross_entropy",
+           "vocab_parallel_linear_cross_entropy_with_stats", "grad_cache"]
+
+
+def _with_stats(func: Callable[..., Any], old: str, new: str) -> Callable[..., Any]:
+    """``func(..., return_stats=True)`` under the old name ``old`` (same signature, with the
+    warning)."""
+
+    @functools.wraps(func)
+    def alias(*args: Any, **kwargs: Any) -> Any:
+        warn_renamed(old, new)
+        return func(*args, return_stats=True, **kwargs)
+
+    alias.__name__ = alias.__qualname__ = old
+    alias.__doc__ = f"Deprecated: :func:`megaloss.{func.__name__}` with ``return_stats=True``."
+    return alias
+
+
+linear_cross_entropy_with_stats: Callable[..., CrossEntropyOutput] = _with_stats(
+    linear_cross_entropy, "linear_cross_entropy_with_stats",
+    "linear_cross_entropy(..., return_stats=True)")
+linear_distillation_loss_with_stats: Callable[..., DistillationOutput] = _with_stats(
+    linear_distillation_loss, "linear_distillation_loss_with_stats",
+    "linear_distillation_loss(..., return_stats=True)")
+mnr_loss_with_stats: Callable[..., MNROutput] = renamed_keywords(gather="gather_across_ranks")(
+    _with_stats(mnr_loss, "mnr_loss_with_stats", "mnr_loss(..., return_stats=True)"))
+mnr_loss_with_metrics: Callable[..., MNROutput] = renamed_keywords(gather="gather_across_ranks")(
+    _with_stats(mnr_loss, "mnr_loss_with_metrics",
+                "mnr_loss(..., return_stats=True) (formerly mnr_loss_with_stats)"))
+
+
+def vocab_parallel_linear_cross_entropy_with_stats(
+    hidden_states: torch.Tensor,
+    weight_shard: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    tp_group: GroupLike = None,
+    vocab_size: Optional[int] = None,
+    sequence_parallel: bool = False,
+    bias: Optional[torch.Tensor] = None,
+    loss_weights: Optional[torch.Tensor] = None,
+    options: Optional[CrossEntropyOptions] = None,
+) -> CrossEntropyOutput:
+    """Deprecated: :func:`megaloss.linear_cross_entropy` with ``return_stats=True`` and
+    ``vocab_parallel_options=VocabParallelOptions(tp_group, vocab_size, sequence_parallel)``."""
+    warn_renamed("vocab_parallel_linear_cross_entropy_with_stats",
+                 "linear_cross_entropy(..., return_stats=True, vocab_parallel_options="
+                 "VocabParallelOptions(...))")
+    return linear_cross_entropy(
+        hidden_states, weight_shard, labels, bias=bias, loss_weights=loss_weights,
+        options=resolve_options(CrossEntropyOptions, options, {}), return_stats=True,
+        vocab_parallel_options=VocabParallelOptions(tp_group, vocab_size, sequence_parallel))
+
+
+def vocab_parallel_linear_cross_entropy(
+    hidden_states: torch.Tensor,
+    weight_shard: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    tp_group: GroupLike = None,
+    vocab_size: Optional[int] = None,
+    sequence_parallel: bool = False,
+    bias: Optional[torch.Tensor] = None,
+    loss_weights: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_softcapping: Optional[float] = None,
+    chunk_size: int = 1024,
+    accum_dtype: torch.dtype = torch.float32,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Deprecated: :func:`megaloss.linear_cross_entropy` with
+    ``vocab_parallel_options=VocabParallelOptions(tp_group, vocab_size, sequence_parallel)``."""
+    warn_renamed("vocab_parallel_linear_cross_entropy",
+                 "linear_cross_entropy(..., vocab_parallel_options=VocabParallelOptions(...))")
+    return linear_cross_entropy(
+        hidden_states, weight_shard, labels, bias=bias, loss_weights=loss_weights,
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        z_loss=z_loss, logit_softcapping=logit_softcapping, chunk_size=chunk_size,
+        accum_dtype=accum_dtype, impl=impl,
+        vocab_parallel_options=VocabParallelOptions(tp_group, vocab_size, sequence_parallel))
+
+
+@functools.wraps(grad_cache_step)
+def grad_cache(*args: Any, **kwargs: Any):
+    """Deprecated alias of :func:`megaloss.grad_cache_step` (same arguments and result)."""
+    warn_renamed("megaloss.grad_cache", "megaloss.grad_cache_step")
+    return grad_cache_step(*args, **kwargs)
+
+
+grad_cache.__name__ = grad_cache.__qualname__ = "grad_cache"
+grad_cache.__doc__ = ("Deprecated alias of :func:`megaloss.grad_cache_step` (same arguments and "
+                      "result).")
+
+
+# Names that left the top level (each serves one integration): still reachable as
+# ``megaloss.<name>`` for one release, with a warning naming their home.
+MOVED = {
+    "CEConfig": "megaloss.integrations.deepspeed",
+    "MNRConfig": "megaloss.integrations.deepspeed",
+    "PolicyConfig": "megaloss.integrations.deepspeed",
+    "DPOConfig": "megaloss.integrations.deepspeed",
+    "DistillationConfig": "megaloss.integrations.deepspeed",
+    "DeepSpeedMPU": "megaloss.integrations.deepspeed",
+    "probe_deepspeed": "megaloss.integrations.deepspeed",
+    "EmbeddingModelWithMNR": "megaloss.integrations.hf",
+}
+
+
+def moved(name: str) -> Any:
+    """``megaloss.<name>`` of a name in :data:`MOVED`: the object from its home, with the
+    warning."""
+    home = MOVED[name]
+    warn_renamed(f"megaloss.{name}", f"{home}.{name}")
+    from importlib import import_module
+    return getattr(import_module(home), name)

@@ -63,11 +63,12 @@ class Lockstep:
 def slices_and_one_device(h, w, labels, bounds, opts, upstream):
     """Runs the chunked cross-entropy (the chunk driver over :class:`CrossEntropyKernel`, as
     :func:`megaloss.linear_cross_entropy` calls it) on the vocab slices ``bounds``
-    (``[(start, stop)]`` covering ``[0, V)``, in a :class:`Lockstep` group, with ``opts``) and on
-    the whole vocabulary with the torch epilogue; returns ``(slices, whole)``: per slice
-    ``(start, stop, loss, d_hidden, d_weight)``, and ``(loss, d_hidden, d_weight)``, the gradients of ``upstream``
-    times the loss. The sum of the slices' ``d_hidden`` and the concatenation of their
-    ``d_weight`` should give the whole vocabulary's (as vocab-parallel ranks do)."""
+    (``[(start, stop)]`` covering ``[0, V)``, in a :class:`Lockstep` group, with ``opts``) and
+    on the whole vocabulary with the torch epilogue; returns ``(slices, whole)``: per slice
+    ``(start, stop, loss, d_hidden, d_weight)``, and ``(loss, d_hidden, d_weight)``, the
+    gradients of ``upstream`` times the loss. The sum of the slices' ``d_hidden`` and the
+    concatenation of their ``d_weight`` should give the whole vocabulary's (as vocab-parallel
+    ranks do)."""
     vocab = w.shape[0]
 
     def run(start, stop, o, reducers=(no_reduce, no_reduce)):

@@ -27,17 +27,39 @@ def test_readme_python_blocks_are_example_scripts(readme):
                                   f"examples/*.py:\n{block[:300]}")
 
 
+# run in this process, each to its own asserts (the README shows all but single_device.py)
+SINGLE_PROCESS_EXAMPLES = ["single_device.py", "cross_entropy.py", "calibration.py", "mnr.py",
+                           "post_training.py", "dpo.py", "distillation.py"]
+
+
 @pytest.mark.timeout(120)
-def test_single_device_example_runs(capsys, monkeypatch):
-    """Run as ``python examples/single_device.py`` would (``__main__``, the repository root as
-    the working directory), but in this process: a fresh interpreter would only add the cost of
-    importing torch again. Its own asserts raise here."""
+@pytest.mark.parametrize("name", SINGLE_PROCESS_EXAMPLES)
+def test_single_process_example_runs(name, capsys, monkeypatch):
+    """Run as ``python examples/<name>`` would (``__main__``, the repository root as the working
+    directory), but in this process: a fresh interpreter would only add the cost of importing
+    torch again. Its own asserts raise here."""
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(sys, "argv", [str(REPO / "examples" / "single_device.py")])
+    monkeypatch.setattr(sys, "argv", [str(REPO / "examples" / name)])
     with torch.random.fork_rng():   # the example seeds the global generator
-        runpy.run_path(str(REPO / "examples" / "single_device.py"), run_name="__main__")
+        runpy.run_path(str(REPO / "examples" / name), run_name="__main__")
     out = capsys.readouterr().out
-    assert "linear_cross_entropy" in out and "mnr_loss" in out, out
+    assert "reference" in out or "whole batch" in out, out
+    if name == "single_device.py":
+        assert "linear_cross_entropy" in out and "mnr_loss" in out, out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_vocab_parallel_example_matches_one_device():
+    """``examples/vocab_parallel.py``'s rank function on 2 gloo ranks (the session's shared
+    ranks: the module is importable as ``examples.vocab_parallel``, pytest.ini's pythonpath);
+    ``python examples/vocab_parallel.py`` spawns its own."""
+    from examples import vocab_parallel
+    from megaloss.testing import run_distributed
+    results = run_distributed(vocab_parallel.tp_rank, 2)
+    assert len(results) == 2
+    for loss, ref in results:
+        assert loss == pytest.approx(ref, rel=1e-10)
 
 
 DEEPSPEED_EXAMPLES = [REPO / "examples" / "deepspeed_calibration.py",
@@ -69,3 +91,8 @@ def test_hf_causal_lm_example_trains(deepspeed_examples):
     losses = [float(x) for x in re.findall(r"^step \d+: loss ([0-9.]+)$", deepspeed_examples,
                                            flags=re.M)]
     assert len(losses) == 20 and losses[-1] < losses[0] - 1.0, losses
+
+
+def test_every_example_is_run():
+    run = {*SINGLE_PROCESS_EXAMPLES, "vocab_parallel.py", *(p.name for p in DEEPSPEED_EXAMPLES)}
+    assert {p.name for p in EXAMPLES} == run, "an example in examples/ that no test runs"

@@ -1,33 +1,51 @@
-"""Test layout: one folder per package layer (``ops``, ``parallel``, ``losses``, ``calibration``,
-``integrations``), plus ``launch`` (the jobs and their data) and ``tools`` (benchmarks).
+"""The suite's session set-up: markers, tiers, process-group pools, background jobs, caches.
+
+Layout: one folder per package layer (``ops``, ``parallel``, ``losses``, ``calibration``,
+``integrations``), plus ``launch`` (the jobs and their data), ``tools`` (benchmarks and checkers)
+and ``examples``; helpers shared by every folder (float64 references, launcher helpers, the
+shared launches) are the package ``tests.helpers``. CONTRIBUTING.md says how to add a test.
 
 Tiers: ``pytest -m "not slow"`` is the fast tier (single process, under 30 s); the full suite
 (``pytest``, what CI runs) adds the tests marked ``slow``. Every test that spawns processes or
-builds a DeepSpeed engine is ``slow`` (marked here from its ``distributed`` / ``deepspeed``
-marker, so no such test can land in the fast tier by accident). Test modules that need
-sentence-transformers (~10 CPU-s to import) are slow as a whole and import it inside the tests,
-so that collecting the fast tier does not.
+builds a DeepSpeed engine is ``slow``: marked here from its ``distributed`` / ``deepspeed``
+marker (pytest_collection_modifyitems), so no such test can land in the fast tier by accident.
+Test modules that need sentence-transformers (~10 CPU-s to import) are slow as a whole and
+import it inside the tests, so that collecting the fast tier does not.
+
+Markers (registered in pytest_configure below; tests/integrations/conftest.py adds
+``deepspeed_pool``): ``distributed`` (spawns gloo processes), ``deepspeed`` (builds a real
+engine), ``slow`` (not in the fast tier; implied by the two before), ``cuda`` (needs a GPU,
+skipped without one; tools/gpu_check.sh runs them), ``fresh_processes`` (spawned ranks of its
+own instead of the shared pool), ``background(name)`` (reads a background job's result, below)
+and ``xdist_group(name)`` (pytest-xdist's, declared so that a run without xdist does not warn).
 
 Process groups: ``megaloss.testing.run_distributed`` inside a test runs on a pool of spawned gloo
 ranks per world size, started once per session and shared by the tests (reseeded before each
 case, its subgroups destroyed after it, respawned after a failure or timeout; see
-``megaloss/testing.py``). Tests marked ``deepspeed`` or ``fresh_processes`` get freshly spawned
-ranks instead. Launches that several test files read (``shared_launch``, ``shared_launch_hf``,
-``shared_launch_4procs``) are the plugin ``tests/helpers/shared_launches.py``.
+``megaloss/testing.py``); the fixture ``_shared_process_groups`` below routes the calls there.
+Tests marked ``deepspeed`` or ``fresh_processes`` get freshly spawned ranks instead (or, in
+tests/integrations, DeepSpeed-only pools). Launches that several test files read
+(``shared_launch``, ``shared_launch_hf``, ``shared_launch_4procs``) are the plugin
+``tests/helpers/shared_launches.py``.
 
-Background work: a test marked ``background("<name>")`` that only reads what a subprocess wrote
-(a benchmark tool, the GPU check's dry run) gets that subprocess's result from its module's
-``background_jobs(folder, env) -> {name: callable}`` through the ``background`` fixture; the
-jobs of every selected test are started, one at a time, in one thread when the session starts,
-at a lower priority (nice 10), so that they use what the tests leave idle (one of the 2 cores
-during the single-process tests) instead of slowing them down. ``env``
-is the environment at the session's start (a test's ``monkeypatch`` cannot leak into a job).
-Under pytest-xdist a job starts when its test asks for it.
+Background jobs: a test that only reads what a subprocess wrote (a benchmark tool, the GPU
+check's dry run) need not wait for it in line. Its module defines ``background_jobs(folder, env)
+-> {name: callable}`` (``folder``: a temporary folder of the module's; ``env``: the environment
+at the session's start, so a test's ``monkeypatch`` cannot leak into a job), the test is marked
+``background("<name>")`` and takes the ``background`` fixture, which is what the callable
+returned (its exception raised in the test). The jobs of every selected test are started when
+the session starts, one at a time in collection order, in one thread at a lower priority (nice
+10), so that they use what the tests leave idle (one of the 2 cores during the single-process
+tests) instead of slowing them down. Under pytest-xdist a job starts when its test asks for it.
 
 Nothing outside temporary folders: ``MEGALOSS_CACHE`` (the jobs' default ``--cache_dir``, also
 read by the examples and tools) points at one temporary folder for the session unless already
 set, so no test writes tokenizers or token streams into ``~/.cache/megaloss``; launched jobs
 inherit it.
+
+Speed (why the hooks below exist): the checkout's bytecode caches are written even under
+PYTHONDONTWRITEBYTECODE; the pytest process runs one torch thread; the objects alive after
+collection, and again before pytest's closing gc passes, are frozen out of the cyclic GC.
 """
 import os
 import sys
@@ -48,12 +66,10 @@ import torch  # noqa: E402
 from megaloss.integrations.deepspeed.compat import freeze_imported_objects  # noqa: E402
 from megaloss.testing import shared_process_groups  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# Shared test helpers (float64 references, launcher helpers). The launch jobs are the package
-# ``launch`` at the repository root, imported as ``launch.*`` like megaloss.
-sys.path.insert(0, os.path.join(HERE, "helpers"))
-# the launches that test files of every folder share (tests/helpers/shared_launches.py)
-pytest_plugins = ["shared_launches"]
+# The launches that test files of every folder share (tests/helpers/shared_launches.py). The
+# shared helpers are the package ``tests.helpers`` and the launch jobs the package ``launch``,
+# both imported from the repository root (pytest.ini's ``pythonpath = .``) like megaloss.
+pytest_plugins = ["tests.helpers.shared_launches"]
 
 # One torch thread in the pytest process: the cases use tiny shapes, and on a small machine
 # shared with other processes a second OpenMP thread mostly spins (measured: a [1, 8] x [8, 16]

@@ -2,7 +2,8 @@
 as four micro-batches, and the weights through megaloss's chunked CE."""
 import pytest
 import torch
-from calibration_cases import (
+
+from tests.helpers.calibration_cases import (
     IGNORE,
     TOY_EXPECTED,
     TinyLM,

@@ -10,7 +10,9 @@ import contextlib
 
 import pytest
 import torch
-from calibration_cases import (
+
+from megaloss.testing import run_distributed
+from tests.helpers.calibration_cases import (
     TOY_EXPECTED,
     TinyLM,
     Toy,
@@ -21,8 +23,6 @@ from calibration_cases import (
     run_toy,
     train_step,
 )
-
-from megaloss.testing import run_distributed
 
 pytestmark = [pytest.mark.distributed]
 REDUCTIONS = ("token", "sample", "square")

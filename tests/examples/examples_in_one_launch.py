@@ -13,15 +13,12 @@ subgroups and keeps the default group for the next one, with DeepSpeed's cached 
 import argparse
 import runpy
 import sys
-from pathlib import Path
 
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))  # as conftest.py does
-from deepspeed_state import fresh_deepspeed_state  # noqa: E402
-
-from megaloss.integrations.deepspeed import freeze_imported_objects  # noqa: E402
-from megaloss.testing import destroy_subgroups  # noqa: E402
+from megaloss.integrations.deepspeed import freeze_imported_objects
+from megaloss.testing import destroy_subgroups
+from tests.helpers.deepspeed_state import fresh_deepspeed_state  # PYTHONPATH: the repo root
 
 p = argparse.ArgumentParser()
 p.add_argument("--local_rank", type=int, default=0)

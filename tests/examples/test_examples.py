@@ -7,7 +7,8 @@ import sys
 
 import pytest
 import torch
-from launch_helpers import REPO, run_deepspeed_launcher
+
+from tests.helpers.launch_helpers import REPO, run_deepspeed_launcher
 
 READMES = [REPO / "README.md", REPO / "launch" / "README.md"]
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))

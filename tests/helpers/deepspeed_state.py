@@ -8,7 +8,8 @@ stay. Before and after every case (or job) those globals are put back to what th
 the process's first one, and transformers' global DeepSpeed config (ZeRO-3 ``zero.Init`` of the
 next model) is unset (:func:`fresh_deepspeed_state`).
 
-Not a test module; imported by name in the ranks (this folder is on their ``sys.path``).
+Not a test module; imported as ``tests.helpers.deepspeed_state``, in the ranks too (the
+repository root is on their ``sys.path``).
 """
 import contextlib
 import importlib

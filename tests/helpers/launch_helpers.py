@@ -2,8 +2,9 @@
 --num_gpus N`` on CPU, run several jobs' ``main`` in one launch (this file is then the script
 the launcher runs), and read what DeepSpeed's ``csv_monitor`` wrote.
 
-Not a test module (no ``test_`` prefix); ``tests/helpers`` is on ``sys.path`` (conftest.py). The
-launched processes import the jobs as ``launch.*``: the repository root is their PYTHONPATH.
+Not a test module (no ``test_`` prefix); imported as ``tests.helpers.launch_helpers``. The
+launched processes import the jobs as ``launch.*`` and the helpers as ``tests.helpers.*``: the
+repository root is first on their PYTHONPATH (:func:`launcher_env`).
 """
 import argparse
 import csv
@@ -180,9 +181,8 @@ def _drive() -> None:
     """Under the launcher (:func:`run_jobs_in_one_launch`): each job's ``main`` in turn, as in a
     fresh process (DeepSpeed's globals reset), the groups it built destroyed after it (their
     gloo threads would poll through the rest of the launch)."""
-    from deepspeed_state import fresh_deepspeed_state
-
     from megaloss.testing import destroy_subgroups
+    from tests.helpers.deepspeed_state import fresh_deepspeed_state
 
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=0)

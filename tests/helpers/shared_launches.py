@@ -1,31 +1,49 @@
-"""Launches shared by the end-to-end test files that only read what their jobs wrote (each
-launch costs 10-25 s of start-up: process spawn, importing torch, deepspeed and transformers;
-the jobs themselves take seconds). A pytest plugin (``pytest_plugins`` of tests/conftest.py), so
-that every test folder can join them.
+"""Shared launches: ONE ``deepspeed`` launch runs the jobs of every test file that only reads
+what its jobs wrote. A launch costs 10-25 s of start-up (process spawn, importing torch,
+deepspeed and transformers) while the jobs themselves take seconds, so the files share it. A
+pytest plugin (``pytest_plugins`` of tests/conftest.py), so that a test file of any folder can
+join.
 
-- ``shared_launch``: ONE ``deepspeed --num_gpus 2`` launch. A test module joins by defining
-  ``shared_launch_jobs(tmp_path) -> list`` (job dicts of
-  ``launch_helpers.run_jobs_in_one_launch``, writing under ``tmp_path``, its own folder).
-- ``shared_launch_4procs``: ONE ``deepspeed --num_gpus 4`` launch, the same way for modules
-  defining ``shared_launch_4procs_jobs(tmp_path)``.
-- ``shared_launch_hf``: ONE ``deepspeed --num_gpus 2`` launch of the Hugging Face Trainer jobs
-  and test workers (they import transformers' Trainer and sentence-transformers, which the others
-  do not pay for), for modules defining ``shared_launch_hf_jobs(tmp_path)`` (tests/launch' job
-  scripts; tests/integrations' modules run their own ``_worker_main`` as a ``"worker"`` job); its
-  working directory is its own temporary folder (not the repository).
+Joining, in a test module (tests/launch/test_train_embed.py is a short example)::
 
-Each fixture runs the jobs of every such module collected in this session, module by module in
-collection order, jobs with an ``"env"`` (wandb) last, in one launch, and returns
-``{module name: SharedRun}``; a job that fails fails the launch, and every test that reads it
-gets the launch's output. Running one file alone launches only its jobs. The first of them a
-test asks for starts every launch the session's modules need, at most two at a time (the one
-asked for first), in background threads: their start-up (the launcher and
+    def shared_launch_jobs(tmp_path):   # tmp_path: this module's own folder
+        return [{"job": "train_lm", "argv": [..., "--output_dir", str(tmp_path / "out")]}]
+
+    @pytest.fixture(scope="module")
+    def run(shared_launch):
+        return shared_launch["test_my_module"]   # keyed by the module's name (no package)
+
+    @pytest.mark.timeout(900)   # the first test to ask pays for the launch (limit 840 s)
+    def test_it(run):
+        assert (run.tmp_path / "out" / "summary.json").exists(), run.outputs[0]
+
+A job is a dict of ``launch_helpers.run_jobs_in_one_launch``: ``{"job": <launch.* module>,
+"argv": [...]}`` plus options, or ``{"worker": __file__, "argv": [...]}`` to run the module's
+own ``_worker_main(argv)`` on every rank. The test reads a :class:`SharedRun`: its folder, its
+jobs, rank 0's stdout of each of them (``outputs``), the ranks' stderr (``errors``) and the
+whole launch's output.
+
+The three launches, one fixture each, and the function a module defines to join:
+
+- ``shared_launch``: ``deepspeed --num_gpus 2``; ``shared_launch_jobs(tmp_path) -> list``.
+- ``shared_launch_4procs``: ``deepspeed --num_gpus 4``; ``shared_launch_4procs_jobs(tmp_path)``.
+- ``shared_launch_hf``: ``deepspeed --num_gpus 2`` for the Hugging Face Trainer jobs and test
+  workers (they import transformers' Trainer and sentence-transformers, which the others do not
+  pay for); ``shared_launch_hf_jobs(tmp_path)``. tests/launch' job scripts and
+  tests/integrations' ``_worker_main`` workers join it; its working directory is its own
+  temporary folder (not the repository).
+
+How a launch runs: its jobs are those of every joining module collected in this session (so
+running one file alone launches only that file's jobs), module by module in collection order,
+jobs with an ``"env"`` (wandb) last, in one launch. A job that fails fails the launch, and every
+test that reads it gets the launch's output in its failure. The first time a test asks for any
+of the fixtures, every launch the session's modules need is started, at most two at a time (the
+one asked for first), in background threads: their start-up (the launcher and
 ``deepspeed.launcher.launch`` start one after the other on one core) and single-rank phases
 overlap on the suite's 2 cores, and a test asking for another launch waits only for the rest of
-that launch. Under pytest-xdist each worker starts only the launches its tests ask for; the tests
-mark ``xdist_group("<fixture name>")`` (``--dist loadgroup``: one worker runs a launch for all
-of them). The tests that use them set ``timeout(900)``: the first one pays for the launch (limit
-840 s).
+that launch. Under pytest-xdist each worker starts only the launches its tests ask for; the
+tests mark ``xdist_group("<fixture name>")`` (``--dist loadgroup``: one worker runs a launch for
+all of them).
 """
 import dataclasses
 import time
@@ -34,7 +52,8 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
-from launch_helpers import job_outputs, run_jobs_in_one_launch
+
+from tests.helpers.launch_helpers import job_outputs, run_jobs_in_one_launch
 
 # fixture name -> (the modules' function giving its jobs, processes, runs in its own folder)
 LAUNCHES = {"shared_launch": ("shared_launch_jobs", 2, False),

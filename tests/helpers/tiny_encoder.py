@@ -1,7 +1,7 @@
 """The tiny token encoder the embedding / GradCache tests train: ``[B, T]`` token ids ->
 ``[B, T, H]`` hidden states, ``tanh(linear(embedding))`` (the attention mask is accepted and
 unused). Parameters are drawn embedding first, then the linear layer, so one seed gives one
-model. Not a test module; ``tests/helpers`` is on ``sys.path`` (conftest.py)."""
+model. Not a test module; imported as ``tests.helpers.tiny_encoder``."""
 import torch
 
 

@@ -51,7 +51,7 @@ class _DeepSpeedPool(ProcessGroupPool):
     """Runs every case through ``deepspeed_state.run_with_fresh_deepspeed_state``."""
 
     def run(self, fn, *args, timeout=DEFAULT_TIMEOUT_S):
-        from deepspeed_state import run_with_fresh_deepspeed_state
+        from tests.helpers.deepspeed_state import run_with_fresh_deepspeed_state
         return super().run(run_with_fresh_deepspeed_state, fn, *args, timeout=timeout)
 
 

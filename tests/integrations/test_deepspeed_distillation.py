@@ -74,7 +74,7 @@ def _teacher(state, dtype):
 
 def _topk(teacher_state, ids, temperature):
     """[STEPS, ROWS, SEQ, K] ids and log-probs at ``temperature`` of the float64 teacher."""
-    from distillation_reference import teacher_topk
+    from tests.helpers.distillation_reference import teacher_topk
     teacher = _teacher(teacher_state, torch.float64)
     with torch.no_grad():
         hidden = teacher.model(input_ids=ids.flatten(0, 1)).last_hidden_state
@@ -96,8 +96,9 @@ def _row_weights(labels, loss_reduction):
 
 
 def _reference(student_state, teacher_state, ids, labels, section, topk):
-    from distillation_reference import reference_distillation
     from transformers import LlamaForCausalLM
+
+    from tests.helpers.distillation_reference import reference_distillation
     opts = {k: v for k, v in section.items() if k not in ("loss_reduction", "chunk_size")}
     reduction = section.get("loss_reduction", "token")
     model = LlamaForCausalLM(_config(HIDDEN))

@@ -3,10 +3,10 @@ process: options honoured or refused, the calibration's loss_reduction taken fro
 and the wrapper's loss equal to the float64 reference (module teacher and top-k teacher)."""
 import pytest
 import torch
-from distillation_reference import reference_distillation, teacher_topk
 
 import megaloss
 from megaloss.integrations.deepspeed import load_megaloss_config
+from tests.helpers.distillation_reference import reference_distillation, teacher_topk
 
 
 def test_section_selects_distillation_and_its_options():

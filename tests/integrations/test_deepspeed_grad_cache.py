@@ -11,9 +11,9 @@ atol 2e-6. sentence-transformers' own cached loss stops on the first step of ZeR
 """
 import pytest
 import torch
-from tiny_encoder import TokenEncoder
 
 from megaloss.testing import run_distributed
+from tests.helpers.tiny_encoder import TokenEncoder
 
 pytestmark = pytest.mark.deepspeed_pool  # its DeepSpeed test runs on shared ranks: conftest.py
 

@@ -10,7 +10,9 @@ gradients are compared with rtol 1e-5, atol 1e-6.
 """
 import pytest
 import torch
-from calibration_cases import (
+
+from megaloss.testing import run_distributed
+from tests.helpers.calibration_cases import (
     TOY_EXPECTED,
     TinyLM,
     Toy,
@@ -20,8 +22,6 @@ from calibration_cases import (
     run_toy,
     train_step,
 )
-
-from megaloss.testing import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow,
               pytest.mark.deepspeed_pool]  # shared ranks: see conftest.py

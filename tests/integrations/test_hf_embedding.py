@@ -9,9 +9,9 @@ micro-batch means) must NOT match: that is the compensation this test pins down.
 """
 import pytest
 import torch
-from tiny_encoder import TokenEncoder
 
 from megaloss.testing import run_distributed
+from tests.helpers.tiny_encoder import TokenEncoder
 
 pytestmark = pytest.mark.deepspeed_pool  # its DeepSpeed test runs on shared ranks: conftest.py
 

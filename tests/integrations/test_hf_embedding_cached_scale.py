@@ -7,9 +7,9 @@ ValueError from its backward instead of a gradient that weights the mini-batches
 """
 import pytest
 import torch
-from tiny_encoder import TokenEncoder
 
 from megaloss.integrations.hf.embedding import EmbeddingModelWithMNR, cached_mnr_forward
+from tests.helpers.tiny_encoder import TokenEncoder
 
 V, H, T, ROWS, MINI, WINDOW = 11, 6, 4, 5, 2, 2
 

@@ -90,7 +90,7 @@ def reference(state, data, reduction, *, label_smoothing=0.0, logit_softcapping=
               grad=True):
     """float64 plain torch on the whole batch ``data`` (module docstring): the loss, and the
     gradients by parameter name (``None`` without ``grad``)."""
-    from ce_reference import reference_linear_ce
+    from tests.helpers.ce_reference import reference_linear_ce
     model = tiny_llama().double()
     model.load_state_dict({k: v.double() for k, v in state.items()})
     batch = collate(data)
@@ -291,7 +291,7 @@ def shared_launch_hf_jobs(tmp_path):
 def ds_run(shared_launch_hf):
     """The output folder of this module's cases in the shared ``deepspeed --num_gpus 2``
     launch; nothing was written into the repository's ``wandb`` folder."""
-    from launch_helpers import REPO
+    from tests.helpers.launch_helpers import REPO
     run = shared_launch_hf["test_hf_trainer"]
     written = [p for p in (REPO / "wandb").glob("*") if p.stat().st_mtime >= run.started]
     assert not written  # nothing written into the repository
@@ -362,7 +362,6 @@ def _worker_main(argv):
     parser.add_argument("--cases", default=",".join(DS_CASES))
     parser.add_argument("--local_rank", type=int, default=0)
     a = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
     from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
     skip_cpu_shm_comm_build()
     rank = int(os.environ.get("RANK", "0"))

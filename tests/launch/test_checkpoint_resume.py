@@ -22,9 +22,9 @@ import sys
 
 import pytest
 import torch
-from launch_helpers import REPO, run_jobs_in_one_process
 
 from launch.jobs.code_search import stdlib_root
+from tests.helpers.launch_helpers import REPO, run_jobs_in_one_process
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.xdist_group("shared_launch")]

@@ -103,9 +103,9 @@ def test_rank_0_keeps_the_store_until_the_others_left(monkeypatch):
 @pytest.mark.timeout(360)
 def test_a_rank_killed_on_another_node_is_named(tmp_path):
     import psutil
-    from launch_helpers import REPO, launcher_env
 
     from megaloss.testing import free_port
+    from tests.helpers.launch_helpers import REPO, launcher_env
 
     stdlib = os.path.dirname(os.__file__)
     port = str(free_port())

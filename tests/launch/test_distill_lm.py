@@ -15,7 +15,8 @@ import json
 import math
 
 import pytest
-from launch_helpers import REPO
+
+from tests.helpers.launch_helpers import REPO
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.xdist_group("shared_launch")]

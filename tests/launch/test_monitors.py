@@ -26,9 +26,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from launch_helpers import REPO
 
 from launch.jobs.code_search import stdlib_root
+from tests.helpers.launch_helpers import REPO
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.xdist_group("shared_launch")]

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_helpers import REPO
 
 from megaloss.testing import free_port
+from tests.helpers.launch_helpers import REPO
 
 SCRIPTS = ("train_lm.sh", "train_embed.sh")
 _SCHEDULER_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "HOSTFILE", "NUM_PROCS",

@@ -35,10 +35,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch_helpers import REPO, launcher_env, run_jobs_in_one_launch, script_env, wait_until
 
 from launch.jobs.code_search import stdlib_root
 from megaloss.testing import free_port
+from tests.helpers.launch_helpers import (
+    REPO,
+    launcher_env,
+    run_jobs_in_one_launch,
+    script_env,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.xdist_group("preemption")]  # one xdist worker runs the fixture

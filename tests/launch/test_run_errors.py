@@ -20,7 +20,6 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from launch_helpers import REPO, launcher_env, script_env
 
 from launch import train_embed, train_embed_hf, train_lm, train_lm_hf
 from launch.jobs import check_args
@@ -28,6 +27,7 @@ from launch.jobs.lm_data import load_data, make_blocks
 from launch.jobs.pair_data import load_pairs_cached
 from launch.jobs.runs import AgreedExit, agreed, run_job
 from megaloss.testing import free_port, run_distributed
+from tests.helpers.launch_helpers import REPO, launcher_env, script_env
 
 
 def _text(path, n=40):
@@ -254,9 +254,9 @@ def _killed_rank(tmp_path):
     import time
 
     import psutil
-    from launch_helpers import wait_until
 
     from launch.jobs.code_search import stdlib_root
+    from tests.helpers.launch_helpers import wait_until
 
     root, out = stdlib_root(), tmp_path / "out"
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",

@@ -17,9 +17,9 @@ import csv
 import json
 
 import pytest
-from launch_helpers import monitor_column
 
 from launch.jobs.code_search import stdlib_root
+from tests.helpers.launch_helpers import monitor_column
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.xdist_group("shared_launch")]

@@ -15,9 +15,9 @@ import json
 import math
 
 import pytest
-from launch_helpers import REPO, assert_launches, script_command
 
 from launch.jobs.code_search import stdlib_root
+from tests.helpers.launch_helpers import REPO, assert_launches, script_command
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.xdist_group("shared_launch_hf")]

@@ -12,7 +12,8 @@ import csv
 import json
 
 import pytest
-from launch_helpers import assert_launches, script_command
+
+from tests.helpers.launch_helpers import assert_launches, script_command
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow, pytest.mark.xdist_group("shared_launch")]
 

@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 
 import pytest
-from launch_helpers import REPO, monitor_column
+
+from tests.helpers.launch_helpers import REPO, monitor_column
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.xdist_group("shared_launch")]

@@ -17,7 +17,8 @@ import subprocess
 import sys
 
 import pytest
-from launch_helpers import assert_launches, script_command
+
+from tests.helpers.launch_helpers import assert_launches, script_command
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.xdist_group("shared_launch_hf")]

@@ -12,7 +12,8 @@ what runs: its job arguments are a job of the 4-process launch that file shares
 import json
 
 import pytest
-from launch_helpers import script_command
+
+from tests.helpers.launch_helpers import script_command
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow,
               pytest.mark.xdist_group("shared_launch_4procs")]

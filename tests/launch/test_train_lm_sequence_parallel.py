@@ -11,7 +11,8 @@ shared_launches.py)."""
 import json
 
 import pytest
-from launch_helpers import assert_launches, script_command
+
+from tests.helpers.launch_helpers import assert_launches, script_command
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow,
               pytest.mark.xdist_group("shared_launch_4procs")]

@@ -8,11 +8,11 @@ import itertools
 
 import pytest
 import torch
-from ce_reference import reference_linear_ce
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import megaloss
+from tests.helpers.ce_reference import reference_linear_ce
 
 OPTION_SETS = [
     dict(),

@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 import torch
-from distillation_reference import reference_distillation, teacher_topk
 
 import megaloss
+from tests.helpers.distillation_reference import reference_distillation, teacher_topk
 
 N, H, HT, V, K = 23, 12, 9, 37, 5
 

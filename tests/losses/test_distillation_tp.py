@@ -5,10 +5,10 @@ heads; and a bad input on one rank raising on both."""
 
 import pytest
 import torch
-from distillation_reference import reference_distillation, teacher_topk
-from vocab_shards import shard_rows
 
 from megaloss.testing import run_distributed
+from tests.helpers.distillation_reference import reference_distillation, teacher_topk
+from tests.helpers.vocab_shards import shard_rows
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

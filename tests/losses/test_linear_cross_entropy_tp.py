@@ -5,10 +5,10 @@ vocab_parallel_options=VocabParallelOptions(...))`` on 2 spawned gloo ranks (voc
 
 import pytest
 import torch
-from ce_reference import reference_linear_ce
-from vocab_shards import shard_rows
 
 from megaloss.testing import run_distributed
+from tests.helpers.ce_reference import reference_linear_ce
+from tests.helpers.vocab_shards import shard_rows
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

@@ -3,10 +3,10 @@ gradients (random per-token upstream gradients of log_probs and entropy together
 soft-capping, ignore_index, bias, chunking; the errors."""
 import pytest
 import torch
-from log_probs_reference import reference
 
 import megaloss
 from megaloss import LinearLogProbs, LogProbsOptions, linear_log_probs
+from tests.helpers.log_probs_reference import reference
 
 
 def _inputs(n=37, h=16, v=50, dtype=torch.float32, bias=False, seed=0):

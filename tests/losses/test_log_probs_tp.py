@@ -7,10 +7,10 @@ on one rank raising on both."""
 
 import pytest
 import torch
-from log_probs_reference import reference
-from vocab_shards import shard_rows
 
 from megaloss.testing import run_distributed
+from tests.helpers.log_probs_reference import reference
+from tests.helpers.vocab_shards import shard_rows
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

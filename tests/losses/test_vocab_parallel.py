@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-from ce_reference import reference_linear_ce
 
 from megaloss.testing import run_distributed
+from tests.helpers.ce_reference import reference_linear_ce
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 

@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
-from ce_reference import reference_linear_ce
 from torch import nn
-from vocab_shards import shard_rows
 
 from megaloss import VocabParallelEmbedding, VocabParallelLMHead
 from megaloss.testing import run_distributed
+from tests.helpers.ce_reference import reference_linear_ce
+from tests.helpers.vocab_shards import shard_rows
 
 N_TOK, H, V, PAD = 13, 6, 37, 3
 REDUCTIONS = ("mean", "sum", "none")

@@ -11,12 +11,12 @@
 """
 import pytest
 import torch
-from ce_reference import reference_linear_ce
 from vocab_slices import slices_and_one_device
 
 import megaloss
 from megaloss.ops.cross_entropy_chunk import chunk_cross_entropy, epilogue_impl
 from megaloss.ops.options import CrossEntropyOptions
+from tests.helpers.ce_reference import reference_linear_ce
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

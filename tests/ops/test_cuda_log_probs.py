@@ -10,9 +10,9 @@ gradient entry.
 """
 import pytest
 import torch
-from log_probs_reference import reference
 
 import megaloss
+from tests.helpers.log_probs_reference import reference
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

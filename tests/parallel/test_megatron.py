@@ -16,11 +16,11 @@ import types
 
 import pytest
 import torch
-from ce_reference import reference_linear_ce
 
 from megaloss import Topology
 from megaloss.parallel import SINGLE_RANK, megatron
 from megaloss.testing import run_distributed
+from tests.helpers.ce_reference import reference_linear_ce
 
 S, T, H, V = 4, 6, 5, 11
 CONFIGS = [(2, 1, 1), (1, 1, 2), (1, 2, 1), (1, 1, 1)]  # (tp, pp, cp) on 2 ranks; dp = the rest

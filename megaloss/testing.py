@@ -1,24 +1,42 @@
 """Run a function on N real processes (spawn start method, gloo, CPU) with a hard timeout: the
 harness megaloss's tests, benchmarks and checkers use to exercise collectives for real.
 
-A collective mismatch makes ranks wait forever; the timeout turns that into a failure. The
-function runs as ``fn(rank, world_size, *args)`` after ``init_process_group``; what rank r returns
-(picklable) comes back as ``results[r]``; an exception on any rank fails the caller with that
-rank's traceback. "spawn", not "fork": forking after torch has run ops can hang in OpenMP.
+Writing a case:
+
+```python
+def _rank(rank, world_size, n):  # module level: the ranks import it by name
+    ...                          # init_process_group has run; create subgroups freely
+    return loss.item()           # picklable; comes back as results[rank]
+
+results = run_distributed(_rank, 2, 13, timeout=120)
+```
+
+The function runs as ``fn(rank, world_size, *args)`` after ``init_process_group`` (gloo, with
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` set); it and its
+arguments are pickled, so ``fn`` must be importable from its module (not a lambda or a nested
+function). An exception on any rank fails the caller with that rank's traceback. A collective
+mismatch makes ranks wait forever; the timeout (:data:`DEFAULT_TIMEOUT_S` unless given) turns
+that into a ``TimeoutError``, and a rank that dies without replying fails the call at once.
+"spawn", not "fork": forking after torch has run ops can hang in OpenMP.
 
 Two ways to get the ranks:
 
-- :func:`run_distributed` on its own spawns ``world_size`` fresh processes per call (what the
-  tools and launch checks use).
-- Inside :func:`shared_process_groups` (the test suite's conftest opens it around the cases that
-  may share), :func:`run_distributed` sends the call to a :class:`ProcessGroupPool` of that world
-  size instead: ranks spawned and joined to one gloo world once, then reused case after case,
-  which saves the spawn + ``import torch`` + rendezvous of every call. This is the pattern of
-  torch's ``MultiProcContinuousTest`` (torch/testing/_internal/common_distributed.py): each case
-  is reseeded to the same fixed value first (its outcome does not depend on what ran before), the
-  process groups it created are destroyed after it (:func:`destroy_subgroups`: a live gloo group
-  keeps a thread polling every few milliseconds), and a case that fails or times out takes its
-  pool down, so the next case gets fresh processes.
+- :func:`run_distributed` on its own spawns ``world_size`` fresh processes per call and ends
+  them after it (what the tools and launch checks use).
+- Inside a :func:`shared_process_groups` block, :func:`run_distributed` sends the call to a
+  :class:`ProcessGroupPool` of that world size (and thread count) instead: ranks spawned and
+  joined to one gloo world once, then reused case after case, which saves the spawn +
+  ``import torch`` + rendezvous (seconds of CPU) of every call. The test suite opens such a
+  block around every test (tests/conftest.py) but those marked ``deepspeed`` (fresh ranks, or
+  tests/integrations' DeepSpeed-only pools) or ``fresh_processes``. This is the pattern of
+  torch's ``MultiProcContinuousTest`` (torch/testing/_internal/common_distributed.py). What
+  keeps the cases independent: each case is reseeded to the same fixed value first
+  (:data:`CASE_SEED`: its outcome does not depend on what ran before) with the default dtype,
+  thread count and grad mode put back; the process groups it created are destroyed after it
+  (:func:`destroy_subgroups`: a live gloo group keeps a thread polling every few
+  milliseconds); and a case that fails or times out takes its pool down, so the next case gets
+  fresh processes. A pooled case must leave the default process group alone (no
+  ``destroy_process_group``).
 """
 from __future__ import annotations
 

@@ -69,8 +69,8 @@ def test_package_data_and_console_scripts():
     with pytest.raises(ValueError, match="no shipped ds_config named 'zero9'"):
         config_path("zero9")
     scripts = PROJECT["scripts"]
-    assert scripts == {"megaloss-check-layout": "megaloss.tools.check_layout:main",
-                       "megaloss-comm-model": "megaloss.tools.comm_model:main"}
+    assert scripts == {"megaloss-check-layout": "megaloss.cli.check_layout:main",
+                       "megaloss-comm-model": "megaloss.cli.comm_model:main"}
     data = PYPROJECT["tool"]["setuptools"]["package-data"]
     assert "py.typed" in data["megaloss"] and "*.json" in data["megaloss.configs"]
     assert (REPO / "LICENSE").read_text().lstrip().startswith("Apache License")

@@ -19,12 +19,17 @@ python3 - "$WHEEL" <<'PY'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 need = ["megaloss/py.typed", "megaloss/configs/zero2.json", "megaloss/configs/zero2_hf.json",
-        "megaloss/tools/check_layout.py"]
+        "megaloss/cli/check_layout.py"]
 missing = [n for n in need if n not in names]
 assert not missing, f"the wheel lacks {missing}"
 assert not [n for n in names if n.startswith(("tests/", "launch/", "tools/"))], "repo dirs in wheel"
 print(f"{sys.argv[1]}: {len(names)} files, package data present")
 PY
+
+step "the setup.py shim reads the one source of metadata, pyproject.toml"
+shim="$(cd "$REPO" && python3 setup.py -q --version 2>/dev/null | tail -n 1)"
+case "$WHEEL" in *"megaloss-$shim-"*) echo "setup.py --version: $shim (the wheel's)";;
+  *) echo "setup.py --version gave '$shim', the wheel is $WHEEL" >&2; exit 1;; esac
 
 step "a fresh venv with the user's torch installed first"
 rm -rf "$WORK/venv"

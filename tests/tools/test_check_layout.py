@@ -1,4 +1,4 @@
-"""``megaloss-check-layout`` (``megaloss.tools.check_layout``): "does my layout train like one
+"""``megaloss-check-layout`` (``megaloss.cli.check_layout``): "does my layout train like one
 device?".
 
 Slow tier: the tool runs twice as a user runs it, from a directory outside the checkout (the
@@ -27,8 +27,8 @@ import sys
 
 import pytest
 
+from megaloss.cli import check_layout
 from megaloss.configs import config_path
-from megaloss.tools import check_layout
 
 TIED = '{"tie_word_embeddings": true}'
 
@@ -55,7 +55,7 @@ def _config(tmp_path, stage: int, tp: int = 2) -> str:
 def _run_tool(tmp_path, env, *args):
     # from the test's own directory, as a user runs it on their config (paths relative to it);
     # a hang guard only: a background job runs at a low priority
-    proc = subprocess.run([sys.executable, "-m", "megaloss.tools.check_layout", *args,
+    proc = subprocess.run([sys.executable, "-m", "megaloss.cli.check_layout", *args,
                            "--steps", "2"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=800)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -92,7 +92,7 @@ def background_jobs(folder, env):
                          "--num_procs", "2", "--job", "embed")
 
     def help_text():
-        return subprocess.run([sys.executable, "-m", "megaloss.tools.check_layout", "--help"],
+        return subprocess.run([sys.executable, "-m", "megaloss.cli.check_layout", "--help"],
                               cwd=folder, env=env, capture_output=True, text=True, timeout=120)
     return {"help": help_text, "four_procs": four_procs, "embed": embed}
 

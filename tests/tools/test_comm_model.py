@@ -1,4 +1,4 @@
-"""``megaloss.tools.comm_model`` (``megaloss-comm-model``): the communication model of megaloss's
+"""``megaloss.cli.comm_model`` (``megaloss-comm-model``): the communication model of megaloss's
 losses against counts measured on
 real gloo processes, and the scaling tables of the README.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import megaloss.tools.comm_model as cm
+import megaloss.cli.comm_model as cm
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
-"""Tools a user runs on their own setup, installed as console scripts with the package:
-
+"""The console scripts a user runs on their own setup, installed with the package (the
+repository's top-level ``tools/`` holds the benchmarks, a different thing):
 - :mod:`.check_layout` (``megaloss-check-layout``): does a ds_config layout train like one
   device? The layout through the ``deepspeed`` launcher against one process, step by step.
 - :mod:`.comm_model` (``megaloss-comm-model``): what megaloss's losses send per rank as TP, DP

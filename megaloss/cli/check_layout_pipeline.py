@@ -1,5 +1,5 @@
 """The pipeline-parallel layout run of ``megaloss-check-layout``
-(:mod:`megaloss.tools.check_layout`): ``megaloss.pipeline_parallel_size`` > 1 in the ds_config.
+(:mod:`megaloss.cli.check_layout`): ``megaloss.pipeline_parallel_size`` > 1 in the ds_config.
 
 Every rank builds the whole (small) model from the check's seed, as the one-device run does,
 and keeps its stage's layers

@@ -7,7 +7,7 @@ counts measured on real gloo processes, and the scaling table and plot of the RE
     megaloss-comm-model --measure --json docs/comm_measured.json --plot docs/comm_scaling.png
     megaloss-comm-model --markdown           # the README section's tables
 
-(``python -m megaloss.tools.comm_model`` is the same.)
+(``python -m megaloss.cli.comm_model`` is the same.)
 
 **The model** (:func:`vocab_parallel_ce`, :func:`calibration_step`, :func:`mnr_call`,
 :func:`mnr_step`, :func:`lm_step`) gives, per rank, every collective a loss issues: its kind
@@ -132,7 +132,7 @@ def vocab_parallel_ce(tokens: int, hidden: int, tp: int, *, chunk_size: int = 10
         hidden: ``H``; ``hidden_bytes``: bytes per element of the hidden states (and of their
             gradient); ``weight_bytes``: of the loss weights (the calibration's: fp32).
 
-    Forward: one all-gather of 5 int64 (the cross-rank shape and label check); per chunk of
+    Forward: one all-gather of 6 int64 (the cross-rank check: failed flag, shapes, bad label); per chunk of
     ``chunk_size`` tokens a MAX all-reduce of ``[c]`` fp32 and one SUM all-reduce of the stacked
     ``[2, c]`` fp32 (``[3, c]`` with label smoothing): 12 (16) bytes per token whatever ``V``.
     Backward: the SUM all-reduce of the replicated hidden states' gradient ``[tokens, H]``
@@ -141,7 +141,7 @@ def vocab_parallel_ce(tokens: int, hidden: int, tp: int, *, chunk_size: int = 10
     reduce-scattered backward; the statistics then cover the TP group's ``tp x tokens``.
     """
     fwd, bwd = Traffic(), Traffic()
-    fwd.add("all_gather", tp, 5 * 8)
+    fwd.add("all_gather", tp, 6 * 8)
     n = tokens
     if sequence_parallel and tp > 1:
         fwd.add("all_gather", tp, 8)                          # the shards' sizes

@@ -10,10 +10,10 @@
 
 What it does:
 
-(``python -m megaloss.tools.check_layout`` is the same.) It runs from any directory: paths are
+(``python -m megaloss.cli.check_layout`` is the same.) It runs from any directory: paths are
 read relative to the current one, and nothing of a megaloss checkout is needed.
 
-1. **Your layout**: ``deepspeed --num_gpus N --module megaloss.tools.check_layout ...`` (the
+1. **Your layout**: ``deepspeed --num_gpus N --module megaloss.cli.check_layout ...`` (the
 ``deepspeed``
    launcher, as a training job runs) builds the model on every rank from one seed, makes the
    process groups from the config's ``megaloss.tensor_parallel_size`` (``DP = N / TP``), and
@@ -70,7 +70,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from megaloss.tools.check_layout_pipeline import pipeline_config_notes, run_pipeline_training
+from megaloss.cli.check_layout_pipeline import pipeline_config_notes, run_pipeline_training
 
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*", category=FutureWarning)
 
@@ -690,7 +690,7 @@ def _launch_layout(spec_path: Path, spec: Dict[str, Any], log_path: Path, verbos
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // (spec["num_procs"] + 1))))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus",
            str(spec["num_procs"]), "--master_port", str(free_port()),
-           "--module", "megaloss.tools.check_layout",
+           "--module", "megaloss.cli.check_layout",
            "--_worker", str(spec_path)]
     out = None if verbose else open(log_path, "w")
     return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -132,9 +132,10 @@ def vocab_parallel_ce(tokens: int, hidden: int, tp: int, *, chunk_size: int = 10
         hidden: ``H``; ``hidden_bytes``: bytes per element of the hidden states (and of their
             gradient); ``weight_bytes``: of the loss weights (the calibration's: fp32).
 
-    Forward: one all-gather of 6 int64 (the cross-rank check: failed flag, shapes, bad label); per chunk of
-    ``chunk_size`` tokens a MAX all-reduce of ``[c]`` fp32 and one SUM all-reduce of the stacked
-    ``[2, c]`` fp32 (``[3, c]`` with label smoothing): 12 (16) bytes per token whatever ``V``.
+    Forward: one all-gather of 6 int64 (the cross-rank check: failed flag, shapes, bad label);
+    per chunk of ``chunk_size`` tokens a MAX all-reduce of ``[c]`` fp32 and one SUM all-reduce of
+    the stacked ``[2, c]`` fp32 (``[3, c]`` with label smoothing): 12 (16) bytes per token
+    whatever ``V``.
     Backward: the SUM all-reduce of the replicated hidden states' gradient ``[tokens, H]``
     (Megatron's output layer pays the same). With Megatron sequence parallelism the hidden
     states are all-gathered forward (plus their sizes, labels and weights) and their gradient

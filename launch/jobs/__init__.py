@@ -17,11 +17,16 @@ that needs no download, the models, the options and what the jobs write and prin
   :mod:`launch.jobs.check_args`: a job's command line checked once before any rank starts.
 - :mod:`launch.jobs.reporting`: metrics CSV, loss-curve PNG, ``summary.json``, summary table,
   rank-0 log.
-- :mod:`launch.jobs.runs`: what the jobs share around the training loop: process start-up, the
-  run options (``--save_every``, ``--resume``, ``--eval_only``, ``--overwrite``), one run per
-  output folder, failures reported once with their cause, SIGTERM / SIGINT / SIGUSR1 stopping
-  at a step boundary, resume, the end-of-run tail (outputs, summary table, barrier) and the
-  process's end (``run_job``: exit status, process groups destroyed).
+- :mod:`launch.jobs.runs`: what ties a run together around the training loop: the run options
+  (``--save_every``, ``--resume``, ``--eval_only``, ``--overwrite``), a trainer job's run folder
+  and the end-of-run tail (outputs, summary table, barrier); it re-exports the pieces below.
+  :mod:`launch.jobs.agreement`: set-up failures agreed across ranks (``agreed``);
+  :mod:`launch.jobs.checkpoints`: one run per output folder, resume and checkpoints;
+  :mod:`launch.jobs.signals`: SIGTERM / SIGINT / SIGUSR1 stopping at a step boundary;
+  :mod:`launch.jobs.progress`: the progress bar and the step loop (``TrainLoop``);
+  :mod:`launch.jobs.quiet_logs`: the libraries' noise silenced;
+  :mod:`launch.jobs.processes`: process start-up and end (``run_job``: exit status, the error
+  reported once with its cause, process groups destroyed).
 
 Imported as a package (``from launch.jobs.text_data import ...``): the ``launch/*.sh`` scripts put
 the repository root on ``PYTHONPATH``.

@@ -11,8 +11,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from .agreement import agreed
 from .code_search import is_held_out
-from .runs import agreed
 from .text_data import (
     atomic_write,
     check_texts,
@@ -66,7 +66,7 @@ def load_data(args):
     ``max_train_bytes``, ``vocab_size``, ``cache_dir``); global rank 0 builds and caches them,
     the others read the cache (keyed by the data's contents and the options). Collective. Inputs
     are checked on every rank first, and a failure of rank 0's build is reported by every rank
-    (:func:`launch.jobs.runs.agreed`).
+    (:func:`launch.jobs.agreement.agreed`).
 
     Returns:
         ``(tokenizer, train stream, eval stream, info, cache key)``.

@@ -1,7 +1,7 @@
 """The embedding jobs' data (``launch/train_embed.py`` and ``launch/train_embed_hf.py`` share
 it, cache included): (docstring -> function source) pairs extracted once per node and cached, a
 BPE tokenizer trained on them, and the pairs encoded as padded id / mask tensors. Local rank 0 of
-each node builds, every rank agrees on failure (:func:`launch.jobs.runs.agreed`).
+each node builds, every rank agrees on failure (:func:`launch.jobs.agreement.agreed`).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from .agreement import agreed
 from .code_search import CodePair, load_code_search, source_files
-from .runs import agreed
 from .text_data import EOS, atomic_write, files_digest, read_texts, train_bpe_tokenizer
 
 __all__ = ["load_pairs_cached", "tokenizer_cached", "encode_pairs"]

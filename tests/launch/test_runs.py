@@ -249,10 +249,10 @@ def test_deepspeed_noise_is_dropped():
 def test_accelerate_gas_notice_is_dropped_in_trainer_jobs():
     import logging
 
-    from launch.jobs.runs import _quiet_accelerate_logger
+    from launch.jobs.quiet_logs import quiet_accelerate_logger
 
-    _quiet_accelerate_logger()
-    _quiet_accelerate_logger()
+    quiet_accelerate_logger()
+    quiet_accelerate_logger()
     logger = logging.getLogger("accelerate.accelerator")
 
     def shown(msg):

@@ -88,7 +88,7 @@ def probe_coefficients(rank: int, gas: int) -> List[float]:
     return [1.0 + ((rank * gas + i + 1) * phi) % 1.0 for i in range(gas)]
 
 
-def _snap(m: float) -> float:
+def snap_scale(m: float) -> float:
     """``m`` rounded to the integer or the reciprocal integer it is within _REL_TOL of, or NaN."""
     if m >= 1.0:
         k = round(m)
@@ -165,7 +165,7 @@ def measure_grad_scale(run_step: Callable[[Sequence[float]], torch.Tensor], *,
         raise EngineScaleError(f"{where}: differs across ranks or elements, so the engine reduces "
                                "over other ranks than assumed; megaloss cannot compensate it "
                                "(check the mpu / process groups given to the engine)")
-    m = _snap(1.0 / c_max)
+    m = snap_scale(1.0 / c_max)
     if math.isnan(m):
         raise EngineScaleError(f"{where}: 1/c = {1.0 / c_max:.6g} is not an integer or its "
                                "reciprocal; the engine reduces over other ranks than assumed, "

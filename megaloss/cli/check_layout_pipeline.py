@@ -22,7 +22,7 @@ __all__ = ["pipeline_config_notes", "run_pipeline_training"]
 def pipeline_config_notes(layout: Dict[str, Any], job: str) -> List[str]:
     """Adapt the layout's ds_config to the pipeline engine in place (ZeRO > 1 lowered to 1, as
     the LM job does); the notes to print. Raises SystemExit for the embedding job."""
-    from megaloss.integrations.deepspeed.pipeline import PIPELINE_ZERO_STAGES
+    from megaloss.integrations.deepspeed.pipeline_layout import PIPELINE_ZERO_STAGES
 
     if job != "lm":
         raise SystemExit("megaloss.pipeline_parallel_size > 1 is checked for --job lm only")

@@ -35,7 +35,7 @@ from ...losses.vocab_parallel_embedding import VocabParallelEmbedding
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.options import CrossEntropyOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike
-from .pipeline import CrossEntropyHeadStage
+from .pipeline_loss import CrossEntropyHeadStage
 
 __all__ = ["LlamaEmbeddingStage", "LlamaDecoderStage", "LlamaHeadStage", "LlamaNormStage",
            "LlamaTiedEmbeddingHead", "llama_pipeline_layers", "hf_parameter_name"]

@@ -38,7 +38,7 @@ from ...ops.labels import causal_shift
 from ...ops.options import DPOOptions, PolicyLossOptions
 from .engine import MegalossEngine
 from .monitor import write_metrics
-from .train_step import _reduced_grad_norm, _to_device, peak_memory_mib
+from .train_step import batch_to_device, peak_memory_mib, reduced_grad_norm
 
 __all__ = ["PolicyStepMetrics", "policy_train_step", "dpo_train_step"]
 
@@ -158,7 +158,7 @@ def policy_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, A
     gas = _check_micro_batches(me, micro_batches, ("input_ids", "completion_mask", "advantages"))
     t0 = time.perf_counter()
     engine = me.engine
-    mbs = [_to_device(mb, engine.device) for mb in micro_batches]
+    mbs = [batch_to_device(mb, engine.device) for mb in micro_batches]
     ignore = me.calibrator.ignore_index
     calib = policy_calibrator(opts, me.topology, engine_scale=me.engine_scale,
                               weight_dtype=me.calibrator.weight_dtype)
@@ -176,7 +176,7 @@ def policy_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, A
         engine.backward(step.loss_for_backward(out.loss))
         stats.append(out.stats)
         if i == gas - 1 and engine.zero_optimization_stage() == 0:
-            own_norm = _reduced_grad_norm(engine.module, me.topology)
+            own_norm = reduced_grad_norm(engine.module, me.topology)
         engine.step()
     metrics = policy_metrics(stats, opts, group=me.topology.dp_sp_group, has_entropy=has_entropy)
     return _finish(me, step, t0, own_norm, float(step.num_samples), metrics, log)
@@ -215,7 +215,7 @@ def dpo_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]
                              f"rejected), got {mb['input_ids'].shape[0]}")
     t0 = time.perf_counter()
     engine = me.engine
-    mbs = [_to_device(mb, engine.device) for mb in micro_batches]
+    mbs = [batch_to_device(mb, engine.device) for mb in micro_batches]
     ignore = me.calibrator.ignore_index
     calib = LossCalibrator(me.topology, loss_reduction="sample", engine_scale=me.engine_scale,
                            ignore_index=ignore, weight_dtype=me.calibrator.weight_dtype)
@@ -238,7 +238,7 @@ def dpo_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]
         engine.backward(step.loss_for_backward(out.loss))
         stats.append(out.stats)
         if i == gas - 1 and engine.zero_optimization_stage() == 0:
-            own_norm = _reduced_grad_norm(engine.module, me.topology)
+            own_norm = reduced_grad_norm(engine.module, me.topology)
         engine.step()
     metrics = dpo_metrics(stats, group=me.topology.dp_sp_group)
     return _finish(me, step, t0, own_norm, float(step.num_samples), metrics, log)

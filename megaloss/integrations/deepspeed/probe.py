@@ -23,9 +23,9 @@ __all__ = ["probe_deepspeed", "engine_reduce_group"]
 # Sections that do not change the effective factor but would change what the probe reads or
 # build things (optimizers, monitors): mixed precision is unscaled inside step(), clipping
 # happens in step(), and the probe brings its own torch optimizer (no JIT-built op).
-_DROPPED_DS_KEYS = ("optimizer", "scheduler", "fp16", "bf16", "amp", "gradient_clipping",
-                    "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
-                    "wall_clock_breakdown", "checkpoint", "megaloss")
+DROPPED_DS_KEYS = ("optimizer", "scheduler", "fp16", "bf16", "amp", "gradient_clipping",
+                   "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
+                   "wall_clock_breakdown", "checkpoint", "megaloss")
 
 _UNSET = object()
 
@@ -80,7 +80,7 @@ def probe_deepspeed(config: Mapping[str, Any], *, mpu: Any = None, group: GroupL
     from deepspeed.utils import safe_get_full_grad
 
     skip_cpu_shm_comm_build()  # the probe may be the first engine: no JIT build on CPU
-    cfg = {k: copy.deepcopy(v) for k, v in config.items() if k not in _DROPPED_DS_KEYS}
+    cfg = {k: copy.deepcopy(v) for k, v in config.items() if k not in DROPPED_DS_KEYS}
     # ZeRO only knows its own optimizers and refuses others as "untested" unless allowed; the
     # probe's torch SGD (lr 0) never updates anything, and the flag is set on this copy only.
     cfg["zero_allow_untested_optimizer"] = True

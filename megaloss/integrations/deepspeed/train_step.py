@@ -98,7 +98,7 @@ def peak_memory_mib(device: Optional[torch.device] = None) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
-def _reduced_grad_norm(module: torch.nn.Module, topology: Topology) -> torch.Tensor:
+def reduced_grad_norm(module: torch.nn.Module, topology: Topology) -> torch.Tensor:
     """L2 norm of the whole model's gradients (as DeepSpeed's clipping computes it): TP-sharded
     parameters counted on every TP rank, replicated ones on TP rank 0 only, SUM over TP. For
     ZeRO-0 with a plain torch optimizer, where DeepSpeed clips but does not keep the norm; call
@@ -111,12 +111,13 @@ def _reduced_grad_norm(module: torch.nn.Module, topology: Topology) -> torch.Ten
     return all_reduce_sum_(total, topology.tp_group).sqrt()
 
 
-def _to_device(mb: Mapping[str, Any], device: torch.device) -> Dict[str, Any]:
+def batch_to_device(mb: Mapping[str, Any], device: torch.device) -> Dict[str, Any]:
+    """The micro-batch ``mb`` with its tensors moved to ``device`` (non-blocking)."""
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
             for k, v in mb.items()}
 
 
-def _shift_labels(mb: Mapping[str, Any], ignore_index: int) -> torch.Tensor:
+def micro_batch_targets(mb: Mapping[str, Any], ignore_index: int) -> torch.Tensor:
     """The micro-batch's shifted targets: ``shift_labels`` as given, or HF ``labels`` shifted."""
     if mb.get("shift_labels") is not None:
         return mb["shift_labels"]
@@ -200,9 +201,9 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
                          f"{len(micro_batches)}")
     t0 = time.perf_counter()
     device = engine.device
-    mbs = [_to_device(mb, device) for mb in micro_batches]
+    mbs = [batch_to_device(mb, device) for mb in micro_batches]
     ignore = me.calibrator.ignore_index
-    step = me.calibrator.begin_step([_shift_labels(mb, ignore) for mb in mbs],
+    step = me.calibrator.begin_step([micro_batch_targets(mb, ignore) for mb in mbs],
                                     **_sample_boundaries(mbs))
     z_local = torch.zeros((), dtype=torch.float64, device=device)
     kd_local: Optional[torch.Tensor] = None
@@ -221,7 +222,7 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
             z_local += out.z_loss.detach().to(torch.float64)
         engine.backward(step.loss_for_backward(out.loss))
         if i == gas - 1 and engine.zero_optimization_stage() == 0:
-            own_norm = _reduced_grad_norm(engine.module, me.topology)
+            own_norm = reduced_grad_norm(engine.module, me.topology)
         engine.step()
     loss = step.global_loss()
     z = all_reduce_sum_(z_local, me.topology.dp_sp_group)
@@ -272,9 +273,9 @@ def evaluate(me: MegalossEngine, batches: Iterable[Mapping[str, torch.Tensor]], 
     engine.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for mb in batches:
-        mb = _to_device(mb, device)
+        mb = batch_to_device(mb, device)
         ignore, topo = me.calibrator.ignore_index, me.topology
-        labels = split_for_sequence_parallel(_shift_labels(mb, ignore), topo.sp_rank,
+        labels = split_for_sequence_parallel(micro_batch_targets(mb, ignore), topo.sp_rank,
                                              topo.sp_size, ignore)
         inputs = _model_inputs(mb, topo)
         out = engine(inputs.pop("input_ids"), shift_labels=labels, **inputs)

@@ -68,7 +68,7 @@ class LinearCrossEntropyHead(nn.Module):
         return f"vocab_size={v}, hidden_size={h}, {self.options!r}"
 
 
-def _linear_lm_head(model: nn.Module) -> nn.Linear:
+def linear_lm_head(model: nn.Module) -> nn.Linear:
     """``model``'s output embedding, the lm_head a loss wrapper replaces.
 
     Raises:
@@ -86,7 +86,7 @@ def _linear_lm_head(model: nn.Module) -> nn.Linear:
     return lm_head
 
 
-def _wrapper_options(options, cls: type):
+def wrapper_options(options, cls: type):
     """A wrapper's loss options: ``options``, or ``cls(reduction="sum")`` when ``None`` (the
     calibrated training step weights tokens itself).
 
@@ -99,8 +99,8 @@ def _wrapper_options(options, cls: type):
     return options
 
 
-def _shifted_targets(input_ids: torch.Tensor, labels: Optional[torch.Tensor],
-                    shift_labels: Optional[torch.Tensor], ignore_index: int) -> torch.Tensor:
+def shifted_targets(input_ids: torch.Tensor, labels: Optional[torch.Tensor],
+                   shift_labels: Optional[torch.Tensor], ignore_index: int) -> torch.Tensor:
     """The ``[B, T]`` shifted targets of a wrapper's forward: ``causal_shift(labels)`` (Hugging
     Face's unshifted labels) or ``shift_labels`` as given; exactly one of the two.
 
@@ -198,8 +198,8 @@ class CausalLMWithLoss(nn.Module):
     def __init__(self, model: nn.Module, *, options: Optional[CrossEntropyOptions] = None,
                  tp_group: GroupLike = SINGLE_RANK) -> None:
         super().__init__()
-        lm_head = _linear_lm_head(model)
-        self.options = _wrapper_options(options, CrossEntropyOptions)
+        lm_head = linear_lm_head(model)
+        self.options = wrapper_options(options, CrossEntropyOptions)
         self.ignore_index = self.options.ignore_index
         self.tp_size = group_size(tp_group)
         vocab_size, hidden_size = lm_head.weight.shape
@@ -278,7 +278,7 @@ class CausalLMWithLoss(nn.Module):
             ValueError: neither or both of ``labels`` / ``shift_labels``; a shape other than
                 that of ``input_ids``.
         """
-        shift_labels = _shifted_targets(input_ids, labels, shift_labels, self.ignore_index)
+        shift_labels = shifted_targets(input_ids, labels, shift_labels, self.ignore_index)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids, use_cache=False)
         return self.head(out.last_hidden_state, shift_labels, loss_weights=loss_weights)

@@ -23,7 +23,7 @@ from ...losses.vocab_parallel import vocab_shard_range
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.options import CrossEntropyOptions, DistillationOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
-from .causal_lm import _linear_lm_head, _shifted_targets, _wrapper_options
+from .causal_lm import linear_lm_head, shifted_targets, wrapper_options
 
 __all__ = ["CausalLMWithDistillation", "LinearDistillationHead"]
 
@@ -104,8 +104,8 @@ class CausalLMWithDistillation(nn.Module):
                  options: Optional[DistillationOptions] = None,
                  tp_group: GroupLike = SINGLE_RANK) -> None:
         super().__init__()
-        lm_head = _linear_lm_head(model)
-        self.options = _wrapper_options(options, DistillationOptions)
+        lm_head = linear_lm_head(model)
+        self.options = wrapper_options(options, DistillationOptions)
         vocab_size, hidden_size = lm_head.weight.shape
         if teacher is not None:
             t_head = teacher.get_output_embeddings()
@@ -182,7 +182,7 @@ class CausalLMWithDistillation(nn.Module):
             ValueError: neither or both of ``labels`` / ``shift_labels``; a top-k teacher
                 together with a teacher module, or neither; shapes (from the loss).
         """
-        target = _shifted_targets(input_ids, labels, shift_labels, self.ignore_index)
+        target = shifted_targets(input_ids, labels, shift_labels, self.ignore_index)
         topk = teacher_topk_ids is not None or teacher_topk_log_probs is not None
         if (self.teacher is not None) == topk:
             raise ValueError("give the teacher either as the wrapper's teacher module or as "

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .chunk_gradients import HeadGradients
 from .chunk_kernel import ChunkKernel, stats_dtype
@@ -42,10 +43,29 @@ __all__ = ["chunked_head", "head_logits", "REDUCTIONS"]
 REDUCTIONS = ("sum", "none")
 
 
-def head_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
-                ) -> torch.Tensor:
-    """``h @ weight.T (+ bias)``, one GEMM (``addmm`` with a bias)."""
-    return torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
+def head_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``h @ weight.T (+ bias)``, one GEMM (``addmm`` with a bias), into ``out`` when given."""
+    if bias is None:
+        return torch.mm(h, weight.t(), out=out)
+    return torch.addmm(bias, h, weight.t(), out=out)
+
+
+class _LogitsBuffer:
+    """One ``[min(chunk_size, N), V]`` logits buffer that every chunk of a pass writes its GEMM
+    into. A fresh ``[C, V]`` tensor per chunk costs more than the epilogue: the allocator hands
+    large blocks back to the OS, so each chunk's first touch of 131 MB (C=1024, V=32000, fp32)
+    page-faults inside the GEMM (measured 11-17% of the CE's time on CPU, ``tools/bench_ce.py``).
+    Reuse is safe because a kernel returns only per-token results (never a view of the logits)
+    and each chunk's gradient GEMMs read the buffer before the next chunk's GEMM overwrites it
+    (in order on the CPU, on one stream on CUDA)."""
+
+    def __init__(self, n_tokens: int, chunk_size: int, weight: torch.Tensor):
+        self.buf = weight.new_empty(min(chunk_size, n_tokens), weight.shape[0])
+
+    def logits(self, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+               ) -> torch.Tensor:
+        return head_logits(h, weight, bias, out=self.buf[:h.shape[0]])
 
 
 class _Plan:
@@ -71,15 +91,16 @@ def _forward_chunks(plan: _Plan, hidden: torch.Tensor, weight: torch.Tensor,
     grads = HeadGradients(hidden, weight, bias, plan.accum_dtype,
                           need if coef is not None else (False, False, False))
     parts: List[Tuple[torch.Tensor, ...]] = []
+    buffer = _LogitsBuffer(hidden.shape[0], plan.chunk_size, grads.weight)
     for rows in _chunks(hidden.shape[0], plan.chunk_size):
         h = hidden[rows].to(grads.dtype)
-        results, grad = kernel.forward(head_logits(h, grads.weight, grads.bias), rows,
+        results, grad = kernel.forward(buffer.logits(h, grads.weight, grads.bias), rows,
                                        None if coef is None else coef[rows])
         parts.append(results)
         if grad is not None:
             grads.add(rows.start, rows.stop, h, grad)
-        # Drop this chunk's [C, V] buffers before the next chunk allocates its own; otherwise
-        # two chunk working sets are alive at once (measured +123 MiB at C=1024, V=32000).
+        # Drop this chunk's other [C, V] buffers (an upcast copy, the soft-cap's tanh) before
+        # the next chunk allocates its own (measured +123 MiB at C=1024, V=32000).
         del grad
     if not parts:  # no tokens: empty results of the stats dtype
         empty = hidden.new_zeros(0, dtype=stats_dtype(grads.dtype))
@@ -90,9 +111,10 @@ def _forward_chunks(plan: _Plan, hidden: torch.Tensor, weight: torch.Tensor,
 def _backward_chunks(plan: _Plan, hidden, weight, bias, saved: Sequence[torch.Tensor],
                      upstream: Sequence[Optional[torch.Tensor]], need):
     grads = HeadGradients(hidden, weight, bias, plan.accum_dtype, need)
+    buffer = _LogitsBuffer(hidden.shape[0], plan.chunk_size, grads.weight)
     for rows in _chunks(hidden.shape[0], plan.chunk_size):
         h = hidden[rows].to(grads.dtype)
-        grad = plan.kernel.backward(head_logits(h, grads.weight, grads.bias), rows,
+        grad = plan.kernel.backward(buffer.logits(h, grads.weight, grads.bias), rows,
                                     [s[rows] for s in saved],
                                     [None if u is None else u[rows] for u in upstream])
         grads.add(rows.start, rows.stop, h, grad)
@@ -137,6 +159,7 @@ class _ChunkedHead(torch.autograd.Function):
         return (first, *results[1:kernel.n_differentiable], *rest)
 
     @staticmethod
+    @once_differentiable  # the chunk loop writes into buffers (out=): no double backward
     def backward(ctx, *grad_outputs):
         plan, need = ctx.plan, ctx.need
         none = (None,) * 5

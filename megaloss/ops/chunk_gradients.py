@@ -39,9 +39,13 @@ class HeadGradients:
         self.dtype, self.weight, self.bias = compute_operands(hidden, weight, bias)
         need_h, need_w, need_b = need
         accum = torch.promote_types(accum_dtype, self.dtype)
-        self.d_hidden = torch.empty_like(hidden) if need_h else None
-        self.d_weight = (torch.zeros(weight.shape, dtype=accum, device=weight.device)
-                         if need_w else None)
+        self.d_hidden = (torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+                         if need_h else None)
+        # Uninitialised: the first chunk writes it (no zero-fill pass over [V, H]); zeros
+        # when no chunk will come.
+        alloc = torch.zeros if hidden.shape[0] == 0 else torch.empty
+        self.d_weight = alloc(weight.shape, dtype=accum, device=weight.device) if need_w else None
+        self._first = True
         self.d_bias = (torch.zeros(bias.shape, dtype=accum, device=bias.device)
                        if need_b else None)
 
@@ -52,10 +56,19 @@ class HeadGradients:
         any cast)."""
         g = grad_logits.to(self.dtype)
         if self.d_hidden is not None:
-            self.d_hidden[start:stop] = torch.mm(g, self.weight)
+            if self.d_hidden.dtype == self.dtype:
+                torch.mm(g, self.weight, out=self.d_hidden[start:stop])
+            else:  # mixed-dtype inputs: the gradient is cast to the hidden states' dtype
+                self.d_hidden[start:stop] = torch.mm(g, self.weight)
+        first, self._first = self._first, False
         if self.d_weight is not None:
             if self.d_weight.dtype == self.dtype:
-                self.d_weight.addmm_(g.t(), h)
+                if first:
+                    torch.mm(g.t(), h, out=self.d_weight)
+                else:
+                    self.d_weight.addmm_(g.t(), h)
+            elif first:
+                self.d_weight.copy_(torch.mm(g.t(), h))
             else:  # bf16 GEMM, fp32 accumulation across chunks
                 self.d_weight.add_(torch.mm(g.t(), h))
         if self.d_bias is not None:

@@ -21,6 +21,7 @@ from ..ops.chunk_driver import chunked_head
 from ..ops.cross_entropy_chunk import CrossEntropyKernel
 from ..ops.options import CrossEntropyOptions, module_options, resolve_options
 from ..ops.validation import check_ce_tensors, first_bad_label
+from .token_coefficients import token_coefficients
 from .vocab_parallel import VocabParallelOptions, check_vocab_parallel_options, vocab_layout
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "CrossEntropyOutput"]
@@ -170,20 +171,13 @@ def linear_cross_entropy(
     hidden = layout.hidden(hidden_states.reshape(-1, hidden_states.shape[-1]))
 
     sdt = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
-    valid = flat_labels != opts.ignore_index
-    w_tok = valid.to(sdt)
-    if weights is not None:
-        w_tok = w_tok * weights.to(sdt)
     class_of_label = None
     if ce_weight is not None:
         label_ids = flat_labels.clamp(0, ce_weight.shape[0] - 1)  # ignored ids masked below
-        class_of_label = torch.where(valid, ce_weight.to(sdt)[label_ids], 0.0)
-    if opts.reduction == "mean":
-        total = w_tok if class_of_label is None else w_tok * class_of_label
-        # Clamped so that "every label ignored" gives 0 (not 0/0); no host sync.
-        coef = w_tok / total.sum().clamp_min(torch.finfo(sdt).tiny)
-    else:
-        coef = w_tok
+        class_of_label = torch.where(flat_labels != opts.ignore_index,
+                                     ce_weight.to(sdt)[label_ids], 0.0)
+    valid, coef = token_coefficients(flat_labels, opts.ignore_index, opts.reduction, weights,
+                                     sdt, class_of_label)
 
     kernel = CrossEntropyKernel(flat_labels, opts, layout.vocab_slice(), ce_weight)
     loss, lse, correct = chunked_head(

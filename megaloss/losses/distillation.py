@@ -28,6 +28,7 @@ from ..ops.chunk_driver import chunked_head
 from ..ops.distillation_chunk import DistillationKernel, Teacher
 from ..ops.options import DistillationOptions, module_options, resolve_options
 from ..ops.validation import check_ce_tensors, first_bad_label
+from .token_coefficients import token_coefficients
 from .vocab_parallel import VocabParallelOptions, check_vocab_parallel_options, vocab_layout
 
 __all__ = ["DistillationOutput", "linear_distillation_loss", "LinearDistillationLoss"]
@@ -272,12 +273,8 @@ def linear_distillation_loss(
         layout.tokens(None if lp is None else lp.detach().reshape(-1, lp.shape[-1])))
 
     sdt = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
-    valid = flat_labels != opts.ignore_index
-    w_tok = valid.to(sdt)
-    if weights is not None:
-        w_tok = w_tok * weights.to(sdt)
-    coef = (w_tok / w_tok.sum().clamp_min(torch.finfo(sdt).tiny) if opts.reduction == "mean"
-            else w_tok)
+    valid, coef = token_coefficients(flat_labels, opts.ignore_index, opts.reduction, weights,
+                                     sdt)
     kernel = DistillationKernel(teacher, flat_labels, opts, layout.vocab_slice())
     loss, divergence, ce, match = chunked_head(
         kernel, hidden, layout.rows(weight), layout.rows(bias), coef=coef,

@@ -29,8 +29,9 @@ Ignored tokens have ``coef == 0`` (the caller's contract), hence gradient 0; the
 one kernel with two loops per row; the split here lets the vocab-parallel combine sit between the
 passes.
 
-``tanh`` is written with ``exp`` (a Taylor polynomial near 0, where ``(1 - e) / (1 + e)`` loses
-digits), because libdevice's ``tanh`` is not available under Triton's interpreter.
+``tanh`` (:func:`megaloss.ops.triton_common.tanh_f32`) is written with ``exp`` (a Taylor
+polynomial near 0, where ``(1 - e) / (1 + e)`` loses digits), because libdevice's ``tanh`` is
+not available under Triton's interpreter.
 
 This module imports ``triton``: :mod:`megaloss.ops.cross_entropy_chunk` imports it only when
 the Triton epilogue is selected (or to ask :func:`interpreted`). Triton's interpreter
@@ -41,7 +42,6 @@ kernels on CPU tensors, slowly) is chosen when triton is imported: triton's own 
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -51,25 +51,9 @@ import triton.language as tl
 from .chunk_kernel import Reduce
 from .chunk_stats import ChunkResult, loss_from_stats
 from .options import CrossEntropyOptions
+from .triton_common import block_size, device_guard, interpreted, tanh_f32
 
-__all__ = ["triton_chunk_epilogue", "interpreted", "MAX_BLOCK"]
-
-MAX_BLOCK = 4096
-"""Largest block of columns a program handles at once (a power of two)."""
-
-
-@triton.jit
-def _tanh(a):
-    """tanh in fp32 from ``exp`` (libdevice's tanh does not run in the interpreter), with a
-    Taylor polynomial near 0 where ``(1 - e) / (1 + e)`` cancels."""
-    e = tl.exp(-2.0 * tl.abs(a))
-    a2 = a * a
-    t = tl.where(tl.abs(a) < 0.125,
-                 tl.abs(a) * (1.0 + a2 * (-0.333333333333 + a2 * (0.133333333333
-                                                               - a2 * 0.0539682539683))),
-                 (1.0 - e) / (1.0 + e))
-    return tl.where(a < 0, -t, t)
-
+__all__ = ["triton_chunk_epilogue", "interpreted"]
 
 @triton.jit
 def _stats_kernel(logits_ptr, stride_row, labels_ptr, max_ptr, sumexp_ptr, target_ptr,
@@ -89,7 +73,7 @@ def _stats_kernel(logits_ptr, stride_row, labels_ptr, max_ptr, sumexp_ptr, targe
         mask = cols < n_cols
         y = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_CAP:
-            y = cap * _tanh(y / cap)
+            y = cap * tanh_f32(y / cap)
         target += tl.where(cols == local, y, 0.0)  # masked lanes hold y = 0
         if HAS_SMOOTH:
             sum_y += y
@@ -118,32 +102,13 @@ def _grad_kernel(logits_ptr, stride_row, labels_ptr, lse_ptr, coef_ptr, n_cols, 
     local = tl.where(label != ignore_index, label - vocab_start, -1)
     y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_CAP:
-        t = _tanh(y / cap)
+        t = tanh_f32(y / cap)
         y = cap * t
     g = tl.exp(y - lse) * (coef * (1.0 + two_z * lse)) - coef * eps_over_v
     g = tl.where(cols == local, g - coef * one_minus_eps, g)
     if HAS_CAP:
         g = g * (1.0 - t * t)
     tl.store(ptrs, g.to(logits_ptr.dtype.element_ty), mask=mask)
-
-
-def interpreted() -> bool:
-    """Whether these kernels (and triton's own library functions they call) run in Triton's
-    interpreter: ``TRITON_INTERPRET=1`` was set when triton was imported."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover - every triton 3.x has it
-        return False
-    return isinstance(_stats_kernel, InterpretedFunction) and isinstance(tl.sum,
-                                                                         InterpretedFunction)
-
-
-def _block(n_cols: int) -> int:
-    return max(16, min(MAX_BLOCK, triton.next_power_of_2(max(n_cols, 1))))
-
-
-def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def triton_chunk_epilogue(
@@ -180,14 +145,14 @@ def triton_chunk_epilogue(
     cap = opts.logit_softcapping
     eps = opts.label_smoothing
     dev = logits.device
-    with _device_guard(logits):
+    with device_guard(logits):
         if lse is None:
             # Pass 1 (steps 1-2 on this slice): local max, and the sums relative to it.
             local_max = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
             # Rows of the one SUM all-reduce: sum-exp, target logit, (sum of logits).
             packed = torch.zeros(3 if eps > 0 else 2, n_rows, dtype=torch.float32, device=dev)
             if n_rows > 0 and n_cols > 0:  # a vocab-parallel rank may hold no real vocab rows
-                block = _block(n_cols)
+                block = block_size(n_cols)
                 _stats_kernel[(n_rows,)](
                     logits, logits.stride(0), labels, local_max, packed[0], packed[1],
                     packed[2] if eps > 0 else packed[1], n_cols, vocab_start,
@@ -208,7 +173,7 @@ def triton_chunk_epilogue(
         if coef is None:
             return ChunkResult(loss, lse, None, correct)
         if n_rows > 0 and n_cols > 0:  # pass 2 (step 4): the gradient, over the logits
-            block = min(_block(n_cols), 2048)
+            block = min(block_size(n_cols), 2048)
             _grad_kernel[(n_rows, triton.cdiv(n_cols, block))](
                 logits, logits.stride(0), labels, lse.contiguous(),
                 coef.to(torch.float32).contiguous(), n_cols, vocab_start, opts.ignore_index,

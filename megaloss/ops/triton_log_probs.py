@@ -1,6 +1,6 @@
 r"""The log-probabilities epilogue of :mod:`megaloss.ops.log_probs_chunk` as two fused Triton
-kernels, the counterpart of :mod:`megaloss.ops.triton_epilogue` (whose ``tanh`` and launch
-helpers it reuses).
+kernels, the counterpart of :mod:`megaloss.ops.triton_epilogue` (the ``tanh`` and launch helpers
+of :mod:`megaloss.ops.triton_common` shared).
 
 1. ``_stats_kernel`` (forward, read only), one program per token row, online softmax over blocks
    of the row (Milakov & Gimelshein 2018, arXiv:1805.02867) extended by one running sum: the
@@ -29,7 +29,7 @@ import triton.language as tl
 from .chunk_kernel import Reduce, no_reduce
 from .log_probs_chunk import LogProbsChunk, results_from_stats
 from .options import LogProbsOptions
-from .triton_epilogue import _block, _device_guard, _tanh
+from .triton_common import block_size, device_guard, tanh_f32
 
 __all__ = ["triton_chunk_log_probs", "triton_chunk_log_probs_grad"]
 
@@ -51,7 +51,7 @@ def _stats_kernel(logits_ptr, stride_row, labels_ptr, max_ptr, sumexp_ptr, targe
         mask = cols < n_cols
         y = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_CAP:
-            y = cap * _tanh(y / cap)
+            y = cap * tanh_f32(y / cap)
         y = y / temperature
         target += tl.where(cols == local, y, 0.0)
         y = tl.where(mask, y, float("-inf"))
@@ -85,7 +85,7 @@ def _grad_kernel(logits_ptr, stride_row, labels_ptr, lse_ptr, mu_ptr, a_ptr, b_p
     local = tl.where(label != ignore_index, label - vocab_start, -1)
     y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_CAP:
-        t = _tanh(y / cap)
+        t = tanh_f32(y / cap)
         y = cap * t
     y = y / temperature
     p = tl.exp(y - lse)
@@ -114,11 +114,11 @@ def triton_chunk_log_probs(logits: torch.Tensor, labels: torch.Tensor, opts: Log
     cap = opts.logit_softcapping
     ent = opts.return_entropy
     dev = logits.device
-    with _device_guard(logits):
+    with device_guard(logits):
         local_max = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
         packed = torch.zeros(3 if ent else 2, n_rows, dtype=torch.float32, device=dev)
         if n_rows > 0 and n_cols > 0:  # a vocab-parallel rank may hold no real vocab rows
-            block = _block(n_cols)
+            block = block_size(n_cols)
             _stats_kernel[(n_rows,)](
                 logits, logits.stride(0), labels, local_max, packed[0], packed[1],
                 packed[2] if ent else packed[1], n_cols, vocab_start, opts.ignore_index,
@@ -149,9 +149,9 @@ def triton_chunk_log_probs_grad(logits: torch.Tensor, labels: torch.Tensor, lse:
     ent = grad_entropy is not None
     f32 = torch.float32
     a = grad_log_probs.to(f32).contiguous()
-    with _device_guard(logits):
+    with device_guard(logits):
         if n_rows > 0 and n_cols > 0:
-            block = min(_block(n_cols), 2048)
+            block = min(block_size(n_cols), 2048)
             _grad_kernel[(n_rows, triton.cdiv(n_cols, block))](
                 logits, logits.stride(0), labels.contiguous(), lse.to(f32).contiguous(),
                 mean_logit.to(f32).contiguous() if ent else a,

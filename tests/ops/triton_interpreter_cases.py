@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 from vocab_slices import slices_and_one_device  # noqa: E402  (tests/ops/)
 
 import megaloss  # noqa: E402
-from megaloss.ops import triton_epilogue  # noqa: E402
+from megaloss.ops import triton_common, triton_epilogue  # noqa: E402
 from megaloss.ops.cross_entropy_chunk import chunk_cross_entropy  # noqa: E402
 from megaloss.ops.options import CrossEntropyOptions  # noqa: E402
 
@@ -36,7 +36,7 @@ assert triton_epilogue.interpreted(), "triton was imported before TRITON_INTERPR
 @pytest.fixture(scope="module", autouse=True)
 def small_blocks():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(triton_epilogue, "MAX_BLOCK", 128)
+        mp.setattr(triton_common, "MAX_BLOCK", 128)
         yield
 
 

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from vocab_slices import Lockstep  # noqa: E402  (tests/ops/)
 
 import megaloss  # noqa: E402
-from megaloss.ops import triton_epilogue, triton_log_probs  # noqa: E402
+from megaloss.ops import triton_common, triton_epilogue, triton_log_probs  # noqa: E402
 from megaloss.ops.log_probs_chunk import chunk_log_probs, chunk_log_probs_grad  # noqa: E402
 from megaloss.ops.options import LogProbsOptions  # noqa: E402
 
@@ -31,7 +31,7 @@ assert triton_epilogue.interpreted(), "triton was imported before TRITON_INTERPR
 @pytest.fixture(scope="module", autouse=True)
 def small_blocks():  # rows span several blocks, the last one ragged
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(triton_epilogue, "MAX_BLOCK", 64)
+        mp.setattr(triton_common, "MAX_BLOCK", 64)
         yield
 
 

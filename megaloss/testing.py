@@ -153,6 +153,19 @@ def _freeze_survivors():
     freeze_imported_objects()
 
 
+def _fresh_process_state(environment):
+    """Before a pooled case: the environment the rank joined the world with (a case may set
+    or remove variables, e.g. ``LOCAL_RANK`` or accelerate's), and accelerate's process-wide
+    singletons (``PartialState`` / ``AcceleratorState``) unset, so a Trainer built now reads
+    the world as on a fresh rank, not as an earlier case's Trainer saw it."""
+    os.environ.clear()
+    os.environ.update(environment)
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
+
+
 def _pool_worker(rank, world_size, port, tasks, results, threads, collective_timeout):
     """One pooled rank: join the world once, then run cases until told to stop (``None``)."""
     import torch.distributed as dist
@@ -162,6 +175,7 @@ def _pool_worker(rank, world_size, port, tasks, results, threads, collective_tim
         results.put((-1, rank, "error", traceback.format_exc()))
         return
     default_dtype = torch.get_default_dtype()
+    environment = dict(os.environ)
     while True:
         task = tasks.get()
         if task is None:
@@ -172,6 +186,7 @@ def _pool_worker(rank, world_size, port, tasks, results, threads, collective_tim
             # which imports ``fn``'s module by name.
             sys.path.extend(p for p in sys_path if p not in sys.path)
             fn, args = pickle.loads(payload)
+            _fresh_process_state(environment)
             _freeze_survivors()
             _reseed()
             torch.set_default_dtype(default_dtype)

@@ -27,14 +27,28 @@ JOB_ARGS=("$@")
 
 run() {  # run the launcher command "$@" (DRY_RUN: print it)
   if [[ -n "${DRY_RUN:-}" ]]; then printf '%q ' "$@"; echo; exit 0; fi
-  # The job's arguments, checked once before any rank starts (a bad option, a missing data file,
-  # an unreadable --deepspeed_config: the parser's message, exit status 2).
-  python3 -m launch.jobs.check_args "${JOB}" ${JOB_ARGS[@]+"${JOB_ARGS[@]}"} || exit $?
+  # The job's arguments and inputs, checked once before any rank starts (launch/jobs/preflight.py:
+  # options, data files, the ds_config against the world size, --output_dir): one line under the
+  # script's name, exit status 2. The world size: NUM_PROCS per node, or, with a hostfile and no
+  # NUM_PROCS, the slots of its first NNODES hosts (as the launcher counts them).
+  local world=""
+  if [[ -z "${HOSTFILE}" && ( -z "${NNODES}" || "${NNODES}" -le 1 ) ]]; then world="${NUM_PROCS}"
+  elif [[ -z "${HOSTFILE}" || -n "${NUM_PROCS_SET}" ]]; then world=$((NNODES * NUM_PROCS))
+  elif [[ -f "${HOSTFILE}" ]]; then
+    world="$(awk -v n="${NNODES:-0}" '$1 !~ /^#/ && NF && (n == 0 || hosts < n) {
+      hosts++; for (i = 2; i <= NF; i++) if ($i ~ /^slots=[0-9]+$/) { sub("slots=", "", $i); s += $i }
+    } END { print s + 0 }' "${HOSTFILE}")"
+    if [[ "${world}" == 0 ]]; then world=""; fi
+  fi
+  MEGALOSS_PROG="$(basename "$0")" MEGALOSS_WORLD_SIZE="${world}" \
+    python3 -m launch.jobs.check_args "${JOB}" ${JOB_ARGS[@]+"${JOB_ARGS[@]}"} || exit $?
   for arg in ${JOB_ARGS[@]+"${JOB_ARGS[@]}"}; do
     if [[ "${arg}" == "-h" || "${arg}" == "--help" ]]; then exit 0; fi
   done
-  # A failing rank leaves its message in ${MEGALOSS_ERROR_FILE}.rank<r>; it is shown again after
-  # the launcher's closing lines ("Killing subprocess ...") so the cause is what a user reads last.
+  # A failing rank leaves its message in ${MEGALOSS_ERROR_FILE}.rank<r> (and prints nothing: the
+  # ranks that hit the same error would print it once each); the lowest rank's is shown once,
+  # after the launcher's closing lines ("Killing subprocess ..."), so the cause is what a user
+  # reads last. ${MEGALOSS_ERROR_FILE}.left<r>: rank r left on an error, not dead (jobs/peers.py).
   MEGALOSS_ERROR_FILE="$(mktemp "${TMPDIR:-/tmp}/megaloss-error.XXXXXX")"
   export MEGALOSS_ERROR_FILE
   # SIGINT (Ctrl-C, a scheduler's signal to the job's process group) reaches the launcher's
@@ -56,7 +70,7 @@ run() {  # run the launcher command "$@" (DRY_RUN: print it)
       && ! ls "${MEGALOSS_ERROR_FILE}".rank* >/dev/null 2>&1; then
     echo "stopped on request after a checkpoint on every rank: exit status 75 (continue with" \
       "--resume)" >&2
-    rm -f "${MEGALOSS_ERROR_FILE}" "${MEGALOSS_ERROR_FILE}".stopped*
+    rm -f "${MEGALOSS_ERROR_FILE}" "${MEGALOSS_ERROR_FILE}".stopped* "${MEGALOSS_ERROR_FILE}".left*
     exit 75
   fi
   if (( rc != 0 )); then
@@ -66,7 +80,8 @@ run() {  # run the launcher command "$@" (DRY_RUN: print it)
       echo "error: $(cat "${first}")" >&2
     fi
   fi
-  rm -f "${MEGALOSS_ERROR_FILE}" "${MEGALOSS_ERROR_FILE}".rank* "${MEGALOSS_ERROR_FILE}".stopped*
+  rm -f "${MEGALOSS_ERROR_FILE}" "${MEGALOSS_ERROR_FILE}".rank* "${MEGALOSS_ERROR_FILE}".stopped* \
+    "${MEGALOSS_ERROR_FILE}".left*
   exit "${rc}"
 }
 

@@ -207,7 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         step_loss_weights,
     )
 
-    rank, _ = start_process(args.local_rank)
+    rank, _ = start_process(args.local_rank, args.output_dir)
     torch.manual_seed(args.seed)
     out_dir = Path(args.output_dir)
     ckpt_dir = out_dir / CHECKPOINTS

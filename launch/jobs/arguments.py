@@ -27,15 +27,39 @@ from .models import BERT_SIZES, LLAMA_SIZES
 
 REPO = Path(__file__).resolve().parents[2]  # configs/ lives at the repository root
 
-__all__ = ["job_parser", "add_job_arguments", "add_lm_data_arguments", "add_llama_arguments",
-           "add_pair_data_arguments", "add_embedding_arguments", "add_trainer_arguments",
+__all__ = ["JobParser", "job_parser", "add_job_arguments", "add_lm_data_arguments",
+           "add_llama_arguments", "add_pair_data_arguments", "add_embedding_arguments",
+           "add_trainer_arguments",
            "require_at_least", "check_input_files"]
 
 
+class JobParser(argparse.ArgumentParser):
+    """An argument parser whose ``error`` after parsing (a value a job refuses: ``--steps 0``)
+    prints one line, ``<prog>: error: <message>``, without the usage block that a command line
+    that does not parse gets. ``prog`` is ``MEGALOSS_PROG`` when set (``launch/multinode.sh``
+    sets the shell script's name, ``train_lm.sh``)."""
+
+    _parsing = False
+
+    def parse_args(self, args=None, namespace=None):
+        self._parsing = True
+        try:
+            return super().parse_args(args, namespace)
+        finally:
+            self._parsing = False
+
+    def error(self, message: str):
+        if self._parsing:
+            super().error(message)  # usage, message, exit status 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def job_parser(doc: str) -> argparse.ArgumentParser:
-    """A parser described by the first paragraph of a job's docstring, defaults in ``--help``."""
-    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """A :class:`JobParser` described by the first paragraph of a job's docstring, defaults in
+    ``--help``."""
+    return JobParser(prog=os.environ.get("MEGALOSS_PROG") or None,
+                     description=doc.split("\n\n")[0],
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
 def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, output_dir: str) -> None:

@@ -13,17 +13,67 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .agreement import agreed, distributed_or_none
 
-__all__ = ["RUN_OUTPUTS", "CHECKPOINTS", "resume_source", "prepare_output_dir", "open_run",
-           "open_fresh_run", "follow_branch", "save_run", "resume_job_state",
-           "report_checkpoint_eval", "checkpoint_stats"]
+__all__ = ["RUN_OUTPUTS", "CHECKPOINTS", "LEFTOVERS", "resume_source", "prepare_output_dir",
+           "output_dir_refusal", "fresh_run_refusal", "open_run", "open_fresh_run",
+           "follow_branch", "save_run", "resume_job_state", "report_checkpoint_eval",
+           "checkpoint_stats"]
 
 # What a job writes into --output_dir (the only names --overwrite removes).
 RUN_OUTPUTS = ("metrics.csv", "summary.json", "loss_curve.png", "monitor", "wandb",
                "checkpoints")
 CHECKPOINTS = "checkpoints"
+# What a run writes from its start, before any checkpoint or result: DeepSpeed's monitor files
+# (from the engine's start-up) and wandb's folder. A folder holding only these, perhaps with an
+# empty checkpoints folder, is what a run that crashed before its first checkpoint left: nothing
+# to continue or keep, so a rerun starts over (saying so) rather than asking for --resume.
+LEFTOVERS = ("monitor", "wandb")
+
 
 def _existing_outputs(out_dir: Path) -> List[str]:
     return [n for n in RUN_OUTPUTS if (out_dir / n).exists()]
+
+
+def _worth_keeping(out_dir: Path, existing: Sequence[str]) -> List[str]:
+    """The names of ``existing`` that a rerun must not silently replace: results, and a
+    checkpoints folder with anything in it (a checkpoint, or a save cut short)."""
+    def empty(name: str) -> bool:
+        path = out_dir / name
+        return path.is_dir() and not any(path.iterdir())
+
+    return [n for n in existing if n not in LEFTOVERS and not (n == CHECKPOINTS and empty(n))]
+
+
+def _latest_checkpoint(out_dir: Path) -> Optional[str]:
+    """The tag ``<out_dir>/checkpoints/latest`` names (DeepSpeed writes it once a save is
+    complete), None without one."""
+    try:
+        tag = (out_dir / CHECKPOINTS / "latest").read_text(encoding="utf-8").strip()
+    except OSError:  # none (or a folder of that name)
+        return None
+    return tag or None
+
+
+def _shown(out_dir: Path, names: Sequence[str]) -> str:
+    return ", ".join(n + "/" if (out_dir / n).is_dir() else n for n in names)
+
+
+def output_dir_refusal(out_dir: Path, *, overwrite: bool, resuming: bool,
+                       eval_only: bool = False) -> Optional[str]:
+    """Why a run may not start in ``out_dir`` as asked (None: it may), without touching it:
+    what :func:`prepare_output_dir` would refuse. The message names what the folder holds and
+    only the flags that apply: ``--resume`` only when it holds a complete checkpoint
+    (``checkpoints/latest``), ``--overwrite`` otherwise."""
+    existing = _existing_outputs(out_dir) if out_dir.is_dir() else []
+    if (overwrite or resuming or eval_only or not existing
+            or not _worth_keeping(out_dir, existing)):
+        return None
+    tag = _latest_checkpoint(out_dir)
+    if tag is not None:
+        return (f"{out_dir} already holds a run ({', '.join(existing)}; its latest checkpoint "
+                f"is {tag}); pass --resume to continue it from there, --overwrite to replace "
+                "it, or another --output_dir")
+    return (f"{out_dir} already holds a run ({', '.join(existing)}) but no checkpoint to "
+            "continue it from; pass --overwrite to replace it, or another --output_dir")
 
 
 def resume_source(args: argparse.Namespace, out_dir: Path) -> Optional[Path]:
@@ -46,11 +96,15 @@ def resume_source(args: argparse.Namespace, out_dir: Path) -> Optional[Path]:
             return ckpts
         if args.eval_only:
             raise SystemExit(f"--resume latest: no checkpoint in {ckpts} (no 'latest' file)")
-        if _existing_outputs(out_dir):
+        kept = _worth_keeping(out_dir, _existing_outputs(out_dir))
+        if kept:
             raise SystemExit(f"--resume latest: no checkpoint in {ckpts} (no 'latest' file), but "
-                             f"{out_dir} holds a run saved without checkpoints; pass "
-                             "--overwrite to replace it, or another --output_dir")
-        return None  # nothing to continue yet: a fresh run that will checkpoint
+                             f"{out_dir} holds a run saved without checkpoints "
+                             f"({_shown(out_dir, kept)}); pass --overwrite to replace it, or "
+                             "another --output_dir")
+        # nothing to continue yet (a crash before the first checkpoint at most left its monitor
+        # files, which prepare_output_dir clears): a fresh run that will checkpoint
+        return None
     path = Path(args.resume)
     try:
         resolve_checkpoint(path)
@@ -67,23 +121,27 @@ def prepare_output_dir(out_dir: Path, *, overwrite: bool, resuming: bool,
     - empty or new folder: created;
     - ``resuming`` or ``eval_only``: kept as it is (the resumed run continues its files);
     - ``overwrite``: the previous run's outputs (:data:`RUN_OUTPUTS`) are removed, nothing else;
-    - otherwise: ``SystemExit`` naming what is there and the three ways out.
+    - only what a run that crashed before its first checkpoint leaves (:data:`LEFTOVERS`, an
+      empty checkpoints folder): removed, with one line saying so (nothing there to continue);
+    - otherwise: ``SystemExit`` naming what is there and the ways out that apply
+      (:func:`output_dir_refusal`: ``--resume`` only when there is a checkpoint).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     existing = _existing_outputs(out_dir)
     if not existing or resuming or eval_only:
         return
-    if overwrite:
-        for name in existing:
-            path = out_dir / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        return
-    raise SystemExit(f"{out_dir} already holds a run ({', '.join(existing)}); pass --resume to "
-                     "continue it from its latest checkpoint, --overwrite to replace it, or "
-                     "another --output_dir")
+    refusal = output_dir_refusal(out_dir, overwrite=overwrite, resuming=resuming)
+    if refusal is not None:
+        raise SystemExit(refusal)
+    if not overwrite:
+        print(f"[megaloss] {out_dir} holds no checkpoint from an earlier run (only "
+              f"{_shown(out_dir, existing)}): starting over", flush=True)
+    for name in existing:
+        path = out_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def open_run(args: argparse.Namespace, out_dir: Path, ds_config: dict) -> Optional[str]:
@@ -134,11 +192,13 @@ def follow_branch(source: Path, ckpt_dir: Path) -> None:
 
 
 def save_run(me: Any, ckpt_dir: Path, step: int, job: dict, tokenizer: Any, keep: int,
-             saves: List[dict], log: Callable[[str], Any]) -> Path:
+             saves: List[dict], log: Callable[[str], Any], *, tag: Optional[str] = None) -> Path:
     """One checkpoint of a job (collective): DeepSpeed's checkpoint with ``job`` as client state
     (:func:`megaloss.integrations.deepspeed.save_checkpoint`), the tokenizer beside it and the
     oldest checkpoints beyond ``keep`` pruned on rank 0; the save's step, seconds, MiB and path
-    are appended to ``saves`` (the job's record) and logged. Returns the checkpoint folder."""
+    are appended to ``saves`` (the job's record) and logged. ``tag``: the checkpoint's folder
+    name (default ``step_<engine.global_steps>``; a job whose step is not one optimizer step,
+    the GRPO job's, names its own). Returns the checkpoint folder."""
     import time
 
     from megaloss.integrations.deepspeed import save_checkpoint
@@ -147,7 +207,7 @@ def save_run(me: Any, ckpt_dir: Path, step: int, job: dict, tokenizer: Any, keep
     from .text_data import atomic_write
 
     t0 = time.perf_counter()
-    folder = save_checkpoint(me, ckpt_dir, client_state={"job": job})
+    folder = save_checkpoint(me, ckpt_dir, tag=tag, client_state={"job": job})
     dist = distributed_or_none()
     if dist is None or dist.get_rank() == 0:
         atomic_write(folder / "tokenizer.json", tokenizer.to_str())
@@ -159,14 +219,24 @@ def save_run(me: Any, ckpt_dir: Path, step: int, job: dict, tokenizer: Any, keep
     return folder
 
 
+def fresh_run_refusal(out_dir: Path, overwrite: bool) -> Optional[str]:
+    """Why a job without ``--resume`` may not start in ``out_dir`` (None: it may), without
+    touching it: the folder holds a run's outputs and ``overwrite`` is off."""
+    existing = _existing_outputs(out_dir) if out_dir.is_dir() else []
+    if _worth_keeping(out_dir, existing) and not overwrite:
+        return (f"{out_dir} already holds a run ({', '.join(existing)}); pass --overwrite to "
+                "replace it, or another --output_dir")
+    return None
+
+
 def open_fresh_run(out_dir: Path, overwrite: bool) -> None:
     """One run per folder for a job without ``--resume`` (the Hugging Face trainer jobs; call on
     one rank, inside :func:`agreed`): a folder holding a run's outputs is refused unless
-    ``overwrite``, which removes them (:func:`prepare_output_dir`)."""
-    existing = [n for n in RUN_OUTPUTS if (out_dir / n).exists()]
-    if existing and not overwrite:
-        raise SystemExit(f"{out_dir} already holds a run ({', '.join(existing)}); pass "
-                         "--overwrite to replace it, or another --output_dir")
+    ``overwrite``, which removes them (:func:`prepare_output_dir`); one that holds only what a
+    run that crashed at its start leaves (:data:`LEFTOVERS`) is started over, saying so."""
+    refusal = fresh_run_refusal(out_dir, overwrite)
+    if refusal is not None:
+        raise SystemExit(refusal)
     prepare_output_dir(out_dir, overwrite=overwrite, resuming=False)
 
 
@@ -174,7 +244,8 @@ def resume_job_state(me: Any, resume_from: str, job_state: dict, expected: Dict[
                      options: str, log: Callable[[str], Any]) -> str:
     """Load the checkpoint ``resume_from`` into the engine of ``me``
     (:func:`megaloss.integrations.deepspeed.load_checkpoint`) and the job's own record saved with
-    it (client state ``"job"``) into ``job_state`` (its keys only). Collective.
+    it (client state ``"job"``) into ``job_state`` (its keys only; a ``"steps_done"`` key there is
+    the step the log line names, else the engine's optimizer step). Collective.
 
     Args:
         expected: client-state values this run must match (the data cache key, the vocabulary),
@@ -212,8 +283,11 @@ def resume_job_state(me: Any, resume_from: str, job_state: dict, expected: Dict[
             + ", ".join(f"{k} {v}" for k, v in expected.items()) + f"): pass the same {options}")
     job_state.update({k: saved[k] for k in job_state if k in saved})
     engine = me.engine
-    log(f"resumed from {path} at step {engine.global_steps} "
-        f"({engine.global_samples} samples) in {time.perf_counter() - t0:.2f} s")
+    # a job whose step is not one optimizer step (the GRPO job's) keeps its own "steps_done"
+    step = job_state.get("steps_done", engine.global_steps)
+    optimizer = f", optimizer step {engine.global_steps}" if step != engine.global_steps else ""
+    log(f"resumed from {path} at step {step} "
+        f"({engine.global_samples} samples{optimizer}) in {time.perf_counter() - t0:.2f} s")
     return str(path)
 
 

@@ -2,7 +2,9 @@
 the collective's ``Connection closed by peer`` (:func:`launch.jobs.runs.run_job`).
 
 - On this node (same host name and node rank): the peers' pids, recorded at start-up
-  (:func:`record_peers`), checked in ``/proc`` (:func:`dead_peers`): immediate and exact.
+  (:func:`record_peers`), checked in ``/proc`` (:func:`dead_peers`): exact, and at once (a
+  process in its exit path counts as gone: the kernel marks it before its sockets close; a
+  short grace covers the rest).
 - On other nodes, where no pid can be checked: every rank of a world that spans several nodes
   keeps a heartbeat in the job's rendezvous store (``torch.distributed.TCPStore`` at
   ``MASTER_ADDR:MASTER_PORT``, the store ``init_process_group``'s ``env://`` rendezvous started in
@@ -14,6 +16,12 @@ the collective's ``Connection closed by peer`` (:func:`launch.jobs.runs.run_job`
   store itself cannot be reached, global rank 0 (which holds it) is named unreachable; global rank
   0 keeps it up until the other ranks have left (:func:`linger_for_peers`, at most a few seconds).
 
+A rank that leaves on an error of its own (or told of another's) marks it first
+(:func:`mark_left`, before its process groups close): ``$MEGALOSS_ERROR_FILE.left<r>`` (the
+file ``launch/multinode.sh`` names, one per node) and, over several nodes, ``megaloss/left/<r>``
+in the store. A rank whose collective then fails finds the mark (:func:`left_on_error`) and
+leaves quietly: its peer's own message is the cause, and that peer is never called dead.
+
 A node is identified by (host name, node rank): DeepSpeed's ``launch.py`` sets ``CROSS_RANK``
 (torchrun: ``GROUP_RANK``), so two launchers on one machine over loopback are two nodes.
 """
@@ -22,18 +30,21 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from pathlib import Path
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 __all__ = ["HEARTBEAT_SECONDS", "SILENCE_SECONDS", "Peer", "node_rank", "record_peers",
            "dead_peers", "silent_ranks", "mark_exiting", "peer_failure", "linger_for_peers",
-           "leave"]
+           "leave", "mark_left", "left_on_error"]
 
 HEARTBEAT_SECONDS = 1.0
 # How long a surviving rank watches the counters: a live rank's moves about 3 times in it (its
 # heartbeat thread only needs the GIL for a moment, which a collective or a kernel releases).
 SILENCE_SECONDS = 3.0
 _POLL_SECONDS = 0.25
-_ALIVE, _EXITING = "megaloss/alive/{}", "megaloss/exiting/{}"
+# After a failed collective, how long a local peer's exit may take to show in /proc
+_EXIT_GRACE_SECONDS = 2.0
+_ALIVE, _EXITING, _LEFT = "megaloss/alive/{}", "megaloss/exiting/{}", "megaloss/left/{}"
 
 
 class Peer(NamedTuple):
@@ -102,21 +113,37 @@ def _start_heartbeat(rank: int) -> None:
     _BEATING[0].start()
 
 
-def dead_peers() -> List[int]:
+def dead_peers(wait: float = 0.0, poll: float = 0.05,
+               exclude: Sequence[int] = ()) -> List[int]:
     """The global ranks on this node (same host and node rank) whose process is gone (killed,
-    crashed), from the pids :func:`record_peers` recorded."""
+    crashed), from the pids :func:`record_peers` recorded, but for those in ``exclude`` (peers
+    that left on an error of their own, :func:`left_on_error`). ``wait`` > 0: when none is
+    found, look again every ``poll`` seconds for at most ``wait`` seconds (a killed peer's
+    sockets can reset this rank's collective a moment before ``/proc`` shows it exiting)."""
+    import time
+
     me = _here()
-    return [r for r, p in enumerate(_PEERS)
-            if (p.host, p.node) == (me.host, me.node) and p.pid != me.pid and _gone(p.pid)]
+    deadline = time.monotonic() + wait
+    while True:
+        found = [r for r, p in enumerate(_PEERS)
+                 if r not in exclude and (p.host, p.node) == (me.host, me.node)
+                 and p.pid != me.pid and _gone(p.pid)]
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(poll)
+
+
+_PF_EXITING = 0x4  # include/linux/sched.h: set early in do_exit, before the files (sockets) close
 
 
 def _gone(pid: int) -> bool:
     try:  # a killed rank stays a zombie until the launcher reaps it (it polls once a second)
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)
     except FileNotFoundError:
         return True
-    except OSError:
+    except (OSError, IndexError, ValueError):
         pass
     try:
         os.kill(pid, 0)
@@ -162,6 +189,52 @@ def mark_exiting(rank: int) -> None:
             pass
 
 
+def _left_file(rank: int) -> Optional[Path]:
+    base = os.environ.get("MEGALOSS_ERROR_FILE")
+    return Path(f"{base}.left{rank:05d}") if base else None
+
+
+def mark_left(rank: int) -> None:
+    """Mark that ``rank`` leaves on an error (its own, or one :func:`agreed` told it of), not by
+    dying: ``$MEGALOSS_ERROR_FILE.left<r>`` and, over several nodes, ``megaloss/left/<r>`` in
+    the store. Call before the process groups close (the peers' collectives fail then). Nothing
+    when neither exists (a plain ``deepspeed`` launch on one node: a peer is then named dead)."""
+    path = _left_file(rank)
+    if path is not None:
+        try:
+            path.write_text("", encoding="utf-8")
+        except OSError:
+            pass
+    if _STORE:
+        try:
+            _STORE[0].add(_LEFT.format(rank), 1)
+        except Exception:  # noqa: BLE001 - the store is gone: the error file still says it
+            pass
+
+
+def left_on_error(rank: int, world: Optional[int] = None, store: Any = None) -> List[int]:
+    """The peers of ``rank`` (global ranks below ``world``, default the recorded peers') that
+    marked leaving on an error (:func:`mark_left`): on this node from their files, over several
+    nodes from the store (default this process's client; unreachable: none found there)."""
+    world = len(_PEERS) if world is None else world
+    store = (_STORE[0] if _STORE else None) if store is None else store
+    found = []
+    for r in range(world):
+        if r == rank:
+            continue
+        path = _left_file(r)
+        if path is not None and path.exists():
+            found.append(r)
+            continue
+        if store is not None:
+            try:
+                if store.add(_LEFT.format(r), 0):
+                    found.append(r)
+            except Exception:  # noqa: BLE001 - the store lives in global rank 0's process
+                store = None
+    return found
+
+
 def _named(ranks: Sequence[int], peers: Sequence[Peer]) -> str:
     groups: dict = {}
     for r in ranks:
@@ -173,21 +246,23 @@ def _named(ranks: Sequence[int], peers: Sequence[Peer]) -> str:
 
 def peer_failure(rank: int, store: Any = None, peers: Optional[Sequence[Peer]] = None, *,
                  wait: float = SILENCE_SECONDS,
-                 sleep: Optional[Callable[[float], Any]] = None) -> Optional[str]:
+                 sleep: Optional[Callable[[float], Any]] = None,
+                 exclude: Sequence[int] = ()) -> Optional[str]:
     """Which peers of ``rank`` are gone, in words (None when none is found): ranks on this node
-    whose process is gone (:func:`dead_peers`, at once); else, when the world spans several
+    whose process is gone (:func:`dead_peers`, at most 2 s); else, when the world spans several
     nodes, ranks whose heartbeat stopped (:func:`silent_ranks`, at most ``wait`` seconds) or
-    global rank 0 when the rendezvous store it holds is unreachable. ``store`` / ``peers``:
+    global rank 0 when the rendezvous store it holds is unreachable. ``exclude``: peers not to
+    name (they left on an error of their own: :func:`left_on_error`). ``store`` / ``peers``:
     default this process's client and record (a test passes its own)."""
     peers = _PEERS if peers is None else peers
-    dead = dead_peers() if peers is _PEERS else []
+    dead = (dead_peers(wait=_EXIT_GRACE_SECONDS, exclude=exclude) if peers is _PEERS else [])
     _GONE[:] = dead
     if dead:
         return f"rank {', '.join(map(str, dead))} died (its process is gone: killed or crashed)"
     store = (_STORE[0] if _STORE else None) if store is None else store
     if store is None or not _several_nodes(peers):
         return None
-    others = [r for r in range(len(peers)) if r != rank]
+    others = [r for r in range(len(peers)) if r != rank and r not in exclude]
     try:
         silent = silent_ranks(store, others, wait=wait, sleep=sleep)
     except Exception:  # noqa: BLE001 - the store lives in global rank 0's process

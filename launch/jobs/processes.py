@@ -1,29 +1,39 @@
 """A launched job's process, start to end: :func:`start_process` / :func:`start_trainer_process`
 (quiet DeepSpeed, threads, DeepSpeed's comm, the rank's device), :func:`run_job` (a job's
-``__main__``: exit status, its error printed once, :func:`report_error`) and
-:func:`end_process` (process groups destroyed) on every exit path.
+``__main__``: exit status, its error reported once and blamed on the rank that found it,
+:func:`report_error`) and :func:`end_process` (process groups destroyed) on every exit path.
 """
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from .agreement import AgreedExit
-from .peers import leave, peer_failure, record_peers
+from .peers import leave, left_on_error, mark_left, peer_failure, record_peers
 from .quiet_logs import quiet_accelerate_logger
 
 __all__ = ["start_process", "start_trainer_process", "run_job", "end_process",
-           "report_error"]
+           "report_error", "keep_tracebacks_in", "is_input_check"]
 
-def start_process(local_rank: int) -> Tuple[int, int]:
+_RUN_DIR: List[Path] = []  # where a failing rank keeps its traceback (keep_tracebacks_in)
+
+
+def keep_tracebacks_in(output_dir: Optional[os.PathLike]) -> None:
+    """Where :func:`run_job` writes a failing rank's traceback: ``<output_dir>/error_rank<r>.log``
+    (None: ``$TMPDIR``). Set by :func:`start_process`, as soon as a job knows its folder."""
+    _RUN_DIR[:] = [] if output_dir is None else [Path(output_dir)]
+
+
+def start_process(local_rank: int, output_dir: Optional[os.PathLike] = None) -> Tuple[int, int]:
     """Process start-up of a job under the ``deepspeed`` launcher (or plain ``python``: then one
     process): quiet DeepSpeed, threads per process on CPU, no JIT build
     (``configure_launched_process``), DeepSpeed's comm, and this rank's device before the first
-    object collective (NCCL needs it; a no-op on CPU).
+    object collective (NCCL needs it; a no-op on CPU). ``output_dir``: the job's run folder,
+    where a failing rank leaves its traceback (:func:`keep_tracebacks_in`).
 
     Returns:
         ``(rank, world_size)``.
@@ -35,6 +45,7 @@ def start_process(local_rank: int) -> Tuple[int, int]:
     from megaloss.integrations.deepspeed import configure_launched_process, freeze_imported_objects
     from megaloss.testing import free_port
 
+    keep_tracebacks_in(output_dir)
     configure_launched_process()
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         # plain `python -m launch.<job>`: one process (DeepSpeed would look for MPI)
@@ -58,7 +69,7 @@ def start_trainer_process(local_rank: int, report_to: str, out_dir: Path) -> Tup
     Returns:
         ``(rank, world_size)``.
     """
-    rank, world = start_process(local_rank)
+    rank, world = start_process(local_rank, out_dir)
     quiet_accelerate_logger()
     if not torch.cuda.is_available():
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
@@ -94,13 +105,14 @@ def end_process() -> bool:
     return False
 
 
-def report_error(message: str, show: bool = True) -> None:
-    """Print a rank's error on its own line (``show``) and leave it in
-    ``$MEGALOSS_ERROR_FILE.rank<r>`` (set by ``launch/multinode.sh``, which shows it again after
-    the launcher's closing lines)."""
-    if show:
-        print(message, file=sys.stderr, flush=True)
+def report_error(message: str, show: Optional[bool] = None) -> None:
+    """Leave a rank's error in ``$MEGALOSS_ERROR_FILE.rank<r>`` (set by ``launch/multinode.sh``,
+    which prints the lowest rank's as its last line, after the launcher's closing lines) and
+    print it on its own line when ``show`` (default: only when no script will print it, i.e.
+    ``MEGALOSS_ERROR_FILE`` is unset: a plain ``deepspeed`` or ``python`` launch)."""
     base = os.environ.get("MEGALOSS_ERROR_FILE")
+    if show if show is not None else not base:
+        print(message, file=sys.stderr, flush=True)
     if base:
         try:
             Path(f"{base}.rank{int(os.environ.get('RANK', 0)):05d}").write_text(
@@ -109,52 +121,141 @@ def report_error(message: str, show: bool = True) -> None:
             pass
 
 
+def _sources() -> Tuple[Path, ...]:
+    import megaloss
+
+    return (Path(megaloss.__file__).resolve().parent, Path(__file__).resolve().parents[1])
+
+
+def is_input_check(e: BaseException) -> bool:
+    """Whether ``e`` is one of megaloss's or the jobs' own checks of their input (a bad value, a
+    ds_config section, a layout that does not fit the world size): a ``ValueError`` /
+    ``TypeError`` raised by a ``raise`` statement in the ``megaloss`` package or in ``launch/``.
+    Its message is the whole story; anything else (raised inside torch, DeepSpeed, or by Python
+    itself in megaloss's code, such as ``len(None)``) is a bug, whose traceback is the story."""
+    import linecache
+    import traceback
+
+    if not isinstance(e, (ValueError, TypeError)) or e.__traceback__ is None:
+        return False
+    last = traceback.extract_tb(e.__traceback__)[-1]
+    path = Path(last.filename).resolve()
+    if not any(root in path.parents for root in _sources()):
+        return False
+    return linecache.getline(last.filename, last.lineno or 0).lstrip().startswith("raise")
+
+
+def _keep_traceback(e: BaseException, rank: int) -> Optional[Path]:
+    """Write ``e``'s traceback, with the time and the command line, to
+    ``<output_dir>/error_rank<r>.log`` (else a file in ``$TMPDIR``). Returns its path, None
+    when neither can be written."""
+    import tempfile
+    import time
+    import traceback
+
+    text = (f"{time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank} (pid {os.getpid()}): "
+            f"{' '.join(sys.argv)}\n" + "".join(traceback.format_exception(e)))
+    places = [d / f"error_rank{rank}.log" for d in _RUN_DIR]
+    places.append(Path(tempfile.gettempdir()) / f"megaloss-error-rank{rank}-{os.getpid()}.log")
+    for path in places:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def _report_exception(e: BaseException, rank: int) -> None:
+    """What a rank that raised ``e`` says (:func:`run_job`), by cause:
+
+    - one of megaloss's or the jobs' own input checks (:func:`is_input_check`): its message, one
+      line, the traceback only in the log file it names; the peers are not looked at (the rank
+      left on its own error, whatever they did meanwhile);
+    - a peer is gone without having said so (killed, crashed: :func:`peer_failure`, the peers
+      that marked leaving on an error excluded): a line naming it, this rank's traceback (the
+      failed collective's) only in the log file. Looked for first: every surviving rank of a
+      failed collective marks itself as leaving (:func:`run_job`), so with three ranks or more
+      the survivors of a killed peer find each other's marks;
+    - else a peer left first on an error of its own (:func:`launch.jobs.peers.left_on_error`:
+      this rank's collective failed because of it): nothing, that peer's message is the cause;
+    - else a bug: the traceback on the terminal and in the log file.
+    """
+    import traceback
+
+    log = _keep_traceback(e, rank)
+    where = f" (traceback in {log})" if log else ""
+    if is_input_check(e):
+        if log is None:
+            traceback.print_exc()
+        report_error(f"{type(e).__name__}: {e}{where}")
+        return
+    left = left_on_error(rank)
+    gone = peer_failure(rank, exclude=left)
+    if gone:  # the collective failed because a peer died: that is the cause
+        if log is None:
+            traceback.print_exc()
+        first = (str(e).splitlines() or [""])[0]
+        report_error(f"{gone}; this rank stopped with {type(e).__name__}: {first}{where}")
+        return
+    if left:
+        return
+    traceback.print_exc()
+    report_error(f"{type(e).__name__}: {e}{where}", show=False)  # the traceback's last line
+
+
 def run_job(main: Callable[[], Any]) -> None:
     """A job's ``if __name__ == "__main__":``: ``main()``, then :func:`end_process` whatever
     happened, and the exit status:
 
     - 0 after a finished run (also one stopped by a signal, which saved);
-    - 1 after a job's own error (a ``SystemExit`` message, printed once, on its own line, by the
-      rank that found it; the ranks told of it by :func:`agreed` exit 1 silently);
-    - 1 after an exception (its traceback, printed by the rank that raised it; when a peer rank
-      is gone, a last line naming it, the cause of a failed collective: a rank on this node whose
-      process is gone, found at once from its pid; in a world over several nodes, else, a rank
-      whose heartbeat in the rendezvous store stopped, with its node and host, or global rank 0
-      when that store, which lives in its process, does not answer; :mod:`launch.jobs.peers`).
-      Finding a peer on another node costs at most ``peers.SILENCE_SECONDS`` (3 s) before the
-      exit (about one ``peers.HEARTBEAT_SECONDS`` when every peer is alive), and global rank 0
-      keeps the store up at most 5 s more (on every exit), until the other ranks have left;
+    - 1 after a job's own error: a ``SystemExit`` message, or a ``ValueError`` / ``TypeError``
+      of megaloss's or the jobs' own input checks (:func:`is_input_check`; its traceback goes to
+      ``<output_dir>/error_rank<r>.log``, which the message names). One line, reported by the
+      rank that found it (:func:`report_error`: under ``launch/train_*.sh`` the script prints
+      the lowest rank's as its last line, the ranks print nothing; the ranks told of it by
+      :func:`agreed` exit 1 silently);
+    - 1 after another exception (:func:`_report_exception`): silently when a peer left first on
+      an error of its own (every rank leaving with an error marks it first,
+      :func:`launch.jobs.peers.mark_left`, before its process groups close, so its peers'
+      failed collectives never take it for dead); when a peer rank is gone without that mark,
+      a line naming it, the cause of a failed collective: a rank on this node whose process is
+      gone, found at once from its pid; in a world over several nodes, else, a rank whose
+      heartbeat in the rendezvous store stopped, with its node and host, or global rank 0
+      when that store, which lives in its process, does not answer (:mod:`launch.jobs.peers`);
+      else its traceback (a bug). Finding a peer on another node costs at most
+      ``peers.SILENCE_SECONDS`` (3 s) before the exit (about one ``peers.HEARTBEAT_SECONDS``
+      when every peer is alive), and global rank 0 keeps the store up at most 5 s more (on
+      every exit), until the other ranks have left;
     - 130 after an abort (``KeyboardInterrupt``: SIGINT while the stop's checkpoint was saved).
     """
-    import traceback
-
     code: Any = 0
+    rank = int(os.environ.get("RANK", 0))
     try:
         main()
     except AgreedExit:
+        mark_left(rank)
         code = 1
     except SystemExit as e:
         code = e.code
+        if code:
+            mark_left(rank)
         if code is not None and not isinstance(code, int):
             report_error(str(code))
             code = 1
     except KeyboardInterrupt:
+        mark_left(rank)
         print("[megaloss] aborted (SIGINT)", file=sys.stderr, flush=True)
         code = 130
     except BaseException as e:  # noqa: BLE001 - reported, then the status says it failed
-        traceback.print_exc()  # its last line is the cause, unless a peer died
-        rank = int(os.environ.get("RANK", 0))
-        gone = peer_failure(rank)
-        if gone:  # the collective failed because a peer died: that is the cause
-            first = (str(e).splitlines() or [""])[0]
-            report_error(f"{gone}; this rank stopped with {type(e).__name__}: {first}")
-        else:
-            report_error(f"{type(e).__name__}: {e}", show=False)
+        mark_left(rank)  # first: a peer whose collective fails now must not call this rank dead
+        _report_exception(e, rank)
         code = 1
     finally:
         # whatever the exit: the other nodes must not name this rank dead once it has left, and
         # global rank 0 keeps the rendezvous store up until they have marked it
-        leave(int(os.environ.get("RANK", 0)))
+        leave(rank)
         distributed = end_process()
     if code and distributed:
         # A failed rank's peers may already have closed their side: a communication thread of

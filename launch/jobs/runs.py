@@ -9,7 +9,8 @@ the command-line options for checkpoints and resume the megaloss-loop jobs share
   name it rather than another rank's ``Connection closed by peer``.
 - :func:`prepare_output_dir` / :func:`resume_source`: refuse to mix a new run with the one
   already in ``--output_dir`` unless told to replace (``--overwrite``) or continue it
-  (``--resume``).
+  (``--resume``, offered only when it holds a checkpoint); a folder holding only what a run that
+  crashed before its first checkpoint left (its monitor files) is started over, saying so.
 - :class:`StopRequest`: SIGTERM / SIGINT / SIGUSR1 ask for a stop at the next step boundary,
   agreed across ranks with one tiny all-reduce per step; repeats of the request are merged, and
   only a SIGINT once the checkpoint is being saved (after a grace) aborts.
@@ -31,11 +32,13 @@ from typing import Any, Callable, Optional, Tuple
 from .agreement import AgreedExit, agreed, distributed_or_none
 from .checkpoints import (
     CHECKPOINTS,
+    LEFTOVERS,
     RUN_OUTPUTS,
     checkpoint_stats,
     follow_branch,
     open_fresh_run,
     open_run,
+    output_dir_refusal,
     prepare_output_dir,
     report_checkpoint_eval,
     resume_job_state,
@@ -62,9 +65,10 @@ _quiet_deepspeed_logger = quiet_deepspeed_logger
 _quiet_accelerate_logger = quiet_accelerate_logger
 _report_error = report_error
 
-__all__ = ["RUN_OUTPUTS", "CHECKPOINTS", "add_run_arguments", "check_run_arguments", "agreed",
-           "prepare_output_dir", "resume_source", "open_run", "open_fresh_run", "step_boundary",
-           "save_run", "progress_bar", "StopRequest", "start_process", "start_trainer_process",
+__all__ = ["RUN_OUTPUTS", "CHECKPOINTS", "LEFTOVERS", "add_run_arguments",
+           "check_run_arguments", "agreed", "prepare_output_dir", "output_dir_refusal",
+           "resume_source", "open_run", "open_fresh_run", "step_boundary", "save_run",
+           "progress_bar", "StopRequest", "start_process", "start_trainer_process",
            "open_trainer_run", "resume_job_state", "report_checkpoint_eval", "checkpoint_stats",
            "finish_run", "TrainLoop", "quiet_job_environment", "AgreedExit", "LineProgress",
            "follow_branch", "end_process", "run_job", "dead_peers", "DEEPSPEED_NOISE",

@@ -3,7 +3,8 @@
 
 - Fast: the decision from the heartbeat counters of a fake rendezvous store: ranks whose counter
   stopped (and that did not mark their own exit) are named with their node and host; a store
-  that does not answer names global rank 0 unreachable; nothing is named when every peer beats.
+  that does not answer names global rank 0 unreachable; nothing is named when every peer beats;
+  the ranks that marked leaving on an error (a file on this node, a store key) are found.
 - Slow: two launchers on loopback (DeepSpeed's ``launch.py`` for node 0 and for node 1, one
   process each, as ``launch/multinode.sh``'s ``deepspeed --no_ssh --node_rank R`` starts them),
   the LM job; node 1's rank gets SIGKILL after two progress lines, and node 0's rank exits
@@ -70,6 +71,25 @@ def test_the_silent_ranks_of_other_nodes_are_named():
         "answer: killed, crashed or its node is down)")
     # one node (a host name and a node rank): no heartbeats, nothing to read
     assert peer_failure(0, FakeStore(beating=()), PEERS[:2]) is None
+
+
+def test_the_ranks_that_left_on_an_error_are_found_on_this_node_and_over_the_store(
+        tmp_path, monkeypatch):
+    """A peer that marked leaving on an error (``launch.jobs.peers.mark_left``: a file beside
+    ``MEGALOSS_ERROR_FILE`` on its node, a key in the store over several nodes) is not dead."""
+    from launch.jobs import peers
+
+    monkeypatch.setenv("MEGALOSS_ERROR_FILE", str(tmp_path / "err"))
+    monkeypatch.setattr(peers, "_STORE", [])
+    peers.mark_left(1)  # this node: its file
+    assert (tmp_path / "err.left00001").exists()
+    store = FakeStore(beating=())
+    store.values["megaloss/left/3"] = 1  # another node's rank, through the store
+    assert peers.left_on_error(0, world=4, store=store) == [1, 3]
+    assert peers.left_on_error(1, world=4, store=store) == [3]  # not itself
+    assert peers.left_on_error(0, world=4, store=FakeStore(beating=(), answers=False)) == [1]
+    monkeypatch.delenv("MEGALOSS_ERROR_FILE")  # a bare launch on one node: nothing to find
+    assert peers.left_on_error(0, world=4) == []
 
 
 def test_rank_0_keeps_the_store_until_the_others_left(monkeypatch):

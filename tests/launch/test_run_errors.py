@@ -6,11 +6,18 @@
   ``--eval_data``;
 - under the launcher, when rank 0 fails before the first collective of training (the embedding
   job's empty data; a bad JSONL line that only rank 0 reads), the output's last lines name the
-  cause, not another rank's ``Connection closed by peer``.
+  cause, not another rank's ``Connection closed by peer``;
+- a rank's error is blamed right (``launch.jobs.processes.run_job``): one of megaloss's or the
+  jobs' own checks (a misspelled ds_config key, a layout the world size does not fit, a folder
+  without text files) is one line, its traceback only in ``<output_dir>/error_rank<r>.log``,
+  and the rank is never said to have seen a peer die, even when the peers left first; a rank
+  whose collective fails because a peer left on an error of its own says nothing (the peer's
+  message is the cause); a peer killed is named, the failed collective's traceback in the log.
 
 The single-process cases are in the fast tier; the launcher runs (those cases, a refused
-rerun, a rank killed mid-run) are slow: the module fixture ``launches`` starts the four at once,
-two at a time, and each test waits for its own.
+rerun, a rank killed mid-run, ranks failing a check together or one after the other:
+``tests/helpers/failing_ranks.py``) are slow: the module fixture ``launches`` starts them all at
+once, two at a time, and each test waits for its own.
 The misspelled ``"megalos"`` section is in tests/integrations/test_deepspeed_config.py.
 """
 import json
@@ -102,18 +109,28 @@ def _exit_status(fn):
     return err.value.code
 
 
-def test_run_job_prints_a_jobs_error_once_and_leaves_it_for_the_script(tmp_path, capsys,
-                                                                      monkeypatch):
-    monkeypatch.setenv("MEGALOSS_ERROR_FILE", str(tmp_path / "err"))
+def test_run_job_leaves_a_jobs_error_for_the_script_to_print_once(tmp_path, capsys,
+                                                                 monkeypatch):
+    """Under ``launch/train_*.sh`` (``MEGALOSS_ERROR_FILE`` set) a rank prints nothing: the
+    script prints the lowest rank's message once, last (the ranks used to print it too, each,
+    before the script did). Without the script, the rank prints it."""
+    from launch.jobs import processes
+
+    monkeypatch.setattr(processes, "_RUN_DIR", [tmp_path / "run"])
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("MEGALOSS_ERROR_FILE", raising=False)
 
     def refused():
         raise SystemExit("runs/lm already holds a run (metrics.csv)")
 
     assert _exit_status(refused) == 1
     assert capsys.readouterr().err == "runs/lm already holds a run (metrics.csv)\n"
+    monkeypatch.setenv("MEGALOSS_ERROR_FILE", str(tmp_path / "err"))
+    assert _exit_status(refused) == 1
+    assert capsys.readouterr().err == ""
     assert (tmp_path / "err.rank00001").read_text() == "runs/lm already holds a run " \
                                                        "(metrics.csv)\n"
+    assert (tmp_path / "err.left00001").exists()  # left on its error: no peer calls it dead
 
     def told():  # a rank told of another rank's failure: silent, same status
         raise AgreedExit("error on rank 0 (set-up): boom")
@@ -126,6 +143,160 @@ def test_run_job_prints_a_jobs_error_once_and_leaves_it_for_the_script(tmp_path,
 
     assert _exit_status(broken) == 1
     assert capsys.readouterr().err.count("ValueError: bad value") == 1  # the traceback's line
+
+
+def _this_node_with_rank1_gone(monkeypatch, tmp_path, *, error_file=True):
+    """Rank 0 of a two-rank world on this node whose rank 1's process is gone (a real pid, reaped),
+    its tracebacks kept in ``tmp_path/run``; ``MEGALOSS_ERROR_FILE`` as the scripts set it."""
+    from launch.jobs import peers, processes
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    here = peers._here()
+    monkeypatch.setattr(peers, "_PEERS", [here, here._replace(pid=gone.pid)])
+    monkeypatch.setattr(processes, "_RUN_DIR", [tmp_path / "run"])
+    monkeypatch.setenv("RANK", "0")
+    if error_file:
+        monkeypatch.setenv("MEGALOSS_ERROR_FILE", str(tmp_path / "err"))
+    else:
+        monkeypatch.delenv("MEGALOSS_ERROR_FILE", raising=False)
+    assert peers.dead_peers() == [1]
+    return tmp_path / "run" / "error_rank0.log"
+
+
+def test_a_peer_exiting_just_after_the_failed_collective_is_still_named(monkeypatch):
+    """A killed rank's sockets reset this rank's collective a moment before ``/proc`` shows the
+    process gone: ``dead_peers(wait=...)`` looks again instead of calling the failure a bug."""
+    import time
+
+    from launch.jobs import peers
+
+    late = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.6)"])
+    here = peers._here()
+    monkeypatch.setattr(peers, "_PEERS", [here, here._replace(pid=late.pid)])
+    try:
+        assert peers.dead_peers() == []  # alive now
+        t0 = time.monotonic()
+        assert peers.dead_peers(wait=10.0) == [1]  # a zombie once it exits (not yet reaped)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        late.wait()
+
+
+def _misspelled_ds_config_key(tmp_path):
+    from megaloss.integrations.deepspeed import load_megaloss_config
+
+    load_megaloss_config({"megaloss": {"tensor_paralel_size": 2}})
+
+
+def _folder_without_text_files(tmp_path):
+    from launch.jobs.text_data import text_files
+
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "notes.json").write_text("{}\n")  # not a text suffix (TEXT_SUFFIXES)
+    text_files([tmp_path / "data"])
+
+
+@pytest.mark.parametrize("check", [_misspelled_ds_config_key, _folder_without_text_files],
+                         ids=["ds_config_key", "no_text_files"])
+def test_a_check_of_the_input_is_one_line_blamed_on_this_rank(tmp_path, capsys, monkeypatch,
+                                                             check):
+    """megaloss's (or a job's) own ValueError on a rank whose peer has already left: its message,
+    one line, naming the log with the traceback; never "rank 1 died" (it used to be
+    ``rank 1 died (its process is gone: killed or crashed); this rank stopped with ValueError:
+    ...``, after a traceback on every rank)."""
+    log = _this_node_with_rank1_gone(monkeypatch, tmp_path)
+    with pytest.raises(ValueError) as raised:
+        check(tmp_path)
+    assert _exit_status(lambda: check(tmp_path)) == 1
+    assert capsys.readouterr().err == ""  # the script prints it, once
+    assert (tmp_path / "err.rank00000").read_text() == (
+        f"ValueError: {raised.value} (traceback in {log})\n")
+    kept = log.read_text()
+    assert "Traceback (most recent call last)" in kept and str(raised.value) in kept
+    # a plain `deepspeed` launch (no script to print it): the rank prints the line, no traceback
+    _this_node_with_rank1_gone(monkeypatch, tmp_path, error_file=False)
+    assert _exit_status(lambda: check(tmp_path)) == 1
+    assert capsys.readouterr().err == f"ValueError: {raised.value} (traceback in {log})\n"
+
+
+def test_a_peer_that_left_on_its_own_error_is_not_called_dead(tmp_path, capsys, monkeypatch):
+    """Rank 1 failed a check and left (its mark: ``err.left00001``); rank 0's collective then
+    fails: rank 0 says nothing, rank 1's message is the cause (rank 0 used to report ``rank 1
+    died ...`` and, being rank 0, that was the line the script showed)."""
+    _this_node_with_rank1_gone(monkeypatch, tmp_path)
+    (tmp_path / "err.left00001").write_text("")
+
+    def collective():
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
+                           "closed by peer [127.0.0.1]:29500")
+
+    assert _exit_status(collective) == 1
+    assert capsys.readouterr().err == "" and not (tmp_path / "err.rank00000").exists()
+
+
+def test_a_killed_peer_is_named_and_the_traceback_kept(tmp_path, capsys, monkeypatch):
+    """Rank 1 gone without a word (SIGKILL, a crash): rank 0 names it, one line; the failed
+    collective's traceback (61 lines under the LM job) goes to the log only."""
+    log = _this_node_with_rank1_gone(monkeypatch, tmp_path)
+
+    def collective():
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:29500")
+
+    assert _exit_status(collective) == 1
+    assert capsys.readouterr().err == ""
+    assert (tmp_path / "err.rank00000").read_text() == (
+        "rank 1 died (its process is gone: killed or crashed); this rank stopped with "
+        f"RuntimeError: Connection closed by peer [127.0.0.1]:29500 (traceback in {log})\n")
+    assert "Traceback (most recent call last)" in log.read_text()
+
+
+def test_a_killed_peer_is_named_when_another_survivor_marked_leaving(tmp_path, capsys,
+                                                                     monkeypatch):
+    """Three ranks, rank 2 killed: ranks 0 and 1 both see their collective fail and both mark
+    leaving (``run_job`` marks before it reports). Rank 0 finds rank 1's mark, and must still
+    name rank 2, whose process is gone without one (it said nothing: both survivors took the
+    other's mark for the cause, and the run ended with status 1 and no reason)."""
+    from launch.jobs import peers
+
+    log = _this_node_with_rank1_gone(monkeypatch, tmp_path)
+    survivor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        here = peers._here()
+        killed = peers._PEERS[1]
+        monkeypatch.setattr(peers, "_PEERS", [here, here._replace(pid=survivor.pid), killed])
+        (tmp_path / "err.left00001").write_text("")  # the other survivor's mark
+
+        def collective():
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:29500")
+
+        assert _exit_status(collective) == 1
+        assert capsys.readouterr().err == ""
+        assert (tmp_path / "err.rank00000").read_text() == (
+            "rank 2 died (its process is gone: killed or crashed); this rank stopped with "
+            f"RuntimeError: Connection closed by peer [127.0.0.1]:29500 (traceback in {log})\n")
+    finally:
+        survivor.kill()
+        survivor.wait()
+
+
+def test_only_megaloss_and_the_jobs_own_raises_are_input_checks(tmp_path):
+    import json
+
+    from launch.jobs.processes import is_input_check
+
+    def caught(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            return e
+        raise AssertionError("no error")
+
+    assert is_input_check(caught(lambda: _misspelled_ds_config_key(tmp_path)))
+    assert is_input_check(caught(lambda: _folder_without_text_files(tmp_path)))
+    assert not is_input_check(caught(lambda: int("x")))  # raised here, not by megaloss
+    assert not is_input_check(caught(lambda: json.loads("{")))  # inside the json module
+    assert not is_input_check(caught(lambda: (_ for _ in ()).throw(RuntimeError("bug"))))
 
 
 def _agreed_failure(rank, world_size):
@@ -287,11 +458,28 @@ def _killed_rank(tmp_path):
     return out, "".join(lines), rc, exited
 
 
+def _failing_ranks(tmp_path, how, num_procs):
+    """``tests/helpers/failing_ranks.py`` under ``deepspeed --num_gpus num_procs`` failing ``how``,
+    with ``MEGALOSS_ERROR_FILE`` set as ``launch/multinode.sh`` sets it. Returns the run folder,
+    the launcher's status, its output and ``{file name: text}`` of what the ranks left there."""
+    out, base = tmp_path / "out", tmp_path / "megaloss-error"
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_procs),
+           "--master_port", str(free_port()), str(REPO / "tests" / "helpers" / "failing_ranks.py"),
+           "--output_dir", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          env=launcher_env(MEGALOSS_ERROR_FILE=str(base), MEGALOSS_FAILURE=how),
+                          text=True, timeout=300)
+    left = {p.name: p.read_text() for p in sorted(tmp_path.glob("megaloss-error.*"))}
+    return out, proc.returncode, proc.stdout, left
+
+
 # The runs under the launcher, started together by the fixture ``launches``, two at a time (one
 # per core; the longest first): name -> function(tmp_path) of what its test asserts on.
 _LAUNCHES = {"killed_rank": _killed_rank, "empty_py": lambda t: _embed_failure(t, "empty_py"),
              "bad_jsonl": lambda t: _embed_failure(t, "bad_jsonl"),
-             "refused_rerun": _refused_rerun}
+             "refused_rerun": _refused_rerun,
+             "layout": lambda t: _failing_ranks(t, "layout", 3),
+             "peer_check": lambda t: _failing_ranks(t, "peer_check", 2)}
 
 
 @pytest.fixture(scope="module")
@@ -338,20 +526,22 @@ def test_script_checks_arguments_before_the_launcher_starts(background):
 
 
 @_launched
-def test_a_refused_rerun_is_one_message_and_a_clean_exit(launches):
-    """A second run into a folder that holds one: status 1, the refusal printed once on its own
-    line by rank 0 and again as the very last line (after the launcher's), no crash at exit
-    (it used to end in rc 250, "terminate called without an active exception")."""
+def test_a_refused_rerun_is_one_line_before_any_rank(launches):
+    """A second run into a folder that holds one: the pre-flight check refuses it before the
+    launcher starts (status 2, the one line under the script's name), offering --overwrite and
+    not --resume (there is no checkpoint to continue). It used to be refused by rank 0 after the
+    launch (~40 s, status 1, printed by rank 0 and again by the script, and before that an exit
+    in rc 250, "terminate called without an active exception")."""
     out, rc, output = launches["refused_rerun"].result()
     tmp_path = out.parents[1]
-    refusal = f"{out} already holds a run (summary.json); pass --resume"
+    refusal = (f"{out} already holds a run (summary.json) but no checkpoint to continue it from; "
+               "pass --overwrite to replace it, or another --output_dir")
     lines = output.splitlines()
-    assert rc == 1, output[-3000:]
-    assert [ln for ln in lines if refusal in ln and not ln.startswith("error: ")] \
-        == [ln for ln in lines if ln.startswith(refusal)], output[-3000:]  # own line
-    assert sum(ln.startswith(refusal) for ln in lines) == 1, output[-3000:]
-    assert lines[-1].startswith(f"error: {refusal}"), output[-3000:]
-    assert "terminate called" not in output and "error on rank 0" not in output, output[-3000:]
+    assert rc == 2, output[-3000:]
+    assert output.count(refusal) == 1 and "--resume" not in output, output[-3000:]
+    assert lines[-1] == f"train_lm.sh: error: {refusal}", output[-3000:]
+    assert "Killing subprocess" not in output and "cmd = " not in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
     assert not list(tmp_path.glob("megaloss-error*")) and os.listdir(out) == ["summary.json"]
 
 
@@ -364,5 +554,41 @@ def test_a_killed_rank_is_named_and_the_others_exit(launches):
     assert rc != 0 and exited < 90, (rc, exited)
     assert "rank 1 died (its process is gone: killed or crashed); this rank stopped with" \
         in output, output[-3000:]
+    # the failed collective's traceback (61 lines) is in the log the line names, not printed
+    assert f"(traceback in {out / 'error_rank0.log'})" in output, output[-3000:]
+    assert "Traceback (most recent call last)" not in output, output[-3000:]
+    assert "Traceback (most recent call last)" in (out / "error_rank0.log").read_text()
     tag = (out / "checkpoints" / "latest").read_text()
     assert (out / "checkpoints" / tag / "rng_state_rank00001.pt").exists()
+
+
+@_launched
+def test_ranks_failing_one_check_report_it_once_without_a_traceback(launches):
+    """3 ranks, TP=2: every rank fails megaloss's layout check; rank 0 after the others have
+    left. One message for the script to print, rank 0's own (it used to be "rank 1 died ...;
+    this rank stopped with ValueError", after 3 tracebacks), its traceback in the run folder."""
+    out, rc, output, left = launches["layout"].result()
+    cause = ("tensor_parallel_size=2 x sequence_parallel_size=1 does not divide the world "
+             "size 3")
+    assert rc == 1, output[-3000:]
+    assert left["megaloss-error.rank00000"] == (
+        f"ValueError: {cause} (traceback in {out / 'error_rank0.log'})\n"), left
+    assert not any("died" in text for text in left.values()), left
+    # the ranks print nothing of it: launch/train_*.sh prints the lowest rank's file, once
+    assert cause not in output and "Traceback" not in output, output[-3000:]
+    assert cause in (out / "error_rank0.log").read_text()
+
+
+@_launched
+def test_a_rank_whose_peer_left_on_its_own_error_says_nothing(launches):
+    """Rank 1 fails a ds_config check while rank 0 waits in a barrier: rank 0's barrier fails,
+    and it neither calls rank 1 dead nor prints the barrier's traceback; rank 1's message is
+    the one the script prints."""
+    out, rc, output, left = launches["peer_check"].result()
+    assert rc == 1, output[-3000:]
+    assert "megaloss-error.rank00000" not in left, left
+    assert left["megaloss-error.rank00001"].startswith(
+        "ValueError: invalid ds_config section: megaloss.tensor_paralel_size: Extra inputs are "
+        "not permitted (got 2)"), left
+    assert f"(traceback in {out / 'error_rank1.log'})" in left["megaloss-error.rank00001"]
+    assert "died" not in output and "Traceback" not in output, output[-3000:]

@@ -54,14 +54,68 @@ def test_output_dir_refused_replaced_or_continued(tmp_path):
     (out / "notes.txt").write_text("mine")
     with pytest.raises(SystemExit) as err:
         prepare_output_dir(out, overwrite=False, resuming=False)
-    msg = str(err.value)
-    assert msg.startswith(f"{out} already holds a run (metrics.csv, summary.json, monitor)")
-    assert "--resume" in msg and "--overwrite" in msg and "another --output_dir" in msg
+    assert str(err.value) == (
+        f"{out} already holds a run (metrics.csv, summary.json, monitor) but no checkpoint to "
+        "continue it from; pass --overwrite to replace it, or another --output_dir")
+    (out / "checkpoints" / "step_4").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step_4")
+    with pytest.raises(SystemExit) as err:  # with a checkpoint: --resume too
+        prepare_output_dir(out, overwrite=False, resuming=False)
+    assert str(err.value) == (
+        f"{out} already holds a run (metrics.csv, summary.json, monitor, checkpoints; its latest "
+        "checkpoint is step_4); pass --resume to continue it from there, --overwrite to replace "
+        "it, or another --output_dir")
     prepare_output_dir(out, overwrite=False, resuming=True)  # continued: untouched
     prepare_output_dir(out, overwrite=False, resuming=False, eval_only=True)
     assert (out / "metrics.csv").exists()
     prepare_output_dir(out, overwrite=True, resuming=False)  # replaced: only the job's files
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def _crashed_before_the_first_checkpoint(out):
+    """What a run that died before its first checkpoint leaves: DeepSpeed's csv_monitor files,
+    wandb's folder, an empty checkpoints folder."""
+    (out / "monitor" / "megaloss").mkdir(parents=True)
+    (out / "monitor" / "megaloss" / "Train_megaloss_loss.csv").write_text("step,loss\n1,5.6\n")
+    (out / "wandb").mkdir()
+    (out / "checkpoints").mkdir()
+    (out / "notes.txt").write_text("mine")
+
+
+@pytest.mark.parametrize("how", ["fresh", "resume latest", "trainer job"])
+def test_a_folder_left_by_a_crash_before_any_checkpoint_starts_over(tmp_path, capsys, how):
+    """A rerun into it starts, saying what it clears, and never asks for --resume (it used to
+    refuse with "already holds a run (monitor); pass --resume", and --resume then refused too:
+    "holds a run saved without checkpoints")."""
+    from launch.jobs.checkpoints import open_fresh_run, output_dir_refusal
+
+    out = tmp_path / "runs" / "lm"
+    _crashed_before_the_first_checkpoint(out)
+    assert output_dir_refusal(out, overwrite=False, resuming=False) is None
+    if how == "trainer job":  # the Hugging Face trainer jobs and GRPO: no --resume at all
+        open_fresh_run(out, overwrite=False)
+    else:
+        args = _args("--resume") if how == "resume latest" else _args()
+        assert resume_source(args, out) is None  # nothing to continue: a fresh run
+        prepare_output_dir(out, overwrite=False, resuming=False)
+    assert capsys.readouterr().out == (
+        f"[megaloss] {out} holds no checkpoint from an earlier run (only monitor/, wandb/, "
+        "checkpoints/): starting over\n")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # the user's own file kept
+
+
+def test_a_checkpoints_folder_with_a_save_cut_short_is_not_cleared(tmp_path):
+    """A step folder without ``latest`` (a save cut short): not resumable, not thrown away
+    unasked either."""
+    out = tmp_path / "run"
+    _crashed_before_the_first_checkpoint(out)
+    (out / "checkpoints" / "step_2").mkdir()
+    with pytest.raises(SystemExit) as err:
+        prepare_output_dir(out, overwrite=False, resuming=False)
+    assert "no checkpoint to continue it from; pass --overwrite" in str(err.value)
+    assert "--resume" not in str(err.value)
+    with pytest.raises(SystemExit, match="holds a run saved without checkpoints"):
+        resume_source(_args("--resume"), out)
 
 
 def test_resume_source(tmp_path):

@@ -101,7 +101,7 @@ def vocab_parallel_linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     logit_softcapping: Optional[float] = None,
-    chunk_size: int = 1024,
+    chunk_size: Optional[int] = None,
     accum_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
 ) -> torch.Tensor:

@@ -94,7 +94,8 @@ def vocab_parallel_ce(tokens: int, hidden: int, tp: int, *, chunk_size: int = 10
         hidden: ``H``; ``hidden_bytes``: bytes per element of the hidden states (and of their
             gradient); ``weight_bytes``: of the loss weights (the calibration's: fp32).
 
-    Forward: one all-gather of 6 int64 (the cross-rank check: failed flag, shapes, bad label);
+    Forward: one all-gather of 8 int64 (the cross-rank check: failed flag, shapes, bad label,
+    the shard's range);
     per chunk of ``chunk_size`` tokens a MAX all-reduce of ``[c]`` fp32 and one SUM all-reduce of
     the stacked ``[2, c]`` fp32 (``[3, c]`` with label smoothing): 12 (16) bytes per token
     whatever ``V``.
@@ -104,7 +105,7 @@ def vocab_parallel_ce(tokens: int, hidden: int, tp: int, *, chunk_size: int = 10
     reduce-scattered backward; the statistics then cover the TP group's ``tp x tokens``.
     """
     fwd, bwd = Traffic(), Traffic()
-    fwd.add("all_gather", tp, 6 * 8)
+    fwd.add("all_gather", tp, 8 * 8)
     n = tokens
     if sequence_parallel and tp > 1:
         fwd.add("all_gather", tp, 8)                          # the shards' sizes

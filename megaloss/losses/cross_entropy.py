@@ -78,7 +78,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     logit_softcapping: Optional[float] = None,
-    chunk_size: int = 1024,
+    chunk_size: Optional[int] = None,
     accum_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
     return_stats: bool = False,
@@ -136,14 +136,16 @@ def linear_cross_entropy(
         first); with ``return_stats=True`` a :class:`CrossEntropyOutput` holding it.
 
     Raises:
-        ValueError: a label outside ``[0, V)`` that is not ``ignore_index``; shape mismatches
+        ValueError: a label outside ``[0, V)`` that is not ``ignore_index``; NaN or inf in
+            ``hidden_states`` (the first bad token named); shape mismatches
             (``labels`` vs ``hidden_states[..., :-1]``, ``weight`` hidden size, ``bias``,
             ``loss_weights``, ``ce_weight``); inputs on different devices; negative or
             non-finite ``ce_weight``, or ``ce_weight`` with ``impl="triton"``; an option out of
             range. With ``vocab_parallel_options`` also: token count, hidden size, shard rows
             or vocab size differing across TP ranks, or ``weight`` without ``ceil(V / tp)``
             rows. Under ``vocab_parallel_options`` every such error is raised on every TP rank
-            alike (the rank at fault raises its own error, the others one naming it).
+            alike, before any collective: the error of the first rank at fault, naming the TP
+            ranks at fault.
         TypeError: non-tensor inputs, non-floating hidden states/weight, non-integer labels;
             ``options`` together with option keywords not at their default (naming them);
             ``options`` / ``vocab_parallel_options`` of the wrong type.

@@ -27,7 +27,7 @@ from .._deprecation import ReturnStatsAliases
 from ..ops.chunk_driver import chunked_head
 from ..ops.distillation_chunk import DistillationKernel, Teacher
 from ..ops.options import DistillationOptions, module_options, resolve_options
-from ..ops.validation import check_ce_tensors, first_bad_label
+from ..ops.validation import check_ce_tensors, check_finite, check_not_dtensor, first_bad_label
 from .token_coefficients import token_coefficients
 from .vocab_parallel import VocabParallelOptions, check_vocab_parallel_options, vocab_layout
 
@@ -69,6 +69,9 @@ def _check_teacher(hidden_states, weight, labels, teacher_hidden_states, teacher
     if full:
         if teacher_hidden_states is None or teacher_weight is None:
             raise ValueError("teacher_hidden_states and teacher_weight go together")
+        for name, t in (("teacher_hidden_states", teacher_hidden_states),
+                        ("teacher_weight", teacher_weight), ("teacher_bias", teacher_bias)):
+            check_not_dtensor(name, t)
         for name, t in (("teacher_hidden_states", teacher_hidden_states),
                         ("teacher_weight", teacher_weight)):
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -141,9 +144,13 @@ def _check_topk_values(ids: torch.Tensor, log_probs: torch.Tensor, vocab_size: i
 
 def _check_all(hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
                teacher_weight, teacher_bias, topk_ids, topk_log_probs, opts, vocab_size):
+    """Every local check of a :func:`linear_distillation_loss` call (its ``vocab_layout``
+    check), the label range apart."""
     check_ce_tensors(hidden_states, weight, labels, bias, loss_weights)
     _check_teacher(hidden_states, weight, labels, teacher_hidden_states, teacher_weight,
                    teacher_bias, topk_ids, topk_log_probs, opts, vocab_size)
+    if isinstance(teacher_hidden_states, torch.Tensor):
+        check_finite("teacher_hidden_states", teacher_hidden_states)
 
 
 def linear_distillation_loss(
@@ -167,7 +174,7 @@ def linear_distillation_loss(
     reduction: str = "mean",
     logit_softcapping: Optional[float] = None,
     teacher_logit_softcapping: Optional[float] = None,
-    chunk_size: int = 1024,
+    chunk_size: Optional[int] = None,
     accum_dtype: torch.dtype = torch.float32,
     return_stats: bool = False,
     options: Optional[DistillationOptions] = None,
@@ -237,7 +244,8 @@ def linear_distillation_loss(
         ``return_stats=True`` a :class:`DistillationOutput` holding it.
 
     Raises:
-        ValueError: a label or top-k id outside ``[0, V)``; repeated top-k ids in a position;
+        ValueError: a label or top-k id outside ``[0, V)``; NaN or inf in ``hidden_states`` or
+            ``teacher_hidden_states``; repeated top-k ids in a position;
             top-k log-probs > 0, NaN or summing above 1; both or neither teacher form; shape
             mismatches (teacher hidden states vs labels, ``teacher_weight`` rows vs ``weight``);
             inputs on different devices; ``teacher_logit_softcapping`` or ``teacher_bias`` with a
@@ -254,9 +262,9 @@ def linear_distillation_loss(
     check_vocab_parallel_options(vocab_parallel_options)
 
     def check(vocab_size: int) -> Optional[int]:
-        check_ce_tensors(hidden_states, weight, labels, bias, loss_weights)
-        _check_teacher(hidden_states, weight, labels, teacher_hidden_states, teacher_weight,
-                       teacher_bias, teacher_topk_ids, teacher_topk_log_probs, opts, vocab_size)
+        _check_all(hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
+                   teacher_weight, teacher_bias, teacher_topk_ids, teacher_topk_log_probs, opts,
+                   vocab_size)
         return first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
 
     layout = vocab_layout(vocab_parallel_options, weight, hidden_states, labels, check,

@@ -56,7 +56,7 @@ def linear_log_probs(
     temperature: float = 1.0,
     logit_softcapping: Optional[float] = None,
     return_entropy: bool = False,
-    chunk_size: int = 1024,
+    chunk_size: Optional[int] = None,
     accum_dtype: torch.dtype = torch.float32,
     impl: str = "auto",
     options: Optional[LogProbsOptions] = None,
@@ -102,12 +102,15 @@ def linear_log_probs(
         :class:`LogProbsOutput` ``(log_probs, entropy, lse, greedy_match)``.
 
     Raises:
-        ValueError: a label outside ``[0, V)`` that is not ``ignore_index``; shape mismatches;
+        ValueError: a label outside ``[0, V)`` that is not ``ignore_index``; NaN or inf in
+            ``hidden_states`` (the first bad token named); shape mismatches;
             inputs on different devices; an option out of range; ``impl="triton"`` where it
             cannot run (float64, no triton, CPU without Triton's interpreter). With
             ``vocab_parallel_options`` also: token count, hidden size, shard rows or vocab
-            size differing across TP ranks, or ``weight`` without ``ceil(V / tp)`` rows,
-            raised on every TP rank alike.
+            size differing across TP ranks, or ``weight`` without ``ceil(V / tp)`` rows.
+            Under ``vocab_parallel_options`` every such error is raised on every TP rank alike,
+            before any collective: the error of the first rank at fault, naming the TP ranks
+            at fault.
         TypeError: non-tensor inputs, non-floating hidden states/weight, non-integer labels;
             ``options`` together with option keywords not at their default;
             ``options`` / ``vocab_parallel_options`` of the wrong type.

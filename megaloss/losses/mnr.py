@@ -234,6 +234,10 @@ def _local_problem(query, positive, negatives, temperature, similarity, duplicat
         if duplicate_ids.shape != (query.shape[0],):
             return ValueError(f"duplicate_ids must be [B] = [{query.shape[0]}], got shape "
                               f"{tuple(duplicate_ids.shape)}")
+    others = (("positive", positive), ("negatives", negatives), ("duplicate_ids", duplicate_ids))
+    for name, t in others:
+        if isinstance(t, torch.Tensor) and t.device != query.device:
+            return ValueError(f"{name} must be on query's device {query.device}, got {t.device}")
     return None
 
 

@@ -19,7 +19,8 @@ instead of the several full ``[R, C]`` matrices autograd keeps for ``logsumexp``
 ``matmul`` (the same trick as XTuner's and Liger's chunked linear cross-entropy). Backward only
 multiplies the saved gradients by ``grad_output``, so DeepSpeed's 1/GAS and fp16 loss scaling are
 honoured. Double backward is not supported. Scores and gradients accumulate in
-``promote_types(dtype, float32)``; gradients are cast back to the input dtype.
+``promote_types(dtype, float32)``, also under ``torch.autocast`` (disabled inside); gradients are
+cast back to the input dtype.
 """
 from __future__ import annotations
 
@@ -34,6 +35,15 @@ class _InfoNCERows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, temperature, targets, row_ids, col_ids, chunk_size, want_grad,
                 want_ranks):
+        # Under torch.autocast the block products would come out in the autocast dtype (and
+        # the float32 gradient buffers refuse them): the forward computes in ``acc`` itself.
+        with torch.autocast(a.device.type, enabled=False):
+            return _InfoNCERows._forward(ctx, a, b, temperature, targets, row_ids, col_ids,
+                                         chunk_size, want_grad, want_ranks)
+
+    @staticmethod
+    def _forward(ctx, a, b, temperature, targets, row_ids, col_ids, chunk_size, want_grad,
+                 want_ranks):
         acc = torch.promote_types(a.dtype, torch.float32)
         t = temperature.to(acc) if isinstance(temperature, torch.Tensor) else temperature
         rows = a.shape[0]

@@ -7,11 +7,57 @@ from typing import Optional
 import torch
 
 
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (False without torch.distributed)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without torch.distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def check_not_dtensor(name: str, t) -> None:
+    """Refuse a ``torch.distributed.tensor.DTensor`` input (a sharded FSDP2 ``fully_shard``
+    parameter read outside the forward of the module that owns it), naming the fix.
+
+    Under FSDP2 (``torch/distributed/fsdp/_fully_shard/_fully_shard.py``) a parameter is a
+    ``Shard(0)`` DTensor except inside the forward (and backward) of its FSDP unit, where the
+    unit's pre-forward hook swaps in the unsharded tensor in the MixedPrecisionPolicy's
+    ``param_dtype``. A loss given ``model.lm_head.weight`` directly therefore receives the shard.
+    A tensor-parallel lm_head (``ColwiseParallel``, a ``Shard(0)`` DTensor over the TP mesh
+    dimension) goes in as its local rows with
+    :meth:`megaloss.VocabParallelOptions.from_dtensor`, which the message names.
+
+    Raises:
+        TypeError: ``t`` is a DTensor.
+    """
+    if is_dtensor(t):
+        placements = getattr(t, "placements", None)
+        raise TypeError(
+            f"{name} is a DTensor (placements {placements}, global shape {tuple(t.shape)}); "
+            "megaloss does not take DTensors. A parameter sharded by FSDP2's fully_shard, read "
+            "outside the forward of the FSDP module that owns it: compute the loss inside an "
+            "FSDP-managed forward, where the weight is unsharded in the MixedPrecisionPolicy's "
+            "param_dtype: use the heads of megaloss.integrations.hf (CausalLMWithLoss & co., "
+            "built *before* fully_shard), or put the call in a method of the lm_head's module "
+            "and register it with "
+            "torch.distributed.fsdp.register_fsdp_forward_method(module, 'method_name'). A "
+            "tensor-parallel lm_head split over the vocabulary (torch's ColwiseParallel: Shard(0) "
+            "over the TP mesh dimension): w, opts = "
+            "megaloss.VocabParallelOptions.from_dtensor(weight), then the loss of (..., w, ..., "
+            "vocab_parallel_options=opts), w this rank's local rows")
+
+
 def check_ce_tensors(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                      bias: Optional[torch.Tensor], loss_weights: Optional[torch.Tensor],
                      *, weight_name: str = "weight") -> None:
     """Shapes, dtypes and devices of the CE inputs (the vocab range of labels is checked
-    separately, since it needs the global V)."""
+    separately, since it needs the global V), and finite hidden states (:func:`check_finite`;
+    the weight is not scanned: ``V x H`` per call). A DTensor input is refused
+    (:func:`check_not_dtensor`)."""
+    for name, t in (("hidden_states", hidden_states), (weight_name, weight), ("labels", labels),
+                    ("bias", bias), ("loss_weights", loss_weights)):
+        check_not_dtensor(name, t)
     for name, t in (("hidden_states", hidden_states), (weight_name, weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -22,7 +68,10 @@ def check_ce_tensors(hidden_states: torch.Tensor, weight: torch.Tensor, labels: 
     if hidden_states.dim() < 1:
         raise ValueError("hidden_states must have shape [..., H], got a 0-dim tensor")
     if weight.dim() != 2:
-        raise ValueError(f"{weight_name} must have shape [V, H], got {tuple(weight.shape)}")
+        why = (": an empty placeholder, as a ZeRO-3 parameter is outside its module's forward; "
+               "compute the loss inside that forward (the HF wrappers do), or gather it "
+               "(deepspeed.zero.GatheredParameters)") if weight.numel() == 0 else ""
+        raise ValueError(f"{weight_name} must have shape [V, H], got {tuple(weight.shape)}{why}")
     if weight.shape[1] != hidden_states.shape[-1]:
         raise ValueError(f"{weight_name} has hidden size {weight.shape[1]} but hidden_states has "
                          f"{hidden_states.shape[-1]} (shapes {tuple(weight.shape)} and "
@@ -50,6 +99,21 @@ def check_ce_tensors(hidden_states: torch.Tensor, weight: torch.Tensor, labels: 
     if len({d for _, d in devices}) > 1:
         raise ValueError("all inputs must be on one device, got "
                          + ", ".join(f"{n} on {d}" for n, d in sorted(devices, key=str)))
+    check_finite("hidden_states", hidden_states)
+
+
+def check_finite(name: str, x: torch.Tensor) -> None:
+    """Raise a ValueError naming ``name`` and the first token whose row of ``x [..., H]`` holds
+    a NaN or an infinity. One pass over ``x`` and one host sync (as the label-range check); the
+    loss of such a row would be NaN, and so would every gradient of the step."""
+    if x.device.type == "meta" or x.numel() == 0:
+        return
+    bad = ~torch.isfinite(x.reshape(-1, x.shape[-1])).all(dim=-1)
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{name} holds NaN or inf (first at token {first} of "
+                         f"{bad.numel()}): the computation before the loss overflowed or "
+                         "diverged")
 
 
 def first_bad_label(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> Optional[int]:

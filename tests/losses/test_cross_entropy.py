@@ -311,3 +311,48 @@ def test_gradcheck_small(reduction, opts):
     fn = lambda h, W, bb: megaloss.linear_cross_entropy(  # noqa: E731
         h, W, labels, bias=bb, loss_weights=w, reduction=reduction, chunk_size=2, **opts)
     assert torch.autograd.gradcheck(fn, (h, W, bb))
+
+
+def _early_ce(hidden, weight, labels):
+    # reduction="mean" forms the head's gradients in forward (fp32 / fp64): the saved buffers
+    # that the first backward scales in place
+    return megaloss.linear_cross_entropy(hidden, weight, labels, chunk_size=3)
+
+
+def test_retained_graph_backwards_with_different_scales():
+    """The first backward scales the gradients formed in forward in place; a second one through
+    the retained graph gets its own scale, and the first's result is left as it was."""
+    hidden, weight, labels, _, _ = make_inputs(n=7, h=5, v=6, ignore_every=3)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = _early_ce(h, w, labels)
+    g1 = torch.autograd.grad(loss * 2.0, (h, w), retain_graph=True)
+    kept = [g.clone() for g in g1]
+    g2 = torch.autograd.grad(loss * -3.0, (h, w))
+    h0, w0 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    base = torch.autograd.grad(_early_ce(h0, w0, labels), (h0, w0))
+    for a, b, k, e in zip(g1, g2, kept, base):
+        torch.testing.assert_close(a, k, rtol=0, atol=0)  # not mutated by the second backward
+        torch.testing.assert_close(a, 2.0 * e, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(b, -3.0 * e, rtol=1e-12, atol=1e-15)
+
+
+def test_retained_graph_after_a_zero_first_scale_is_refused():
+    hidden, weight, labels, _, _ = make_inputs(n=4, h=3, v=5)
+    w = weight.clone().requires_grad_()
+    loss = _early_ce(hidden, w, labels)
+    (loss * 0.0).backward(retain_graph=True)
+    assert torch.count_nonzero(w.grad) == 0
+    with pytest.raises(RuntimeError, match="non-zero first grad_output"):
+        loss.backward()
+
+
+def test_a_returned_gradient_changed_in_place_fails_the_second_backward():
+    """The in-place scaling bypasses the version counter; anyone else's in-place change to the
+    gradient (it is the saved buffer) is still caught by torch's check, never silently used."""
+    hidden, weight, labels, _, _ = make_inputs(n=4, h=3, v=5)
+    w = weight.clone().requires_grad_()
+    loss = _early_ce(hidden, w, labels)
+    (g,) = torch.autograd.grad(loss, (w,), retain_graph=True)
+    g.zero_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, (w,))

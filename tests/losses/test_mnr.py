@@ -142,6 +142,26 @@ def test_low_precision_inputs_accumulate_in_float32():
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_under_autocast_the_loss_and_gradients_are_the_float32_ones(symmetric):
+    """Inside ``torch.autocast("cpu", bfloat16)`` (AMP around an encoder's forward and its loss):
+    the fp32 embeddings' loss and gradients, as outside it (1e-6; it raised "Expected out tensor
+    to have dtype BFloat16" when the block products took the autocast dtype)."""
+    q, p, neg = (t.float() for t in make_batch(8, 2, seed=7)[:3])
+    results = []
+    for enabled in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, p, neg)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            loss = mnr_loss(*leaves, symmetric=symmetric)
+        loss.backward()
+        results.append((loss.detach(), [t.grad for t in leaves]))
+    (plain, plain_grads), (amp, amp_grads) = results
+    assert amp.dtype == torch.float32
+    torch.testing.assert_close(amp, plain, rtol=1e-6, atol=1e-7)
+    for a, b in zip(amp_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_empty_global_batch_gives_zero_loss_and_gradients():
     q = torch.zeros(0, 4, requires_grad=True)
     out = mnr_loss_with_metrics(q, torch.zeros(0, 4), torch.zeros(0, 2, 4))

@@ -184,6 +184,7 @@ def _error_worker(rank, world):
 def test_errors_raise_on_every_rank_instead_of_hanging():
     msgs = run_distributed(_error_worker, 2, timeout=120)
     assert all(m is not None and "1000000" in m for m, _ in msgs), msgs
+    assert msgs[0][0] == msgs[1][0] and msgs[0][0].endswith("tensor-parallel rank(s) [1])"), msgs
     assert all(m is not None and "token count differs" in m for _, m in msgs), msgs
 
 
@@ -200,28 +201,54 @@ def test_single_process_is_the_plain_loss():
 
 
 def _bad_shard_worker(rank, world):
+    """Each vocabulary-level loss with a bad input on rank 1 only: ``(type, message)`` per
+    call, ``None`` where it did not raise."""
     import megaloss
-    hidden = torch.randn(6, 4, dtype=torch.float64)
-    rows = 19 if rank == 0 else 18  # V 37 at TP 2 wants 19 rows; rank 1 passes the unpadded 18
-    weight = torch.randn(rows, 4, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(6, 4, dtype=torch.float64, generator=g)
+    full = torch.randn(38, 4, dtype=torch.float64, generator=g)  # V 37 padded to 2 x 19 rows
+    good = full[19 * rank:19 * (rank + 1)]
+    # V 37 at TP 2 wants 19 rows; rank 1 passes its unpadded 18
+    weight = good if rank == 0 else good[:18]
     labels = torch.zeros(6, dtype=torch.long)
     parallel = megaloss.VocabParallelOptions(vocab_size=37)
-    messages = []
-    for fn in (megaloss.linear_cross_entropy, megaloss.linear_log_probs):
-        try:
-            fn(hidden, weight, labels, vocab_parallel_options=parallel)
-        except ValueError as e:
-            messages.append(str(e))
+    topk = dict(teacher_topk_ids=torch.arange(6 * 3).reshape(6, 3) % 37,
+                teacher_topk_log_probs=torch.full((6, 3), -2.0, dtype=torch.float64))
+    calls = {
+        "ce": lambda w, y: megaloss.linear_cross_entropy(hidden, w, y,
+                                                         vocab_parallel_options=parallel),
+        "log_probs": lambda w, y: megaloss.linear_log_probs(hidden, w, y,
+                                                            vocab_parallel_options=parallel),
+        "distillation": lambda w, y: megaloss.linear_distillation_loss(
+            hidden, w, y, vocab_parallel_options=parallel, **topk),
+    }
+    bad_inputs = {"shard": (weight, labels),  # a ValueError on rank 1
+                  "float labels": (good, labels.double() if rank == 1 else labels)}  # TypeError
+    out = {}
+    for what, (w, y) in bad_inputs.items():
+        for name, call in calls.items():
+            try:
+                call(w, y)
+            except (ValueError, TypeError) as e:
+                out[what, name] = (type(e).__name__, str(e))
+            else:
+                out[what, name] = None
+    return out
+
+
+def test_a_bad_shard_on_one_rank_raises_the_same_error_on_every_rank():
+    """The shard-rows check (and every other local check) is local to a rank; it is agreed on
+    with the others before any collective that depends on it: every rank raises the error of
+    the rank at fault, naming it, and none waits for one that raised."""
+    msgs = run_distributed(_bad_shard_worker, 2, timeout=60)
+    for key, got in msgs[0].items():
+        assert got is not None and got == msgs[1][key], (key, got, msgs[1][key])
+        what, _ = key
+        kind, message = got
+        assert message.endswith("(raised on tensor-parallel rank(s) [1])"), (key, message)
+        if what == "shard":
+            assert kind == "ValueError", key
+            assert message.startswith("weight must have ceil(vocab_size / tp) = 19 rows for "
+                                      "vocab_size=37, tp=2; got 18"), (key, message)
         else:
-            messages.append(None)
-    return messages
-
-
-def test_a_bad_shard_on_one_rank_raises_on_every_rank():
-    """The shard-rows check is local; it is agreed on with the others before any collective
-    that depends on it, so no rank waits for one that raised."""
-    msgs = run_distributed(_bad_shard_worker, 2, timeout=120)
-    for ce, lp in msgs[1:]:
-        assert "ceil(vocab_size / tp) = 19 rows" in ce and "ceil(vocab_size / tp)" in lp
-    for m in msgs[0]:
-        assert m is not None and "tensor-parallel rank(s) [1]" in m, msgs
+            assert kind == "TypeError" and "labels" in message, (key, message)

@@ -138,15 +138,15 @@ def test_bench_vocab_parallel_comm_loss_and_memory(background):
     # Communication, from the algorithm: nothing at TP=1. At TP>1, per chunk of tokens one MAX
     # all-reduce of [C] fp32 and one SUM of [2, C] fp32 = 4 + 8 = 12 B/token in forward (2 calls
     # per chunk); backward one SUM all-reduce of d_hidden [N, H] fp32 = 4H B/token; plus the
-    # cross-rank check (failed flag, shapes, first bad label), one all-gather of 6 int64 per
-    # call = 48 B.
+    # cross-rank check (failed flag, shapes, first bad label, shard range), one all-gather of 8
+    # int64 per call = 64 B.
     for key in ("fwd_B_per_token", "bwd_B_per_token", "fwd_calls", "bwd_calls", "other_B"):
         assert float(tp1[key]) == 0, key
     assert float(tp2["fwd_B_per_token"]) == 12.0
     assert int(tp2["fwd_calls"]) == 2 * math.ceil(n / chunk)
     assert float(tp2["bwd_B_per_token"]) == 4.0 * hidden
     assert int(tp2["bwd_calls"]) == 1
-    assert int(tp2["other_B"]) == 6 * 8
+    assert int(tp2["other_B"]) == 8 * 8
 
     # Memory per rank: never one [N, V/TP] fp32 logits copy (chunks of [C, V/TP] only).
     for r in rows:

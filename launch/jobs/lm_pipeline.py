@@ -2,6 +2,10 @@
 ``megaloss.pipeline_parallel_size`` > 1): the layout, the Llama's stages and the engine, and the
 step / eval functions the job loop calls instead of the ``engine.forward`` ones.
 
+The stages start from the weights every other layout trains: :func:`build_llama` of the job's
+seed, its state dict sliced into the stages (:func:`llama_stage_layers`), so one seed gives one
+initial model whatever the layout.
+
 The pipeline engine takes ZeRO stages 0 and 1 only (DeepSpeed 0.19.8,
 ``runtime/pipe/engine.py``): a ds_config asking for ZeRO-2 or 3 (the job's default is ZeRO-2)
 runs at ZeRO-1, and the job says so. Checkpoints (``--save_every``, ``--resume``,
@@ -11,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional
-
-import torch
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .models import build_llama
 
-__all__ = ["PipelineJob", "pipeline_parallel_size", "build_pipeline_job", "gather_per_rank"]
+__all__ = ["PipelineJob", "pipeline_parallel_size", "llama_stage_layers", "build_pipeline_job",
+           "gather_per_rank"]
 
 
 def pipeline_parallel_size(args: argparse.Namespace, ml: Any, ds_config: Dict[str, Any]) -> int:
@@ -51,6 +54,45 @@ def _check_job_arguments(args: argparse.Namespace, ml: Any) -> None:
                          "job (DeepSpeed's pipeline engine takes dp x pp x tp)")
 
 
+def llama_stage_layers(args: argparse.Namespace, vocab: int, *, options: Any = None,
+                       tp_group: Any = None) -> Tuple[List[Any], Any, int, Dict[str, Any]]:
+    """The Llama the other layouts train, as pipeline layers: :func:`build_llama` of ``args``
+    (same seed, config and tied embedding), its ``LlamaForCausalLM`` state dict handed to
+    :func:`megaloss.integrations.deepspeed.pipeline_llama.llama_pipeline_layers`, which loads
+    each stage's keys (a tied weight: ``model.embed_tokens.weight`` on the first and the last
+    stage; under TP each rank keeps its vocab rows of the lm_head, as ``CausalLMWithLoss``
+    does).
+
+    Every rank builds the whole model once, as the other layouts do; the stages copy their
+    weights out of the returned ``state`` when ``PipelineModule`` builds them, after which the
+    caller empties it (the ``LayerSpec`` s, kept by the module, hold it).
+
+    Args:
+        args: the job's arguments (:func:`launch.jobs.arguments.add_llama_arguments`,
+            ``--seed``, ``--seq_len``).
+        vocab: the tokenizer's vocabulary size.
+        options: the head's ``CrossEntropyOptions`` (None: megaloss's defaults, sum).
+        tp_group: the tensor-parallel group (None: no tensor parallelism).
+
+    Returns:
+        ``(layers, config, parameters, state)``: the ``LayerSpec`` layers, the ``LlamaConfig``,
+        the whole model's parameter count (decoder + full lm_head; tied: counted once) and the
+        state dict the layers load.
+    """
+    from megaloss.integrations.deepspeed.pipeline_llama import llama_pipeline_layers
+    from megaloss.parallel.groups import SINGLE_RANK
+
+    model, cfg = build_llama(args, vocab)
+    n_params = sum(p.numel() for p in model.base_model.parameters()) + (
+        0 if cfg.tie_word_embeddings else vocab * cfg.hidden_size)
+    state = dict(model.state_dict())
+    del model
+    layers = llama_pipeline_layers(cfg, options=options,
+                                   tp_group=SINGLE_RANK if tp_group is None else tp_group,
+                                   state_dict=state)
+    return layers, cfg, n_params, state
+
+
 def build_pipeline_job(args: argparse.Namespace, ds_config: Dict[str, Any], ml: Any, vocab: int,
                        out_dir: str, log: Callable[[str], Any]) -> PipelineJob:
     """The pipeline layout, the Llama of ``args`` in stages and the calibrated pipeline engine
@@ -62,7 +104,6 @@ def build_pipeline_job(args: argparse.Namespace, ds_config: Dict[str, Any], ml: 
         pipeline_evaluate,
         pipeline_train_step,
     )
-    from megaloss.integrations.deepspeed.pipeline_llama import llama_pipeline_layers
 
     _check_job_arguments(args, ml)
     zero = ds_config.setdefault("zero_optimization", {})
@@ -73,17 +114,13 @@ def build_pipeline_job(args: argparse.Namespace, ds_config: Dict[str, Any], ml: 
             f"{PIPELINE_ZERO_STAGES} only; the ds_config asks for ZeRO-{asked}, running at "
             f"ZeRO-{zero['stage']}")
     layout = build_pipeline_layout(ml.pipeline_parallel_size, ml.tensor_parallel_size)
-    # The full model's config and size on the meta device (no weights): each stage builds its
-    # own layers (LayerSpec), drawn from the seed of the layer.
-    with torch.device("meta"):
-        model, cfg = build_llama(args, vocab)
-    # decoder + the full lm_head (a tied one is the embedding, counted once)
-    n_params = sum(p.numel() for p in model.base_model.parameters()) + (
-        0 if cfg.tie_word_embeddings else vocab * cfg.hidden_size)
-    del model
-    layers = llama_pipeline_layers(cfg, options=ml.ce.options(),
-                                   tp_group=layout.topology.tp_group, seed=args.seed)
-    me = initialize_pipeline(layers, ds_config, layout=layout, output_dir=out_dir)
+    layers, cfg, n_params, state = llama_stage_layers(args, vocab, options=ml.ce.options(),
+                                                      tp_group=layout.topology.tp_group)
+    me = initialize_pipeline(layers, ds_config, layout=layout, output_dir=out_dir,
+                             activation_checkpoint_interval=int(
+                                 getattr(args, "activation_checkpointing", False)))
+    # the stages copied their weights: free the other stages' ones on this rank
+    state.clear()
     micro = int(me.engine.train_micro_batch_size_per_gpu())
 
     def evaluate(batches):

@@ -57,7 +57,11 @@ def build_llama(args, vocab_size: int, attn_implementation: Optional[str] = None
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=ffn,
                       num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv, max_position_embeddings=args.seq_len,
-                      tie_word_embeddings=bool(getattr(args, "tie_word_embeddings", False)))
+                      tie_word_embeddings=bool(getattr(args, "tie_word_embeddings", False)),
+                      # no special tokens: in the jobs' BPE ids 1 and 2 are ordinary tokens, and
+                      # LlamaConfig's bos 1 / eos 2 would reach model.generation_config, whose eos
+                      # transformers masks or stops at in every rollout
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if attn_implementation is not None:  # Ulysses wraps transformers' sdpa attention
         cfg._attn_implementation = attn_implementation
     torch.manual_seed(args.seed)

@@ -20,26 +20,81 @@ from typing import Dict, List, Optional
 
 import torch
 
-__all__ = ["generate_completions", "group_advantages", "Rollout", "make_rollout",
-           "completion_log_probs"]
+__all__ = ["rollout_generation_config", "generate_completions", "group_advantages", "Rollout",
+           "make_rollout", "completion_log_probs"]
+
+
+# The model's generation_config fields whose neutral value is None: transformers fills each None
+# of a given GenerationConfig from model.generation_config (transformers 5.24,
+# generation/utils.py, _prepare_generation_config), and any of these set there changes what is
+# sampled: an eos_token_id ends a row where it is drawn (the rest padded), or, with
+# min_new_tokens, gets the score -inf at every step (MinNewTokensLengthLogitsProcessor); the
+# others add a processor that masks or reshapes the distribution (_get_logits_processor).
+_UNSET_FIELDS = ("eos_token_id", "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens",
+                 "begin_suppress_tokens", "bad_words_ids", "sequence_bias",
+                 "exponential_decay_length_penalty", "min_p", "top_h", "guidance_scale",
+                 "watermarking_config")
+
+
+def rollout_generation_config(model, length: int, *, temperature: float = 1.0,
+                              greedy: bool = False):
+    """The ``transformers.GenerationConfig`` of :func:`generate_completions`: exactly ``length``
+    new tokens from ``softmax(logits / temperature)`` over the whole vocabulary (``top_k=0``,
+    ``top_p=1``, no other processor), or greedy decoding; no end-of-sequence token. The policy
+    loss scores the completions under that very distribution
+    (:class:`launch.jobs.policy_model.CausalLMLogProbs` at ``temperature``), so it must be the
+    one sampled: a truncated or masked sampler would make the training off-policy.
+
+    Every field a processor reads is set to its neutral value here, since a ``None`` would be
+    filled from ``model.generation_config`` (or transformers' defaults, e.g. ``top_k=50``).
+
+    Raises:
+        ValueError: ``length < 1``; ``temperature <= 0`` when sampling;
+            ``model.generation_config`` sets a field with no neutral value to give
+            (``eos_token_id``, ``suppress_tokens``, ...: :data:`_UNSET_FIELDS`) — build the
+            model's config with ``bos/eos/pad_token_id=None``
+            (:func:`launch.jobs.models.build_llama` does).
+    """
+    from transformers import GenerationConfig
+
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"length must be an int >= 1, got {length!r}")
+    if not greedy and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    own = getattr(model, "generation_config", None)
+    bad = {k: getattr(own, k, None) for k in _UNSET_FIELDS if getattr(own, k, None) is not None}
+    if bad:
+        raise ValueError(
+            f"model.generation_config sets {bad}: transformers would apply it to every rollout "
+            f"(an eos_token_id ends a row where it is drawn), so the completions would not be "
+            f"drawn from the softmax(logits / temperature) the policy loss scores; set these to "
+            f"None (build the model's config with bos/eos/pad_token_id=None)")
+    neutral = dict(max_new_tokens=length, min_length=0, num_beams=1, repetition_penalty=1.0,
+                   encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
+                   encoder_no_repeat_ngram_size=0, remove_invalid_values=False,
+                   renormalize_logits=False, eos_token_id=None, bos_token_id=None,
+                   pad_token_id=0)
+    if greedy:
+        return GenerationConfig(do_sample=False, **neutral)
+    return GenerationConfig(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0,
+                            typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, **neutral)
 
 
 @torch.no_grad()
 def generate_completions(model, prompts: torch.Tensor, length: int, *, num_generations: int = 1,
                          temperature: float = 1.0, greedy: bool = False) -> torch.Tensor:
     """``num_generations`` completions of exactly ``length`` tokens per prompt (rows of a
-    prompt adjacent), int64 ``[n * num_generations, length]``, from ``model.generate``: pure
-    sampling at ``temperature`` (no top-k / top-p), or greedy decoding. No end-of-sequence
-    token stops a row early (the task's answers have a fixed length). Sampling draws from
-    torch's global generator (seed it per rank and step). ``prompts`` may live anywhere
-    (moved to ``model.device``); the completions come back on the CPU.
-    """
-    from transformers import GenerationConfig
+    prompt adjacent), int64 ``[n * num_generations, length]``, from ``model.generate`` under
+    :func:`rollout_generation_config`: pure sampling from ``softmax(logits / temperature)``
+    over the whole vocabulary (no top-k / top-p, no masked token), or greedy decoding. No
+    end-of-sequence token stops a row early (the task's answers have a fixed length). Sampling
+    draws from torch's global generator (seed it per rank and step). ``prompts`` may live
+    anywhere (moved to ``model.device``); the completions come back on the CPU.
 
-    config = GenerationConfig(do_sample=not greedy, max_new_tokens=length,
-                              min_new_tokens=length, temperature=1.0 if greedy else temperature,
-                              top_k=None, top_p=None, eos_token_id=None, bos_token_id=None,
-                              pad_token_id=0)
+    Raises:
+        ValueError: as :func:`rollout_generation_config`.
+    """
+    config = rollout_generation_config(model, length, temperature=temperature, greedy=greedy)
     ids = prompts.to(model.device).repeat_interleave(num_generations, dim=0)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                          generation_config=config)

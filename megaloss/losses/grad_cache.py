@@ -17,18 +17,30 @@ Three passes, and activation memory is that of ONE mini-batch, whatever the batc
    back-propagate the surrogate ``sum(e_k * g_k)``, whose parameter gradient is exactly the
    mini-batch's share of ``dL/dtheta``.
 
-The replays are separate backward passes, which a data-parallel engine must be told about:
-:func:`grad_cache_step` hands every replay but the last to ``backward`` (the engine's "inside an
-accumulation window" backward, e.g. :func:`megaloss.integrations.deepspeed.grad_cache.
-inner_replay_backward``) and returns the last one as ``surrogate``, to be
-back-propagated exactly as the non-cached loss would be (``engine.backward(surrogate)``, or
-returned to a Trainer). Its value is the loss, so logs read the same.
+Where the replays run. By default (``backward=None``) they run inside the caller's backward of
+the returned ``surrogate``, as sentence-transformers' cached losses do (``sentence_transformers/
+base/losses/gradcache.py``, ``_backward_hook``): each replay's surrogate is multiplied by the
+upstream gradient the caller's backward hands the returned loss, so any factor the caller applies
+(an accumulation window's ``1 / G``, ``torch.amp.GradScaler``'s loss scale) reaches every
+mini-batch, and the gradients are the non-cached loss's times that factor. The replays re-enter
+the forward's autocast state (as ``torch.utils.checkpoint`` does). An engine that must see each
+replay as its own backward pass (DeepSpeed ZeRO-2/3 stop on a second gradient per parameter
+within one ``engine.backward``) passes ``backward``: :func:`grad_cache_step` then hands every
+replay but the last to it (the engine's "inside an accumulation window" backward, e.g.
+:func:`megaloss.integrations.deepspeed.grad_cache.inner_replay_backward`) and returns the last one
+as ``surrogate``, to be back-propagated exactly as the non-cached loss would be
+(``engine.backward(surrogate)``, or returned to a Trainer); there the scale of the caller's
+backward cannot reach the replays already run, so it is checked against theirs in that backward
+(a ValueError, not a wrong gradient). Either way the value of ``surrogate`` is the loss, so logs
+read the same.
 
 Collectives: one all-reduce (MAX) of the number of mini-batches, so that every rank runs the same
 number of encoder passes and replays (ranks with fewer rows re-run a mini-batch with a zero
 gradient, ranks with no rows the empty batch): engines that reduce gradients in every backward
 (DeepSpeed ZeRO-2/3), and ZeRO-3's per-forward check that every rank traced the same modules,
 then enter the same collectives on every rank. Plus whatever ``loss_fn`` does in pass 2, once.
+Under DDP every replay's backward is reduced (correct, as reduction is linear, at ``num_replays``
+times the gradient traffic; none inside ``no_sync``).
 """
 from __future__ import annotations
 
@@ -125,8 +137,10 @@ class GradCacheStep(NamedTuple):
     Attributes:
         loss: 0-dim, detached: ``loss_fn``'s value on the whole batch.
         surrogate: 0-dim with a graph: back-propagate it once, as the non-cached loss would be
-            (its value equals ``loss``; its gradient is the last replay's share).
-        num_replays: replays this rank ran (the maximum over the group's ranks).
+            (its value equals ``loss``). With ``backward=None`` that backward runs every replay,
+            scaled by the upstream gradient it hands ``surrogate``; with a ``backward``, it
+            back-propagates the last replay's share.
+        num_replays: replays this rank runs (the maximum over the group's ranks).
     """
 
     loss: Tensor
@@ -151,11 +165,14 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
         mini_batches: this rank's batch split by rows (:func:`split_rows`); may be empty.
         loss_fn: ``loss_fn(columns)`` -> 0-dim loss, where ``columns[i]`` is column ``i`` of every
             mini-batch concatenated along dim 0 (leaf tensors). Its collectives run once.
-        backward: back-propagates every replay but the last (``None``: ``Tensor.backward``),
-            at the scale the caller's backward will apply to ``surrogate`` (e.g. ``lambda t:
-            (t / window).backward()`` for a caller that divides its loss by its accumulation
-            window; under DeepSpeed :func:`megaloss.integrations.deepspeed.grad_cache.
-            inner_replay_backward`).
+        backward: ``None`` (plain torch, DDP, the Hugging Face Trainer without DeepSpeed): the
+            replays run inside the caller's backward of ``surrogate``, each scaled by the
+            upstream gradient that backward hands ``surrogate`` (any caller scale, a
+            ``torch.amp.GradScaler``'s included). Otherwise a callable that back-propagates
+            every replay but the last right here, at the scale the caller's backward will apply
+            to ``surrogate`` (e.g. ``lambda t: (t / window).backward()`` for a caller that
+            divides its loss by its accumulation window; under DeepSpeed
+            :func:`megaloss.integrations.deepspeed.grad_cache.inner_replay_backward`).
         empty_embeddings: for a rank with no mini-batches: columns with 0 rows whose graph
             reaches every trainable parameter (a zero gradient; required then).
         loss_parameters: tensors that ``loss_fn`` itself trains (a learnable temperature): their
@@ -164,17 +181,18 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
             group; ``None``: torch's default group).
 
     Returns:
-        :class:`GradCacheStep`. Gradients left by ``backward(...)`` of the replays plus the
-        caller's backward of ``surrogate`` equal those of backward on the non-cached loss.
+        :class:`GradCacheStep`. The caller's backward of ``surrogate`` with upstream gradient
+        ``s`` (plus, with a ``backward``, the replays it ran) leaves ``s`` times the gradients of
+        the non-cached loss.
 
     Raises:
-        ValueError: ``encode`` returned different column counts, or other shapes on a replay;
-            some rank has no mini-batches and no ``empty_embeddings`` (raised on every rank).
-            Later, from the caller's backward of ``surrogate``: the upstream gradient it applies
-            differs (rel 1e-6) from the one each replay got through ``backward``, which would
-            weight the mini-batches differently (same on every rank that scales alike).
+        ValueError: ``encode`` returned different column counts, or other shapes on a replay
+            (with ``backward=None``, from the caller's backward); some rank has no mini-batches
+            and no ``empty_embeddings`` (raised on every rank). With a ``backward``, later, from
+            the caller's backward of ``surrogate``: the upstream gradient it applies differs
+            (rel 1e-6) from the one each replay got through ``backward``, which would weight the
+            mini-batches differently (same on every rank that scales alike).
     """
-    backward = backward or (lambda t: t.backward())
     # Every rank runs the same number of encoder passes: engines that reduce in every backward
     # (ZeRO-2/3) and ZeRO-3's check, at each forward, that all ranks traced the same modules
     # are collectives. Ranks with fewer mini-batches re-run their last one (or the empty batch)
@@ -209,24 +227,61 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
     grads = torch.autograd.grad(loss, columns + loss_parameters, allow_unused=True)
     column_grads = [torch.zeros_like(c) if g is None else g
                     for c, g in zip(columns, grads[:len(columns)])]
-
     offsets = [0]
     for c in cached:
         offsets.append(offsets[-1] + c[0].shape[0])
-
-    # The upstream gradient each replay's surrogate received: the scale its backward applied.
-    # The caller's backward of the returned surrogate must apply the same (checked there).
+    replays = _Replays(encode, mini_batches, empty_embeddings, states, column_grads, offsets,
+                       num_replays, loss.new_zeros(()))
+    value = loss.detach()
+    # With a backward: the upstream gradient each replay's surrogate received, i.e. the scale
+    # its backward applied. The caller's backward of the returned surrogate must apply the same
+    # (checked there).
     replay_scales: List[Tensor] = []
-    surrogate = None
-    for k in range(num_replays):
-        if k < len(mini_batches):
-            with states[k].restored():
-                out = list(encode(mini_batches[k]))
-            rows = slice(offsets[k], offsets[k + 1])
-            upstream = [g[rows] for g in column_grads]
+    if backward is None:
+        # The replays wait for the caller's backward: the upstream gradient it hands the
+        # returned loss scales every one of them (no replay runs at another scale).
+        anchor = torch.zeros((), dtype=value.dtype, device=value.device, requires_grad=True)
+        surrogate = _ReplayInBackward.apply(anchor, replays)
+    else:
+        for k in range(num_replays - 1):
+            part = replays.surrogate(k)
+            if part.requires_grad:
+                part.register_hook(lambda g: replay_scales.append(g.detach().reshape(())))
+            backward(part)
+        surrogate = replays.surrogate(num_replays - 1)
+    for p, g in zip(loss_parameters, grads[len(columns):]):
+        if g is not None:
+            surrogate = surrogate + (p * g).sum()
+    surrogate = surrogate - surrogate.detach() + value
+    if replay_scales and surrogate.requires_grad:
+        surrogate.register_hook(lambda g: _check_replay_scales(replay_scales, g))
+    return GradCacheStep(loss=value, surrogate=surrogate, num_replays=num_replays)
+
+
+class _Replays:
+    """Pass 3 of one step (module docstring): replay ``k`` under its saved RNG state as the
+    surrogate ``sum(e_k * g_k)``, whose backward leaves the mini-batch's share; from the
+    caller's backward, every replay under the forward's autocast state."""
+
+    def __init__(self, encode: Encode, mini_batches: Sequence[Any],
+                 empty_embeddings: Optional[Callable[[], Sequence[Tensor]]],
+                 states: List[RandomState], column_grads: List[Tensor], offsets: List[int],
+                 num_replays: int, zero: Tensor) -> None:
+        self.encode, self.mini_batches, self.empty_embeddings = encode, mini_batches, \
+            empty_embeddings
+        self.states, self.column_grads, self.offsets = states, column_grads, offsets
+        self.num_replays, self.zero = num_replays, zero
+        self.autocast = _AutocastState()
+
+    def surrogate(self, k: int) -> Tensor:
+        if k < len(self.mini_batches):
+            with self.states[k].restored():
+                out = list(self.encode(self.mini_batches[k]))
+            rows = slice(self.offsets[k], self.offsets[k + 1])
+            upstream = [g[rows] for g in self.column_grads]
         else:  # nothing left to replay on this rank: a zero gradient, same collectives
-            out = (list(encode(mini_batches[-1])) if mini_batches
-                   else list(empty_embeddings()))
+            out = (list(self.encode(self.mini_batches[-1])) if self.mini_batches
+                   else list(self.empty_embeddings()))
             upstream = [torch.zeros_like(t) for t in out]
         if len(out) != len(upstream) or any(o.shape != u.shape for o, u in zip(out, upstream)):
             raise ValueError("encode's replay returned other shapes than its first pass: "
@@ -234,20 +289,50 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
                              f"{[tuple(u.shape) for u in upstream]}")
         # in the upstream's dtype (fp32 for megaloss's losses): the gradient reaching a
         # half-precision embedding is formed before its cast, as the non-cached backward does
-        surrogate = sum(((o.to(u.dtype) * u).sum() for o, u in zip(out, upstream)),
-                        loss.new_zeros(()))
-        if k < num_replays - 1:
-            if surrogate.requires_grad:
-                surrogate.register_hook(lambda g: replay_scales.append(g.detach().reshape(())))
-            backward(surrogate)
-    for p, g in zip(loss_parameters, grads[len(columns):]):
-        if g is not None:
-            surrogate = surrogate + (p * g).sum()
-    value = loss.detach()
-    surrogate = surrogate - surrogate.detach() + value
-    if replay_scales and surrogate.requires_grad:
-        surrogate.register_hook(lambda g: _check_replay_scales(replay_scales, g))
-    return GradCacheStep(loss=value, surrogate=surrogate, num_replays=num_replays)
+        return sum(((o.to(u.dtype) * u).sum() for o, u in zip(out, upstream)), self.zero)
+
+    def backward_all(self, upstream: Tensor) -> None:
+        """Every replay, back-propagated with ``upstream`` (the caller's scale), from inside the
+        caller's backward: grad mode and the forward's autocast state back on."""
+        with torch.enable_grad(), self.autocast.restored():
+            for k in range(self.num_replays):
+                part = self.surrogate(k)
+                if part.requires_grad:  # a frozen encoder has nothing to replay into
+                    part.backward(upstream.detach().to(part.dtype).reshape(part.shape))
+
+
+class _AutocastState:
+    """The autocast state (CPU and CUDA) when captured; ``restored()`` re-enters it where the
+    current one differs (a backward runs outside the forward's ``torch.autocast``), as
+    ``torch.utils.checkpoint`` does for its recomputation."""
+
+    def __init__(self) -> None:
+        self.devices = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d),
+                            torch.is_autocast_cache_enabled())
+                        for d in ("cpu", "cuda") if torch.amp.is_autocast_available(d)}
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for device, (enabled, dtype, cache) in self.devices.items():
+                if enabled or torch.is_autocast_enabled(device):
+                    stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled,
+                                                       cache_enabled=cache))
+            yield
+
+
+class _ReplayInBackward(torch.autograd.Function):
+    """A 0-valued node whose backward runs the step's replays with its upstream gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, replays: _Replays) -> Tensor:
+        ctx.replays = replays
+        return torch.zeros_like(anchor)
+
+    @staticmethod
+    def backward(ctx: Any, upstream: Tensor) -> Any:
+        ctx.replays.backward_all(upstream)
+        return None, None
 
 
 def _check_replay_scales(replay_scales: List[Tensor], upstream: Tensor) -> None:

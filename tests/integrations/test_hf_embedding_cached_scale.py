@@ -1,9 +1,10 @@
 """cached_mnr_forward: the replays must take the scale the caller applies to ``out.loss``.
 
-One process, float64, a tiny encoder: a caller that divides its loss by its accumulation window
-(2) and passes a ``backward`` that divides the replays alike gets the non-cached gradient of
-``loss / 2`` (rtol 1e-10: summation order only); one that leaves the replays at scale 1 gets a
-ValueError from its backward instead of a gradient that weights the mini-batches 2:1.
+One process, float64, a tiny encoder, a caller that divides its loss by its accumulation window
+(2): with the default ``backward=None`` (the replays inside the caller's backward) and with a
+``backward`` that divides the replays alike, it gets the non-cached gradient of ``loss / 2``
+(rtol 1e-10: summation order only); with a ``backward`` that leaves the replays at scale 1 it gets
+a ValueError from its backward instead of a gradient that weights the mini-batches 2:1.
 """
 import pytest
 import torch
@@ -32,13 +33,15 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_replays_scaled_as_the_caller_equal_non_cached():
+@pytest.mark.parametrize("backward", ["default", "scaled"])
+def test_replays_scaled_as_the_caller_equal_non_cached(backward):
     model, batch = _setup()
     (model(**batch).loss / WINDOW).backward()
     ref = _grads(model)
     model.zero_grad(set_to_none=True)
     out = cached_mnr_forward(model, batch, mini_batch_size=MINI,
-                             backward=lambda t: (t / WINDOW).backward())
+                             backward=None if backward == "default"
+                             else lambda t: (t / WINDOW).backward())
     (out.loss / WINDOW).backward()
     for name, g in _grads(model).items():
         torch.testing.assert_close(g, ref[name], rtol=1e-10, atol=1e-14, msg=name)
@@ -46,6 +49,7 @@ def test_replays_scaled_as_the_caller_equal_non_cached():
 
 def test_replays_scaled_otherwise_raise():
     model, batch = _setup()
-    out = cached_mnr_forward(model, batch, mini_batch_size=MINI)  # replays at scale 1
+    out = cached_mnr_forward(model, batch, mini_batch_size=MINI,
+                             backward=lambda t: t.backward())  # replays at scale 1
     with pytest.raises(ValueError, match="scale"):
         (out.loss / WINDOW).backward()

@@ -4,7 +4,12 @@ Single process, float64, the tiny random-init SentenceTransformer of
 test_hf_sentence_transformers.py: loss and every parameter gradient against
 GatheredMultipleNegativesRankingLoss on the same batch (rtol 1e-10 / 1e-8: summation order only),
 for mini-batch sizes that split the batch unevenly, with hard negatives and both directions; and
-the loss value against sentence-transformers' own CachedMultipleNegativesRankingLoss.
+the loss value against sentence-transformers' own CachedMultipleNegativesRankingLoss. The
+caller's loss scale outside a Trainer (the replays run in the caller's backward): ``loss * s``
+back-propagated gives ``s`` times the non-cached gradients (sentence-transformers'
+test_cmnrl.py scaler case, ported; same tolerances), a ``torch.amp.GradScaler`` (2**16) the
+non-cached gradients after ``unscale_``; 2 gloo ranks, gathered, uneven, loss * 0.5: the mean
+gradient over 0.5 is the single-process global batch's (rtol 1e-8).
 
 Under ``deepspeed --num_gpus 2`` (CPU, gloo; the launch this folder's Trainer modules share,
 ``shared_launch_hf`` of tests/helpers/shared_launches.py), SentenceTransformerTrainer, ZeRO-2
@@ -30,10 +35,13 @@ from test_hf_sentence_transformers import (  # noqa: E402
     assert_grads_close,
     batch,
     features,
+    grads,
     load_model,
     loss_and_grads,
     make_model_dir,
 )
+
+from megaloss.testing import run_distributed  # noqa: E402
 
 # Importing sentence-transformers costs ~10 CPU-s (sklearn, transformers' model code): this
 # module is in the slow tier and imports it only when a test runs, so collecting the fast tier
@@ -81,6 +89,85 @@ def test_value_matches_sentence_transformers_cached_mnrl(model_dir):
     loss, g = loss_and_grads(model, ours, columns)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=0)
     assert_grads_close(g, ref_grads)
+
+
+def _scaled_loss_and_grads(model, loss_fn, columns, scale):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(features(model, columns), None) * scale
+    loss.backward()
+    return loss.detach(), grads(model)
+
+
+@pytest.mark.parametrize("scale", [0.5, 1000.0])
+def test_caller_scale_reaches_every_replay(model_dir, scale):
+    """sentence-transformers' tests/sentence_transformer/losses/test_cmnrl.py scaler case, ported:
+    5 triplets, mini-batch 2 (3 replays), the returned loss times ``scale`` back-propagated
+    outside any Trainer: loss and gradients equal sentence-transformers' non-cached
+    MultipleNegativesRankingLoss times ``scale`` (and its own cached loss's), float64, rtol 1e-10
+    on the loss, 1e-8 on the gradients."""
+    from sentence_transformers.sentence_transformer.losses import (
+        CachedMultipleNegativesRankingLoss,
+        MultipleNegativesRankingLoss,
+    )
+    model = load_model(model_dir)
+    columns = batch(5, 1, seed=8)
+    ref_loss, ref_grads = _scaled_loss_and_grads(model, MultipleNegativesRankingLoss(model),
+                                                 columns, scale)
+    st_loss, st_grads = _scaled_loss_and_grads(
+        model, CachedMultipleNegativesRankingLoss(model, mini_batch_size=2), columns, scale)
+    ours = adapter().CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=2)
+    loss, g = _scaled_loss_and_grads(model, ours, columns, scale)
+    for other_loss, other_grads in ((ref_loss, ref_grads), (st_loss, st_grads)):
+        torch.testing.assert_close(loss, other_loss, rtol=1e-10, atol=0)
+        assert_grads_close(g, other_grads)
+
+
+def test_grad_scaler_unscaled_gradients_equal_non_cached(model_dir):
+    """torch.amp.GradScaler (init scale 2**16, CPU): ``scaler.scale(loss).backward()`` then
+    ``unscale_``: the non-cached gathered loss's gradients (float64, rtol 1e-8)."""
+    model = load_model(model_dir)
+    columns = batch(7, 2, seed=9)
+    st = adapter()
+    out = {}
+    for name, loss_fn in (("plain", st.GatheredMultipleNegativesRankingLoss(model)),
+                          ("cached", st.CachedGatheredMultipleNegativesRankingLoss(
+                              model, mini_batch_size=3))):
+        model.zero_grad(set_to_none=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        scaler.scale(loss_fn(features(model, columns), None)).backward()
+        scaler.unscale_(optimizer)
+        out[name] = grads(model)
+    assert_grads_close(out["cached"], out["plain"])
+
+
+def _scaled_rank_grads(rank, world, model_dir, columns, sizes, scale):
+    model = load_model(model_dir)
+    start = sum(sizes[:rank])
+    mine = [c[start:start + sizes[rank]] for c in columns]
+    loss_fn = adapter().CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=2)
+    loss = loss_fn(features(model, mine), None)
+    (loss * scale).backward()
+    return {"loss": loss.detach(), "grads": grads(model)}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_two_ranks_gathered_caller_scale(model_dir):
+    """2 gloo ranks, 5 and 2 triplets (3 replays each, rank 1's padded), the returned loss
+    times 0.5: the ranks' mean gradient over 0.5 is the single-process non-cached gradient of
+    the global batch (float64, rtol 1e-8)."""
+    sizes = [5, 2]
+    columns = batch(sum(sizes), 1, seed=10)
+    model = load_model(model_dir)
+    ref_loss, ref_grads = loss_and_grads(
+        model, adapter().GatheredMultipleNegativesRankingLoss(model), columns)
+    results = run_distributed(_scaled_rank_grads, 2, model_dir, columns, sizes, 0.5,
+                              timeout=140)
+    for r in results:
+        torch.testing.assert_close(r["loss"], ref_loss, rtol=1e-10, atol=0)
+    mean = {n: sum(r["grads"][n] for r in results) / 2 / 0.5 for n in ref_grads}
+    assert_grads_close(mean, ref_grads)
 
 
 def test_conventions_and_errors(model_dir):

@@ -7,13 +7,14 @@ accumulation 2: the
 epoch is a full window of 2 micro-batches and a last window of 1 (the Trainer divides that one's
 loss by 1, not 2). Mini-batch 3: replays of 3 and 1 rows per micro-batch. The parameters after
 the epoch (both updates) equal those of the non-cached loss: ``||u_cached - u|| <= 1e-6 ||u||``
-per parameter (float64; summation order only). Also: a caller whose backward scales the
-returned loss otherwise than the replays gets a ValueError, not a wrong gradient.
+per parameter (float64; summation order only). Also: a caller outside a Trainer that divides
+the returned loss by its window gets the non-cached gradient of ``loss / GAS`` (rtol 1e-8).
 """
 import os
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("datasets")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -78,9 +79,22 @@ def test_trainer_cached_update_equals_non_cached_short_last_window(model_dir, tm
     assert len(ratios) > len(plain) // 2  # the steps did train the model
 
 
-def test_caller_scaling_otherwise_raises(model_dir):
+def test_caller_dividing_by_its_window_outside_a_trainer(model_dir):
+    """A caller of its own (no Trainer on the stack) that divides the returned loss by its
+    window: the replays run in its backward and take that scale, the non-cached gradient of
+    ``loss / GAS`` (rtol 1e-8, float64)."""
     model = load_model(model_dir)
-    loss_fn = adapter().CachedGatheredMultipleNegativesRankingLoss(model, mini_batch_size=MINI)
-    loss = loss_fn(features(model, batch(7, 1, seed=5)), None)  # 3 replays, 2 before returning
-    with pytest.raises(ValueError, match="scale"):
-        (loss / GAS).backward()  # the replays ran at scale 1 (no Trainer): a mismatch
+    feats = features(model, batch(7, 1, seed=5))  # 3 replays
+    st = adapter()
+    out = {}
+    for name, loss_fn in (("plain", st.GatheredMultipleNegativesRankingLoss(model)),
+                          ("cached", st.CachedGatheredMultipleNegativesRankingLoss(
+                              model, mini_batch_size=MINI))):
+        model.zero_grad(set_to_none=True)
+        (loss_fn(feats, None) / GAS).backward()
+        # parameters the loss never reaches (the unused pooler) keep no gradient in either run
+        out[name] = {n: p.grad.clone() for n, p in model.named_parameters()
+                     if p.grad is not None}
+    assert out["cached"].keys() == out["plain"].keys() and out["plain"]
+    for name, g in out["plain"].items():
+        torch.testing.assert_close(out["cached"][name], g, rtol=1e-8, atol=1e-12, msg=name)

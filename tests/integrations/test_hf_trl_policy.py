@@ -3,7 +3,12 @@ uneven completions is counted by the mixin's ``_generate_and_score_completions``
 micro-batches by TRL's own ``split_tensor_dict``, and the mixin's ``_compute_loss`` per
 micro-batch sums to the single-device loss and gradient of the whole batch for every
 ``loss_type``; for ``dapo`` (global in TRL too) it also equals TRL's own ``_compute_loss`` summed
-over the same micro-batches. Tolerance: float64, 1e-12.
+over the same micro-batches. On ONE micro-batch (where TRL's per-micro-batch normaliser is the
+global one) with half the rows fully masked (TRL's ``mask_truncated_completions``), the mixin's
+loss, gradient and metrics equal TRL's own ``_compute_loss`` for ``grpo``, ``dr_grpo``, ``bnpo``,
+``dapo``; ``megaloss_count_empty_rows = False`` equals TRL on the rows with a completion token.
+A plain ``GRPOConfig()`` and ``cispo`` with ``delta`` are accepted; a setting the mixin does not
+reproduce is refused when the trainer is built. Tolerance: float64, 1e-12.
 """
 import collections
 from types import SimpleNamespace
@@ -39,9 +44,10 @@ def _args(loss_type, **kw):
     return SimpleNamespace(**base)
 
 
-def _generation_batch():
+def _generation_batch(lengths=(7, 1, 2, 6, 0, 5)):  # a row without completion: uneven counts
     g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([7, 1, 2, 6, 0, 5])  # a row without completion: uneven counts
+    lengths = torch.tensor(lengths)
+    B = len(lengths)
     mask = (torch.arange(T)[None] < lengths[:, None]).long()
     lp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
     return lp, {
@@ -65,7 +71,8 @@ def _trainer(cls, args, lp, ent, batch):
         loss_type=args.loss_type, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
         beta=args.beta, importance_sampling_level=args.importance_sampling_level,
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False,
-        current_gradient_accumulation_steps=GAS, max_completion_length=T,
+        current_gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_completion_length=args.max_completion_length,
         _entropy_bonus_enabled=args.entropy_coef != 0, entropy_coef=args.entropy_coef,
         use_adaptive_entropy=False)
     trainer._current = None
@@ -110,7 +117,8 @@ def test_micro_batches_give_the_whole_batch_loss(loss_type):
     opts = policy_options_from_grpo_args(args)
     assert opts == PolicyLossOptions(loss_type=loss_type, epsilon_low=0.2,
                                      epsilon_high=args.epsilon_high, beta=0.04,
-                                     entropy_coef=0.01, max_completion_length=T)
+                                     entropy_coef=0.01, max_completion_length=T,
+                                     count_empty_rows=True)
     expected = policy_loss(whole_lp, batch["old_per_token_logps"], batch["advantages"],
                            batch["completion_mask"], ref_log_probs=batch["ref_per_token_logps"],
                            entropy=whole_ent, options=opts, return_stats=True)
@@ -134,3 +142,144 @@ def test_unsupported_settings_are_refused():
         policy_options_from_grpo_args(_args("sapo"))
     with pytest.raises(ValueError, match="use_bias_correction_kl"):
         policy_options_from_grpo_args(_args("grpo", use_bias_correction_kl=True))
+    # without the KL (beta = 0) TRL never reads it
+    assert policy_options_from_grpo_args(_args("grpo", beta=0.0, use_bias_correction_kl=True))
+
+
+# Half the rows fully masked, as TRL's mask_truncated_completions leaves truncated completions.
+MASKED = (7, 0, 2, 0, 5, 0)
+
+
+def _one_micro_batch(cls, compute, args, lengths):
+    """``compute`` (a _compute_loss) on the whole generation batch as ONE micro-batch; returns
+    (loss, log-prob grad, entropy grad, metrics)."""
+    lp0, batch = _generation_batch(lengths)
+    ent0 = batch.pop("_entropy")
+    lp, ent = lp0.clone().requires_grad_(), ent0.clone().requires_grad_()
+    ours = issubclass(cls, MegalossGRPOMixin)
+    if ours:  # TRL's generation stands in: the mixin counts what it returns
+        base = type("_Base", (), {"_generate_and_score_completions": lambda self, i: dict(batch)})
+        cls = type("_Counted", (cls, base), {})
+    trainer = _trainer(cls, args, lp, ent, batch)
+    trainer._current = trainer._generate_and_score_completions(None) if ours else dict(batch)
+    loss = compute(trainer, None, trainer._current)
+    loss.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return float(loss), lp.grad, ent.grad, metrics
+
+
+def _masked_args(loss_type):
+    return _args(loss_type, gradient_accumulation_steps=1, steps_per_generation=1,
+                 max_completion_length=9, delta=1.5 if loss_type == "dapo" else None)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "bnpo", "dapo"])
+def test_one_micro_batch_with_masked_rows_equals_trl(loss_type):
+    """TRL's grpo averages over every row and its dr_grpo divides by B x max_completion_length:
+    the mixin counts the masked rows too (before: the rows with a completion token, 2.0 x TRL's
+    grpo / dr_grpo policy term here)."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    args = _masked_args(loss_type)
+    ours = _one_micro_batch(type("Ours", (MegalossGRPOMixin,), {}),
+                            MegalossGRPOMixin._compute_loss, args, MASKED)
+    theirs = _one_micro_batch(type("T", (GRPOTrainer,), {}), GRPOTrainer._compute_loss, args,
+                              MASKED)
+    assert abs(ours[0] - theirs[0]) <= TOL * max(1.0, abs(theirs[0])), (ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1], rtol=TOL, atol=TOL)
+    torch.testing.assert_close(ours[2], theirs[2], rtol=TOL, atol=TOL)
+    for name in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                 "clip_ratio/region_mean"):
+        # TRL's clip ratios are float32 means (is_low_clipped.float()), the others float64
+        tol = 1e-7 if name.startswith("clip_ratio") else TOL
+        assert abs(ours[3][name] - theirs[3][name]) <= tol, name
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "bnpo", "dapo"])
+def test_count_empty_rows_false_is_trl_on_the_rows_with_completions(loss_type):
+    """``megaloss_count_empty_rows = False``: masked rows count nothing, the loss is TRL's on the
+    generation batch without them."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    args = _masked_args(loss_type)
+    skip = type("Ours", (MegalossGRPOMixin,), {"megaloss_count_empty_rows": False})
+    ours = _one_micro_batch(skip, MegalossGRPOMixin._compute_loss, args, MASKED)
+    lp0, batch = _generation_batch(MASKED)  # TRL on the same batch's rows with a completion
+    ent0 = batch.pop("_entropy")
+    rows = batch["completion_mask"].any(-1)
+    sub = {k: v[rows] if v.dim() else v for k, v in batch.items()}
+    lp, ent = lp0[rows].clone().requires_grad_(), ent0[rows].clone().requires_grad_()
+    trainer = _trainer(type("T", (GRPOTrainer,), {}), args, lp, ent, sub)
+    trainer._current = sub
+    theirs = float(GRPOTrainer._compute_loss(trainer, None, sub))
+    assert abs(ours[0] - theirs) <= TOL * max(1.0, abs(theirs)), (ours[0], theirs)
+    counted = _one_micro_batch(type("Ours", (MegalossGRPOMixin,), {}),
+                               MegalossGRPOMixin._compute_loss, args, MASKED)
+    assert (abs(ours[0] - counted[0]) > 1e-6) == (loss_type in ("grpo", "dr_grpo"))
+
+
+def _grpo_config(tmp_path, **kw):
+    from trl import GRPOConfig
+    # use_cpu: TRL's GRPOConfig defaults bf16=True, which transformers refuses without a GPU
+    return GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kw)
+
+
+def test_plain_grpo_config_and_cispo_delta_are_accepted(tmp_path):
+    """TRL 1.16's GRPOConfig() defaults use_bias_correction_kl=True, which TRL reads only when
+    beta != 0 (default 0); cispo ignores delta in TRL."""
+    plain = _grpo_config(tmp_path)
+    assert plain.use_bias_correction_kl and plain.beta == 0.0  # the defaults this is about
+    opts = policy_options_from_grpo_args(plain)
+    assert (opts.loss_type, opts.beta, opts.count_empty_rows) == (plain.loss_type, 0.0, True)
+    cispo = policy_options_from_grpo_args(_grpo_config(tmp_path, loss_type="cispo",
+                                                       epsilon_high=5.0, delta=1.5))
+    assert (cispo.loss_type, cispo.epsilon_high, cispo.delta) == ("cispo", 5.0, 1.5)
+    with pytest.raises(ValueError, match="use_bias_correction_kl"):
+        policy_options_from_grpo_args(_grpo_config(tmp_path, beta=0.04))
+    assert policy_options_from_grpo_args(
+        _grpo_config(tmp_path, beta=0.04, use_bias_correction_kl=False)).beta == 0.04
+
+
+def _tiny_grpo_parts():
+    """A 1-layer Llama, a word-level tokenizer and a prompt dataset, all built offline."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<eos>": 1, "a": 2, "b": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                        eos_token="<eos>")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=4, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        pad_token_id=0, eos_token_id=1))
+    data = Dataset.from_dict({"prompt": ["a b"] * 8})
+    return dict(model=model, processing_class=tokenizer, train_dataset=data,
+                reward_funcs=lambda completions, **kw: [0.0] * len(completions))
+
+
+def test_refused_when_the_trainer_is_built(tmp_path):
+    """A setting the mixin does not reproduce fails in GRPOTrainer construction, before any
+    generation (it used to fail at the first loss, after a generation batch); a plain config
+    builds."""
+    from trl import GRPOTrainer
+
+    generated = []
+
+    class _Spy(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            generated.append(1)
+            return super()._generate_and_score_completions(inputs)
+
+    class _Ours(MegalossGRPOMixin, _Spy):
+        pass
+
+    small = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
+    trainer = _Ours(args=_grpo_config(tmp_path, **small), **_tiny_grpo_parts())
+    assert trainer._megaloss_options().count_empty_rows
+    for bad, match in [(dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
+                       (dict(beta=0.04), "use_bias_correction_kl"),
+                       (dict(loss_type="sapo"), "supports")]:
+        with pytest.raises(ValueError, match=match):
+            _Ours(args=_grpo_config(tmp_path, **small, **bad), **_tiny_grpo_parts())
+    assert not generated

@@ -6,6 +6,13 @@ one backward: float64, equal to 1e-12. Without restoring the RNG state for the r
 dropout masks would differ and the gradients with them (the dropout case pins that down).
 Distributed: 3 gloo ranks with 5, 2 and 0 rows (uneven replay counts, an empty rank), gradients
 averaged as DDP / ZeRO do, against the float64 single-process global batch (1e-10).
+
+The caller's loss scale (the replays run in the caller's backward, scaled by its upstream
+gradient): ``(surrogate * s).backward()`` gives ``s`` times the reference gradients (1e-12), a
+``torch.amp.GradScaler`` (2**16) the reference gradients after ``unscale_`` (1e-12); CPU bf16
+autocast around the forward only: the replays rerun under it (the gradients of replays run in the
+forward, rtol 1e-6); 2 gloo ranks, gathered, scale 0.5 and DDP with 2**16: the float64
+single-process gradients after unscaling (1e-10).
 """
 import pytest
 import torch
@@ -164,8 +171,161 @@ def test_uneven_and_empty_ranks_match_global_batch():
     ref = _loss(_columns(enc, _global_batch()), 0.1)
     ref.backward()
     for rank, (loss, replays, inner, grads) in enumerate(results):
-        assert loss == pytest.approx(float(ref), abs=1e-12)
+        assert loss == pytest.approx(float(ref.detach()), abs=1e-12)
         assert (replays, inner) == (3, 2)  # ceil(5 / 2) on every rank, the last one by the caller
         for name, p in enc.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12,
                                        msg=f"rank {rank} {name}")
+
+
+# the caller's loss scale (an accumulation window, a GradScaler) ------------------------------
+def _scaled_loss(columns, temperature, group=None):
+    return mnr_loss(columns[0], columns[1], columns[2], temperature=temperature, symmetric=True,
+                    gather_across_ranks=group is not None, group=group)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_caller_scale_reaches_every_replay(scale):
+    """``(surrogate * s).backward()`` (a window's ``1 / G``, any factor): ``s`` times the
+    non-cached gradients, the learnable temperature's included (1e-12, as above)."""
+    torch.manual_seed(0)
+    enc = _Encoder(dropout=0.3).double()
+    log_t = torch.tensor(-2.0, dtype=torch.float64, requires_grad=True)
+    mini = split_rows(_batch(7), 3)  # 3 replays
+    torch.manual_seed(11)
+    cols = [_columns(enc, m) for m in mini]
+    (_scaled_loss([torch.cat(c) for c in zip(*cols)], log_t.exp()) * scale).backward()
+    ref = {n: p.grad.clone() for n, p in enc.named_parameters()}
+    ref_t = log_t.grad.clone()
+    enc.zero_grad()
+    log_t.grad = None
+
+    torch.manual_seed(11)
+    step = grad_cache(lambda m: _columns(enc, m), mini,
+                      lambda c: _scaled_loss(c, log_t.exp()), loss_parameters=[log_t])
+    assert all(p.grad is None for p in enc.parameters())  # every replay waits for the backward
+    (step.surrogate * scale).backward()
+    for name, p in enc.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name], rtol=1e-12, atol=1e-13, msg=name)
+    torch.testing.assert_close(log_t.grad, ref_t, rtol=1e-12, atol=1e-13)
+
+
+def test_grad_scaler_trains_like_the_non_cached_loss():
+    """torch.amp.GradScaler (init scale 2**16): ``scaler.scale(surrogate).backward()`` then
+    ``unscale_``: the non-cached gradients (float64, 1e-12), and the step is taken."""
+    def run(cached):
+        torch.manual_seed(0)
+        enc = _Encoder(dropout=0.0).double()
+        opt = torch.optim.SGD(enc.parameters(), lr=1.0)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        batch = _batch(7)
+        if cached:
+            loss = grad_cache(lambda m: _columns(enc, m), split_rows(batch, 2),
+                              lambda c: _scaled_loss(c, 0.1)).surrogate
+        else:
+            loss = _scaled_loss(_columns(enc, batch), 0.1)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        grads = {n: p.grad.clone() for n, p in enc.named_parameters()}
+        scaler.step(opt)
+        scaler.update()
+        return grads, {n: p.detach().clone() for n, p in enc.named_parameters()}
+
+    ref_grads, ref_after = run(cached=False)
+    grads, after = run(cached=True)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-12, atol=1e-13,
+                                   msg=name)
+        torch.testing.assert_close(after[name], ref_after[name], rtol=1e-12, atol=1e-13,
+                                   msg=name)
+
+
+def test_replays_in_backward_run_under_the_forward_autocast():
+    """CPU autocast (bf16) around the forward, the backward outside it, loss * 0.5: the replays
+    run in bf16 as the first pass did, so the gradients equal those of replays run inside the
+    forward with a matching ``backward`` (rtol 1e-6: the same bf16 ops; fp32 replays would differ
+    at bf16's resolution, ~1e-2), and the non-cached bf16 run's (5e-2 / 5e-3, bf16)."""
+    def run(mode):
+        torch.manual_seed(0)
+        enc = _Encoder(dropout=0.0)
+        batch = _batch(6)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if mode == "plain":
+                loss = _scaled_loss(_columns(enc, batch), 0.05)
+            else:
+                eager = (lambda t: (t * 0.5).backward()) if mode == "eager" else None
+                loss = grad_cache(lambda m: _columns(enc, m), split_rows(batch, 4),
+                                  lambda c: _scaled_loss(c, 0.05), backward=eager).surrogate
+        (loss * 0.5).backward()
+        return {n: p.grad.clone() for n, p in enc.named_parameters()}
+
+    plain, eager, in_backward = run("plain"), run("eager"), run("in_backward")
+    for name in plain:
+        torch.testing.assert_close(in_backward[name], eager[name], rtol=1e-6, atol=1e-8,
+                                   msg=name)
+        torch.testing.assert_close(in_backward[name], plain[name], rtol=5e-2, atol=5e-3,
+                                   msg=name)
+
+
+SCALED_SIZES = (5, 2)  # mini-batch 2: 3 replays on both ranks, rank 1 re-runs its last one twice
+
+
+class _ColumnsModule(torch.nn.Module):
+    """The encoder's three columns in one forward, so DDP sees one forward per backward."""
+
+    def __init__(self, enc):
+        super().__init__()
+        self.enc = enc
+
+    def forward(self, mini):
+        return _columns(self.enc, mini)
+
+
+def _scaled_worker(rank, world):
+    import torch.distributed as dist
+
+    full = _batch(sum(SCALED_SIZES), seed=5)
+    lo = sum(SCALED_SIZES[:rank])
+    mine = {k: v[lo:lo + SCALED_SIZES[rank]] for k, v in full.items()}
+    out = {}
+    # plain: the ranks' gradients averaged by hand (what DDP / ZeRO do), loss * 0.5; DDP: its own
+    # averaging inside the replays' backward, a GradScaler-style 2**16 then unscaled
+    for mode, scale in (("plain", 0.5), ("ddp", 2.0 ** 16)):
+        torch.manual_seed(0)
+        enc = _Encoder(dropout=0.0).double()
+        model = _ColumnsModule(enc)
+        if mode == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        step = grad_cache(model, split_rows(mine, 2),
+                          lambda c: _scaled_loss(c, 0.1, group=dist.group.WORLD),
+                          group=dist.group.WORLD)
+        (step.surrogate * scale).backward()
+        grads = {}
+        for n, p in enc.named_parameters():
+            g = p.grad.clone()
+            if mode == "plain":
+                dist.all_reduce(g)
+                g /= world
+            grads[n] = g / scale
+        out[mode] = (float(step.loss), step.num_replays, grads)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_two_ranks_gathered_caller_scale_and_ddp():
+    """2 gloo ranks, 5 and 2 rows, the gathered loss; the caller scales the returned loss by 0.5
+    (gradients averaged by hand) and, under DDP, by 2**16: after unscaling, the float64
+    single-process gradients of the global batch (1e-10)."""
+    results = run_distributed(_scaled_worker, 2, timeout=100)
+    torch.manual_seed(0)
+    enc = _Encoder(dropout=0.0).double()
+    ref = _scaled_loss(_columns(enc, _batch(sum(SCALED_SIZES), seed=5)), 0.1)
+    ref.backward()
+    for rank, res in enumerate(results):
+        for mode, (loss, replays, grads) in res.items():
+            assert loss == pytest.approx(float(ref.detach()), abs=1e-12)
+            assert replays == 3
+            for name, p in enc.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12,
+                                           msg=f"rank {rank} {mode} {name}")

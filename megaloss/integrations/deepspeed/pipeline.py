@@ -113,6 +113,40 @@ def _agree(bad: bool) -> bool:
     return float(all_reduce_max_(flag, None)[0]) > 0
 
 
+def _checkpointing_config(pipe: Dict[str, Any], interval: int) -> int:
+    """The activation-checkpoint interval the engine will use, with ``pipe`` (the ds_config's
+    ``"pipeline"`` section) given ``use_reentrant: false`` when it is > 0 and the key is unset.
+
+    Why: the first stage's input is the micro-batch's token ids (integers). DeepSpeed 0.19.8's
+    reentrant checkpoint (``runtime/activation_checkpointing/checkpointing.py``, a
+    ``torch.autograd.Function``) only back-propagates into a block whose inputs require grad,
+    and the pipeline engine sets ``requires_grad`` on floating first-stage inputs only
+    (``PipelineEngine._exec_load_micro_batch``, ``runtime/pipe/engine.py``), so a checkpointed
+    block holding the embedding outputs a tensor without grad ("element 0 of tensors does not
+    require grad" in ``backward``). The non-reentrant checkpoint has no such limit; the engine
+    switches the module to it when ``use_reentrant`` is false (``PipelineEngine.__init__``).
+    """
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise ValueError(f"activation_checkpoint_interval must be an int >= 0, got {interval!r}")
+    # DeepSpeed's engine overrides the module's interval with a positive configured one
+    configured = int(pipe.get("activation_checkpoint_interval", 0) or 0)
+    interval = configured if configured > 0 else interval
+    if interval > 0 and pipe.get("use_reentrant") is None:
+        pipe["use_reentrant"] = False
+    return interval
+
+
+def _first_block_checkpointed(funcs: Sequence[Any], interval: int) -> bool:
+    """Whether ``PipelineModule.forward`` checkpoints the block ``funcs[:interval]``: with no
+    ``checkpointable_layers``, a block is checkpointed when one of its modules has parameters
+    (``PipelineModule._is_checkpointable``, DeepSpeed 0.19.8 ``runtime/pipe/module.py``; a
+    ``TiedLayerSpec``'s ``forward_fn`` is a function, not a module, and counts for none)."""
+    if interval <= 0:
+        return False
+    return any(isinstance(f, torch.nn.Module) and any(True for _ in f.parameters())
+               for f in funcs[:interval])
+
+
 def initialize_pipeline(layers: Sequence[Any], ds_config: Union[str, os.PathLike,
                                                                 Mapping[str, Any]], *,
                         layout: PipelineLayout, optimizer: Any = None,
@@ -143,12 +177,20 @@ def initialize_pipeline(layers: Sequence[Any], ds_config: Union[str, os.PathLike
         output_dir: where monitors without an ``output_path`` write (``<output_dir>/monitor``).
         partition_method: ``PipelineModule``'s (``"uniform"``: the same number of layers per
             stage; ``"parameters"`` builds every layer on every rank to count).
-        activation_checkpoint_interval: ``PipelineModule``'s.
+        activation_checkpoint_interval: ``PipelineModule``'s: recompute the activations of
+            every block of this many layers in the backward (0: none; a positive
+            ``pipeline.activation_checkpoint_interval`` of the ds_config wins, as in DeepSpeed).
+            With checkpointing on, ``pipeline.use_reentrant`` defaults to false here: DeepSpeed's
+            default (true, its reentrant checkpoint) back-propagates into no checkpointed block
+            whose input is the first stage's token ids.
         ignore_index: label without loss.
 
     Raises:
         ValueError: a ZeRO stage other than 0 / 1, sizes that differ from ``layout``, sequence
-            parallelism, or the engine's groups not those of ``layout``.
+            parallelism, or the engine's groups not those of ``layout``; a negative
+            ``activation_checkpoint_interval``; ``pipeline.use_reentrant`` true while the
+            first stage's first checkpointed block holds parameters (the token ids cannot
+            require grad: that block would get no gradient).
         TypeError: ``layout`` not a PipelineLayout; ``optimizer`` neither None nor callable;
             the last layer not a CrossEntropyHeadStage.
         EngineScaleError: see :func:`probe_pipeline`.
@@ -181,12 +223,22 @@ def initialize_pipeline(layers: Sequence[Any], ds_config: Union[str, os.PathLike
     pipe = cfg.setdefault("pipeline", {})
     pipe.setdefault("pipe_partitioned", False)
     pipe.setdefault("grad_partitioned", False)
+    interval = _checkpointing_config(pipe, activation_checkpoint_interval)
     # no_grad: PipelineModule broadcasts tied weights (TiedLayerSpec) in place, and a c10d
     # broadcast recorded by autograd warns at every backward
     with torch.no_grad():
         module = PipelineModule(layers=list(layers), topology=layout.process_topology,
                                 partition_method=partition_method,
-                                activation_checkpoint_interval=activation_checkpoint_interval)
+                                activation_checkpoint_interval=interval)
+    # the same config on every rank: the collective only when the answer can be yes
+    if interval > 0 and pipe.get("use_reentrant") is True and _agree(
+            layout.stage_id == 0 and _first_block_checkpointed(module.forward_funcs, interval)):
+        raise ValueError(
+            f"ds_config pipeline.use_reentrant=true with activation_checkpoint_interval="
+            f"{interval}: the first stage's first block of layers holds parameters and takes "
+            "the token ids, which DeepSpeed's reentrant checkpoint cannot make require grad, so "
+            "that block would get no gradient; set pipeline.use_reentrant to false (the default "
+            "here when checkpointing) or the interval to 0")
     grid = module.mpu()
     mine = grid_topology(grid)
     groups_differ = any(group_ranks(getattr(mine, g)) != group_ranks(getattr(topo, g))

@@ -20,8 +20,14 @@ The module may instead return a :class:`megaloss.DistillationOutput` (e.g.
 step, and the metrics add the global calibrated divergence, the hard-label CE and the
 teacher-student top-1 agreement. Micro-batches may carry a stored top-k teacher
 (``teacher_topk_ids`` / ``teacher_topk_log_probs``, ``[B, T, k]``), passed to the module.
+Under sequence parallelism each SP rank forwards its slice of the tokens (and of the top-k
+teacher); a teacher module attends over the whole sequence through Ulysses as the student does
+(:func:`megaloss.integrations.hf.ulysses.enable_ulysses_attention` with ``teacher=``). The
+divergence is per token, so the calibrated sums over ``dp x sp`` are the one-device loss.
 
-The only host syncs are at the boundary, for logging.
+Before the step's first collective every rank checks its micro-batches, and an all-gather of a
+failure flag over the ``dp x sp`` and the TP group lets all raise the same error
+(:mod:`.step_checks`); the other host syncs are at the boundary, for logging.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from ...parallel.param_tags import is_tensor_parallel
 from ...parallel.topology import Topology
 from .engine import MegalossEngine
 from .monitor import write_metrics
+from .step_checks import agreed_checks, check_count, check_lm_micro_batch
 
 __all__ = ["StepMetrics", "EvalResult", "train_step", "evaluate", "peak_memory_mib"]
 
@@ -146,16 +153,42 @@ def _model_inputs(mb: Mapping[str, Any], topology: Topology) -> Dict[str, Any]:
                 if mb.get(k) is not None})
     if topology.sp_size == 1:
         return out
-    if any(k in out for k in _TOPK_KEYS):
-        raise ValueError("a top-k teacher (teacher_topk_ids / teacher_topk_log_probs) with "
-                         "sequence parallelism (sp > 1) is not supported")
     ids = out["input_ids"]
     pos = out.get("position_ids")
     if pos is None:
         pos = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
     sp, rank = topology.sp_size, topology.sp_rank
-    return {"input_ids": split_for_sequence_parallel(ids, rank, sp, 0),
-            "position_ids": split_for_sequence_parallel(pos, rank, sp, 0)}
+    sliced = {"input_ids": split_for_sequence_parallel(ids, rank, sp, 0),
+              "position_ids": split_for_sequence_parallel(pos, rank, sp, 0)}
+    for k in _TOPK_KEYS:  # [B, T, k]: the slice along T, padded with a copy of the last place
+        if k in out:
+            sliced[k] = _edge_split(out[k], rank, sp)
+    return sliced
+
+
+def _edge_split(x: torch.Tensor, rank: int, sp: int) -> torch.Tensor:
+    """SP rank ``rank``'s slice of ``x [B, T, ...]`` along ``T`` as
+    :func:`~megaloss.calibration.split_for_sequence_parallel` cuts it, the padding a copy of the
+    last position (a valid top-k teacher there, whose label is ``ignore_index``: weight 0)."""
+    length = x.shape[1]
+    pad = -(-length // sp) * sp - length
+    if pad and length:
+        x = torch.cat([x, x[:, -1:].expand(-1, pad, *x.shape[2:])], dim=1)
+    return split_for_sequence_parallel(x, rank, sp, 0, dim=1)
+
+
+def _check_sp_teacher(me: MegalossEngine) -> None:
+    """Distillation under sequence parallelism: a teacher *module* must attend over the whole
+    sequence too, i.e. its attention routed through Ulysses by
+    :func:`megaloss.integrations.hf.ulysses.enable_ulysses_attention` (``teacher=``)."""
+    teacher = getattr(getattr(me.engine, "module", None), "teacher", None)
+    if me.topology.sp_size == 1 or teacher is None:
+        return
+    if getattr(teacher, "_megaloss_ulysses_sp", None) != me.topology.sp_size:
+        raise ValueError("distillation under sequence parallelism (sp > 1) needs the teacher's "
+                         "attention over the whole sequence: pass teacher=<the teacher> to "
+                         "megaloss.integrations.hf.ulysses.enable_ulysses_attention (else it "
+                         "would see only this rank's slice)")
 
 
 _TOPK_KEYS = ("teacher_topk_ids", "teacher_topk_log_probs")
@@ -191,14 +224,26 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
 
     Raises:
         ValueError: the number of micro-batches differs from the engine's accumulation steps;
-            a distillation module under sequence parallelism (its teacher would see only this
-            rank's slice of each sequence).
+            a micro-batch without ``labels`` / ``shift_labels``, or with targets,
+            ``position_ids`` or a top-k teacher of another shape than ``input_ids``; a
+            distillation module under sequence parallelism whose teacher module was not given
+            to :func:`megaloss.integrations.hf.ulysses.enable_ulysses_attention` (it would see
+            only this rank's slice). The
+            micro-batch checks are agreed on by every rank before the step's first collective
+            (:mod:`.step_checks`): the same error on every rank, naming the failed ranks.
+        TypeError: non-integer ``input_ids`` / targets / top-k ids, non-floating top-k
+            log-probs (agreed on likewise).
     """
     engine = me.engine
     gas = int(engine.gradient_accumulation_steps())
-    if len(micro_batches) != gas:
-        raise ValueError(f"micro_batches must hold gradient_accumulation_steps={gas} entries, got "
-                         f"{len(micro_batches)}")
+
+    def checks() -> None:  # agreed on by every rank before the calibration's all-reduce
+        check_count(micro_batches, gas)
+        _check_sp_teacher(me)
+        for i, mb in enumerate(micro_batches):
+            check_lm_micro_batch(i, mb, sp_size=me.topology.sp_size)
+
+    agreed_checks(checks, me.topology)
     t0 = time.perf_counter()
     device = engine.device
     mbs = [batch_to_device(mb, device) for mb in micro_batches]
@@ -213,9 +258,6 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
         out = engine(inputs.pop("input_ids"), shift_labels=step.local_labels(i),
                      loss_weights=step.weights(i), **inputs)
         if isinstance(out, DistillationOutput):
-            if me.topology.sp_size > 1:  # same module on every rank: all raise here
-                raise ValueError("distillation under sequence parallelism (sp > 1) is not "
-                                 "supported: the teacher would see only this rank's slice")
             sums = _distillation_sums(out)
             kd_local = sums if kd_local is None else kd_local + sums
         else:

@@ -13,6 +13,20 @@ Why the loss lives *inside* this module's forward (measured on DeepSpeed 0.19.8;
 
 So ``engine(input_ids=..., labels=..., loss_weights=...)`` returns the loss itself.
 
+The same design covers PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``, see
+``torch/distributed/fsdp/_fully_shard/_fully_shard.py``): a parameter is a ``Shard(0)`` DTensor
+except inside the forward / backward of its FSDP unit, whose hooks unshard it (in the
+``MixedPrecisionPolicy``'s ``param_dtype``) and reduce-scatter its gradient. Because the loss is
+the head module's own ``forward`` (called as a module, never ``head.weight`` read from outside),
+the head may sit in the root unit (``fully_shard`` per decoder layer, then on the wrapper) or be
+its own unit (``fully_shard(wrapper.model.lm_head)``), with ``reshard_after_forward`` either
+way and tied embeddings in the root: no ``register_fsdp_forward_method`` is needed. Apply
+``fully_shard`` *after* wrapping: a model already sharded is refused
+(:func:`refuse_fully_sharded`), and a DTensor weight handed to the loss functions directly raises
+a TypeError naming the fix (``megaloss/ops/validation.py``). FSDP2 averages gradients over its
+ranks (the data-parallel mean), so with ``reduction="sum"`` the step's gradient is that of the
+global sum divided by the world size.
+
 Label convention: Hugging Face's. ``labels`` are *unshifted* (usually ``labels = input_ids``,
 ``-100`` where no loss) and shifted inside (:func:`causal_shift`), as ``*ForCausalLM(labels=...)``
 does; already shifted targets go through ``shift_labels=`` (the name recent ``transformers``
@@ -31,7 +45,9 @@ from ...losses.vocab_parallel_embedding import VocabParallelEmbedding
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.labels import causal_shift
 from ...ops.options import CrossEntropyOptions
+from ...ops.validation import is_dtensor
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_size
+from .head_config import config_logit_softcapping, resolve_softcapping
 
 __all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "HF_MODEL_API", "causal_shift"]
 
@@ -83,7 +99,26 @@ def linear_lm_head(model: nn.Module) -> nn.Linear:
     if not isinstance(lm_head, nn.Linear):
         raise TypeError(f"model's output embedding must be an nn.Linear, got "
                         f"{type(lm_head).__name__}")
+    refuse_fully_sharded(model, "model")
     return lm_head
+
+
+def refuse_fully_sharded(model: nn.Module, what: str) -> None:
+    """Refuse a ``model`` already under FSDP2's ``fully_shard`` (a DTensor parameter): a loss
+    wrapper calls ``model.base_model`` and its new head directly, so the hooks of a
+    ``fully_shard(model)`` or ``fully_shard(model.lm_head)`` applied *before* wrapping never run
+    and those parameters would reach the decoder and the loss as shards.
+
+    Raises:
+        ValueError: a parameter of ``model`` is a DTensor.
+    """
+    name = next((n for n, p in model.named_parameters() if is_dtensor(p)), None)
+    if name is not None:
+        raise ValueError(
+            f"{what} is already sharded by FSDP2's fully_shard ({name} is a DTensor): wrap it "
+            "first, then apply fully_shard to the wrapper's modules (each decoder layer, "
+            "optionally the wrapper's lm_head head module, then the wrapper itself as the root), "
+            "so the loss runs inside an FSDP-managed forward")
 
 
 def wrapper_options(options, cls: type):
@@ -158,62 +193,37 @@ HF_MODEL_API = frozenset({
 })
 
 
-class CausalLMWithLoss(nn.Module):
-    """Wrap a ``transformers`` ``*ForCausalLM``: forward = decoder + fused CE, no logits.
+class HeadWrapper(nn.Module):
+    """What the Hugging Face loss wrappers share (:class:`CausalLMWithLoss`,
+    :class:`~megaloss.integrations.hf.causal_lm_log_probs.CausalLMWithLogProbs`): the model's own
+    final soft-cap in the options, its ``nn.Linear`` lm_head replaced in place by a loss head
+    (vocab-parallel at TP > 1, a tied input embedding moved onto the head's shard), the
+    Hugging Face model API and :meth:`save_pretrained` forwarded to the wrapped model."""
 
-    The decoder is ``model.base_model`` (``model.model`` for Llama, Qwen, Mistral...); the lm_head
-    is ``model.get_output_embeddings()``, replaced in place by the loss head (so
-    ``model.lm_head`` is the head afterwards; the wrapper owns ``model``).
-
-    Args:
-        model: a ``PreTrainedModel`` with a base model and an ``nn.Linear`` output embedding.
-        options: the CE options (:class:`~megaloss.ops.options.CrossEntropyOptions`, e.g.
-            ``MegalossConfig.ce.options()`` from a ds_config); default options when ``None``,
-            with ``reduction="sum"`` unless given (the calibrated training step weights tokens
-            itself; ``"mean"`` gives the plain token mean of the micro-batch).
-        tp_group: tensor-parallel group (``Topology.tp_group``); default
-            :data:`~megaloss.parallel.SINGLE_RANK` (no tensor parallelism); ``None`` is torch's
-            default group. With size > 1 the lm_head is split over the vocabulary
-            (:class:`megaloss.VocabParallelLMHead`, rows of the original weight copied, parameters
-            tagged ``tensor_model_parallel``); the decoder stays replicated and gets the full
-            hidden-state gradient on every TP rank.
-
-    The Hugging Face model API the Trainer and PEFT call (:data:`HF_MODEL_API`: ``config``,
-    ``generation_config``, gradient / activation checkpointing, ``get_input_embeddings``,
-    ``enable_input_require_grads``, ...) and :meth:`save_pretrained` reach the wrapped model,
-    so ``TrainingArguments(gradient_checkpointing=True)`` checkpoints its decoder layers.
-
-    Raises:
-        TypeError: ``model`` has no base model or no ``nn.Linear`` output embedding.
-        TypeError: TP > 1 with a tied input embedding that is neither an ``nn.Embedding`` nor
-            one with an ``embed_scale`` (Gemma 3's scaled embedding): its forward is unknown.
-
-    Tied embeddings (``tie_word_embeddings=True``: Llama 3.2, Qwen2.5 up to 7B, Gemma). At TP 1
-    the head keeps the embedding's Parameter. At TP > 1 the input embedding is replaced by a
-    :class:`megaloss.VocabParallelEmbedding` on the head's own shard (Megatron's vocab-parallel
-    lookup: zeros outside the shard, one all-reduce), so the shard's gradient is the sum of both
-    uses, as for the unsharded tied weight; ``padding_idx`` and ``embed_scale`` are kept.
-    """
-
-    def __init__(self, model: nn.Module, *, options: Optional[CrossEntropyOptions] = None,
-                 tp_group: GroupLike = SINGLE_RANK) -> None:
-        super().__init__()
-        lm_head = linear_lm_head(model)
-        self.options = wrapper_options(options, CrossEntropyOptions)
+    def _install_head(self, model: nn.Module, lm_head: nn.Linear, options, tp_group: GroupLike,
+                      local_head, parallel_head) -> None:
+        """Set ``options`` (the config's soft-cap resolved), ``ignore_index``, ``tp_size``,
+        ``tied``, ``vocab_size`` and ``model``, whose output embedding becomes
+        ``local_head(lm_head)`` (TP 1) or ``parallel_head(hidden_size, vocab_size, tp_group=,
+        bias=, dtype=, device=)`` loaded with the full weight's rows (TP > 1); both may read
+        ``self.options``."""
+        cap = resolve_softcapping(options.logit_softcapping, config_logit_softcapping(model),
+                                  "logit_softcapping")
+        self.options = options.replace(logit_softcapping=cap)
         self.ignore_index = self.options.ignore_index
         self.tp_size = group_size(tp_group)
         vocab_size, hidden_size = lm_head.weight.shape
         self.tied = _is_tied(model, lm_head)
         if self.tp_size > 1:
-            head: nn.Module = _VocabParallelHead(
+            head: nn.Module = parallel_head(
                 hidden_size, vocab_size, tp_group=tp_group, bias=lm_head.bias is not None,
-                dtype=lm_head.weight.dtype, device=lm_head.weight.device, options=self.options)
+                dtype=lm_head.weight.dtype, device=lm_head.weight.device)
             head.load_full_weight(lm_head.weight.detach(),
                                   None if lm_head.bias is None else lm_head.bias.detach())
             if self.tied:
                 model.set_input_embeddings(_tied_embedding(model.get_input_embeddings(), head))
         else:
-            head = LinearCrossEntropyHead(lm_head, self.options)
+            head = local_head(lm_head)
         model.set_output_embeddings(head)
         self.model = model
         self.vocab_size = vocab_size
@@ -250,6 +260,59 @@ class CausalLMWithLoss(nn.Module):
     @property
     def head(self) -> nn.Module:
         return self.model.get_output_embeddings()
+
+
+class CausalLMWithLoss(HeadWrapper):
+    """Wrap a ``transformers`` ``*ForCausalLM``: forward = decoder + fused CE, no logits.
+
+    The decoder is ``model.base_model`` (``model.model`` for Llama, Qwen, Mistral...); the lm_head
+    is ``model.get_output_embeddings()``, replaced in place by the loss head (so
+    ``model.lm_head`` is the head afterwards; the wrapper owns ``model``).
+
+    Args:
+        model: a ``PreTrainedModel`` with a base model and an ``nn.Linear`` output embedding.
+        options: the CE options (:class:`~megaloss.ops.options.CrossEntropyOptions`, e.g.
+            ``MegalossConfig.ce.options()`` from a ds_config); default options when ``None``,
+            with ``reduction="sum"`` unless given (the calibrated training step weights tokens
+            itself; ``"mean"`` gives the plain token mean of the micro-batch). Their
+            ``logit_softcapping``, when ``None``, becomes the model's own final soft-cap
+            (Gemma 2's ``config.final_logit_softcapping``, :mod:`.head_config`), so the loss is
+            the one ``model(input_ids, labels=...)`` computes.
+        tp_group: tensor-parallel group (``Topology.tp_group``); default
+            :data:`~megaloss.parallel.SINGLE_RANK` (no tensor parallelism); ``None`` is torch's
+            default group. With size > 1 the lm_head is split over the vocabulary
+            (:class:`megaloss.VocabParallelLMHead`, rows of the original weight copied, parameters
+            tagged ``tensor_model_parallel``); the decoder stays replicated and gets the full
+            hidden-state gradient on every TP rank.
+
+    The Hugging Face model API the Trainer and PEFT call (:data:`HF_MODEL_API`: ``config``,
+    ``generation_config``, gradient / activation checkpointing, ``get_input_embeddings``,
+    ``enable_input_require_grads``, ...) and :meth:`save_pretrained` reach the wrapped model,
+    so ``TrainingArguments(gradient_checkpointing=True)`` checkpoints its decoder layers.
+
+    Raises:
+        TypeError: ``model`` has no base model or no ``nn.Linear`` output embedding.
+        ValueError: the model's config scales its logits (Cohere's ``logit_scale``, Granite's
+            ``logits_scaling``), which the loss cannot reproduce; ``options.logit_softcapping``
+            set and different from the model's own soft-cap.
+        TypeError: TP > 1 with a tied input embedding that is neither an ``nn.Embedding`` nor
+            one with an ``embed_scale`` (Gemma 3's scaled embedding): its forward is unknown.
+
+    Tied embeddings (``tie_word_embeddings=True``: Llama 3.2, Qwen2.5 up to 7B, Gemma). At TP 1
+    the head keeps the embedding's Parameter. At TP > 1 the input embedding is replaced by a
+    :class:`megaloss.VocabParallelEmbedding` on the head's own shard (Megatron's vocab-parallel
+    lookup: zeros outside the shard, one all-reduce), so the shard's gradient is the sum of both
+    uses, as for the unsharded tied weight; ``padding_idx`` and ``embed_scale`` are kept.
+    """
+
+    def __init__(self, model: nn.Module, *, options: Optional[CrossEntropyOptions] = None,
+                 tp_group: GroupLike = SINGLE_RANK) -> None:
+        super().__init__()
+        lm_head = linear_lm_head(model)
+        self._install_head(
+            model, lm_head, wrapper_options(options, CrossEntropyOptions), tp_group,
+            lambda linear: LinearCrossEntropyHead(linear, self.options),
+            lambda *size, **kw: _VocabParallelHead(*size, **kw, options=self.options))
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
                 shift_labels: Optional[torch.Tensor] = None,

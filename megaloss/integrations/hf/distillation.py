@@ -10,6 +10,11 @@ mode with ``requires_grad=False``). Its decoder runs under ``torch.no_grad()`` i
 and its lm_head rows (this TP rank's shard under tensor parallelism) go into the loss. Without a
 teacher module the micro-batches carry the teacher as stored top-k ids and log-probs
 (``teacher_topk_ids`` / ``teacher_topk_log_probs``).
+
+Under PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) the student is sharded like
+:class:`~megaloss.integrations.hf.CausalLMWithLoss` (wrap first, then ``fully_shard`` the decoder
+layers, optionally the head, and the wrapper as root); a teacher already sharded by
+``fully_shard`` is refused with a ValueError (its weights are used outside its own forward).
 """
 from __future__ import annotations
 
@@ -22,8 +27,10 @@ from ...losses.distillation import DistillationOutput, linear_distillation_loss
 from ...losses.vocab_parallel import vocab_shard_range
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.options import CrossEntropyOptions, DistillationOptions
+from ...ops.validation import is_dtensor
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
 from .causal_lm import linear_lm_head, shifted_targets, wrapper_options
+from .head_config import config_logit_softcapping, resolve_softcapping
 
 __all__ = ["CausalLMWithDistillation", "LinearDistillationHead"]
 
@@ -77,6 +84,23 @@ def _teacher_rows(weight: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return torch.cat([shard, shard.new_zeros(rows - (stop - start), weight.shape[1])])
 
 
+def _refuse_sharded_teacher(teacher: nn.Module) -> None:
+    """The teacher is not a submodule, and its decoder and lm_head weight are used outside its
+    own forward: under FSDP2's ``fully_shard`` they would be shards.
+
+    Raises:
+        ValueError: a parameter of ``teacher`` is a DTensor.
+    """
+    name = next((n for n, p in teacher.named_parameters() if is_dtensor(p)), None)
+    if name is not None:
+        raise ValueError(
+            f"teacher is sharded by FSDP2's fully_shard ({name} is a DTensor): the wrapper runs "
+            "teacher.base_model and reads the teacher's lm_head weight outside the teacher's "
+            "forward, so FSDP2 never unshards them. Keep the frozen teacher unsharded (a "
+            "replica per rank, not a submodule of the fully_shard root), or pass its top-k per "
+            "batch (teacher_topk_ids / teacher_topk_log_probs)")
+
+
 class CausalLMWithDistillation(nn.Module):
     """Wrap a ``transformers`` ``*ForCausalLM`` student: forward = student decoder + (teacher
     decoder, no grad) + the chunked distillation loss of both lm_heads.
@@ -90,6 +114,10 @@ class CausalLMWithDistillation(nn.Module):
         options: :class:`~megaloss.ops.options.DistillationOptions` (e.g.
             ``MegalossConfig.distillation.options()``); default options with
             ``reduction="sum"`` when ``None`` (the calibrated step weights tokens itself).
+            ``logit_softcapping``, when ``None``, becomes the student's own final soft-cap and
+            ``teacher_logit_softcapping`` the teacher module's own (each from its config, e.g.
+            Gemma 2's ``final_logit_softcapping``; :mod:`.head_config`), so both distributions
+            are those the models' forwards give.
         tp_group: tensor-parallel group; with size > 1 both lm_heads are split over the
             vocabulary (the student's as a :class:`megaloss.VocabParallelLMHead`, tagged
             ``tensor_model_parallel``; the teacher's rows sliced per call).
@@ -97,7 +125,10 @@ class CausalLMWithDistillation(nn.Module):
     Raises:
         TypeError: a model without base model or ``nn.Linear`` output embedding; ``options``
             not a :class:`~megaloss.ops.options.DistillationOptions`.
-        ValueError: teacher and student vocabularies differ; TP > 1 with a tied student lm_head.
+        ValueError: teacher and student vocabularies differ; TP > 1 with a tied student lm_head;
+            a config that scales its logits (Cohere's ``logit_scale``, Granite's
+            ``logits_scaling``), which the loss cannot reproduce; a soft-cap of the options set
+            and different from that model's own.
     """
 
     def __init__(self, model: nn.Module, teacher: Optional[nn.Module] = None, *,
@@ -105,13 +136,23 @@ class CausalLMWithDistillation(nn.Module):
                  tp_group: GroupLike = SINGLE_RANK) -> None:
         super().__init__()
         lm_head = linear_lm_head(model)
-        self.options = wrapper_options(options, DistillationOptions)
+        options = wrapper_options(options, DistillationOptions)
+        caps = {"logit_softcapping": resolve_softcapping(
+            options.logit_softcapping, config_logit_softcapping(model, "student"),
+            "logit_softcapping", "student")}
         vocab_size, hidden_size = lm_head.weight.shape
         if teacher is not None:
             t_head = teacher.get_output_embeddings()
             if not isinstance(t_head, nn.Linear) or t_head.weight.shape[0] != vocab_size:
                 raise ValueError(f"teacher must be a *ForCausalLM with an nn.Linear lm_head of "
                                  f"{vocab_size} rows (the student's vocabulary)")
+            # the teacher's own cap, not the student's: they may be different models
+            caps["teacher_logit_softcapping"] = resolve_softcapping(
+                options.teacher_logit_softcapping, config_logit_softcapping(teacher, "teacher"),
+                "teacher_logit_softcapping", "teacher")
+        self.options = options.replace(**caps)
+        if teacher is not None:
+            _refuse_sharded_teacher(teacher)
             teacher.eval()
             teacher.requires_grad_(False)
         self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
@@ -144,6 +185,7 @@ class CausalLMWithDistillation(nn.Module):
 
     def _teacher_inputs(self, input_ids, attention_mask, position_ids):
         teacher = self.teacher
+        _refuse_sharded_teacher(teacher)
         with torch.no_grad():
             out = teacher.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                      position_ids=position_ids, use_cache=False)

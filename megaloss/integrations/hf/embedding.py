@@ -204,22 +204,25 @@ def cached_mnr_forward(model: nn.Module, batch: Dict[str, torch.Tensor], *,
         batch: the keyword arguments of ``forward`` (``[B, ...]`` tensors; ``duplicate_ids``
             ``[B]`` optional); ``B`` may differ per rank, or be 0.
         mini_batch_size: rows encoded per pass (>= 1).
-        backward: back-propagates every replay but the last, at the scale the caller's
-            backward applies to ``out.loss``: under DeepSpeed
+        backward: ``None`` (one process, DDP): the replays run inside the caller's backward of
+            ``out.loss``, each scaled by its upstream gradient, so any caller scale (``loss /
+            window``, a ``GradScaler``'s) is exact (under DDP every replay is reduced: correct,
+            as reduction is linear, at ``num_replays`` times the traffic). Under DeepSpeed
             :func:`megaloss.integrations.deepspeed.grad_cache.inner_replay_backward` (``engine.
             backward(out.loss)``; with ``scale=s`` for ``engine.backward(s * out.loss,
-            scale_wrt_gas=False)``); ``None``: ``Tensor.backward`` for a plain
-            ``out.loss.backward()`` (one process; under DDP every replay is then reduced:
-            correct, as reduction is linear, at ``num_replays`` times the traffic). A mismatch
-            raises a ValueError from the caller's backward.
+            scale_wrt_gas=False)``): it back-propagates every replay but the last here, at the
+            scale the caller's backward applies to ``out.loss``; a mismatch raises a ValueError
+            from the caller's backward.
         loss_weight: as in ``forward``.
 
     Returns:
-        :class:`EmbeddingOutput` whose ``loss`` (value: the weighted loss) carries the last
-        replay's graph: ``engine.backward(out.loss)`` then completes the micro-step exactly as
-        the non-cached ``engine.backward(engine(**batch).loss)`` would, with the same
-        ``loss_weight`` (the engine scale is unchanged, :mod:`megaloss.integrations.deepspeed.
-        grad_cache`). Replays run ``backward`` ``num_replays - 1`` times on every rank.
+        :class:`EmbeddingOutput` whose ``loss`` (value: the weighted loss) back-propagates as
+        the non-cached ``model(**batch).loss`` would: with ``backward=None`` its backward runs
+        every replay; with a ``backward`` it carries the last replay's graph and
+        ``engine.backward(out.loss)`` completes the micro-step exactly as the non-cached
+        ``engine.backward(engine(**batch).loss)`` would, with the same ``loss_weight`` (the
+        engine scale is unchanged, :mod:`megaloss.integrations.deepspeed.grad_cache`), after
+        ``backward`` ran ``num_replays - 1`` times on every rank.
 
     A window shorter than the ds_config's ``gradient_accumulation_steps`` ``G`` (an epoch's
     last): ``engine.backward`` still divides every replay and the last backward by ``G``, so the

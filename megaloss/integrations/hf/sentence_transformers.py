@@ -34,6 +34,12 @@ gradient stands in (ZeRO 0-2 / DDP then reduce a zero gradient from that rank, a
 Under DeepSpeed ZeRO-3 every module forward all-gathers its partitioned parameters, so skipping
 the encoder would leave the other ranks waiting: there the rank embeds one placeholder row per
 column through the same forwards and keeps none of it (a zero gradient, matched collectives).
+The same under PyTorch FSDP2 (``fully_shard``; DTensor parameters: all-gathers in each unit's
+forward, reduce-scatters in its backward; the zero-gradient tie would also read the shards
+outside a forward). FSDP2 averages gradients over its mesh by default, as DDP: the contract
+above holds for its default reduction (not after ``set_gradient_divide_factor``); checked with
+the SentenceTransformer ``fully_shard``-ed per BERT layer and as the root, uneven and empty
+ranks, in ``tests/integrations/test_hf_sentence_transformers_fsdp2.py``.
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ from torch import Tensor, nn
 
 from ...losses.grad_cache import grad_cache_step, split_rows
 from ...losses.mnr import SIMILARITIES, mnr_loss
+from ...ops.validation import is_dtensor
 from ...parallel.groups import GroupLike
 
 __all__ = ["GatheredMultipleNegativesRankingLoss", "CachedGatheredMultipleNegativesRankingLoss",
@@ -128,8 +135,11 @@ def caller_loss_scale(*, deepspeed: bool) -> Optional[float]:
     Outside a Trainer: ``None``, i.e. the caller's ``loss.backward()`` (scale 1) or
     ``engine.backward(loss)`` (the engine divides by its accumulation steps).
 
-    A caller that scales otherwise makes :func:`megaloss.losses.grad_cache.grad_cache_step` raise
-    a ValueError in its backward (the replays' scales are checked against the caller's).
+    :class:`CachedGatheredMultipleNegativesRankingLoss` needs it only under DeepSpeed, whose
+    replays run before the caller's backward; a caller there that scales otherwise makes
+    :func:`megaloss.losses.grad_cache.grad_cache_step` raise a ValueError in its backward (the
+    replays' scales are checked against the caller's). Without DeepSpeed the replays run inside
+    the caller's backward and take its scale from the upstream gradient, whatever it is.
     """
     trainer, num_items_in_batch = _calling_trainer()
     if trainer is None:
@@ -151,6 +161,13 @@ def _zero3_partitioned(model: nn.Module) -> bool:
     """DeepSpeed ZeRO-3 partitioned parameters (they carry ``ds_id``, set in
     ``deepspeed/runtime/zero/partition_parameters.py``)."""
     return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _collective_forwards(model: nn.Module) -> bool:
+    """Whether ``model``'s forwards and backwards are collectives every rank must run: DeepSpeed
+    ZeRO-3 (all-gathers per module forward) or PyTorch FSDP2 (``fully_shard``: DTensor
+    parameters, all-gathered in each unit's forward, reduce-scattered in its backward)."""
+    return _zero3_partitioned(model) or any(is_dtensor(p) for p in model.parameters())
 
 
 def _placeholder_row(features: Dict[str, Any]) -> Dict[str, Any]:
@@ -234,10 +251,11 @@ class GatheredMultipleNegativesRankingLoss(nn.Module):
         if len(features) < 2:
             raise ValueError(f"expected at least 2 columns (anchor, positive), got {len(features)}")
         if _rows(features[0]) == 0:
-            if not _zero3_partitioned(self.model):
+            if not _collective_forwards(self.model):
                 return self._empty_embeddings(len(features))
-            # ZeRO-3 all-gathers the parameters in every module forward (a collective): this rank
-            # runs the forwards the others run, on one placeholder row per column, keeps 0 rows.
+            # ZeRO-3 / FSDP2 all-gather the parameters in every module (unit) forward and FSDP2
+            # reduce-scatters in its backward (collectives): this rank runs the forwards the
+            # others run, on one placeholder row per column, keeps 0 rows (zero gradients).
             return [e[:0] for e in self.embed([_placeholder_row(f) for f in features])]
         try:
             from sentence_transformers.base.losses.merged_forward import embed_columns
@@ -296,21 +314,27 @@ class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankin
     activations of ``mini_batch_size`` rows at a time, whatever the per-rank batch, with the same
     loss and gradients.
 
-    sentence-transformers' ``CachedMultipleNegativesRankingLoss`` (``sentence_transformers/
-    sentence_transformer/losses/cached_multiple_negatives_ranking.py``) replays its mini-batches
-    inside the Trainer's one backward; DeepSpeed ZeRO-2 and ZeRO-3 stop on that ("Gradient
-    computed twice for this partition"). Here, in training (grad enabled), ``forward`` embeds
-    the batch without a graph, computes the gathered loss and its embedding gradients, runs every
-    replay but the last as its own ``engine.backward`` outside the accumulation boundary
-    (:mod:`megaloss.integrations.deepspeed.grad_cache`; without DeepSpeed a plain backward), and
-    returns the last replay as the loss: the Trainer's own backward completes the micro-step.
-    The value returned is the loss. Every replay takes the scale the caller applies to the
-    returned loss (:func:`caller_loss_scale`): in ``SentenceTransformerTrainer``, ``1 / `` the
-    micro-batches of the current accumulation window, also in an epoch's shorter last window,
-    with and without DeepSpeed (sentence-transformers' own cached losses get the same from the
-    upstream gradient in a backward hook, which ZeRO cannot run); a caller that scales otherwise
-    gets a ValueError from its backward, not a wrong gradient. Under ``torch.no_grad``
-    (evaluation) it is the non-cached loss.
+    In training (grad enabled), ``forward`` embeds the batch without a graph and computes the
+    gathered loss and its embedding gradients (the collectives run here, once); the value
+    returned is the loss. Where the replays run:
+
+    - without DeepSpeed (plain torch, DDP, ``SentenceTransformerTrainer`` / ``model.fit``): inside
+      the caller's backward of the returned loss, as sentence-transformers'
+      ``CachedMultipleNegativesRankingLoss`` does (``sentence_transformers/base/losses/
+      gradcache.py``, ``_backward_hook``), each scaled by the upstream gradient: any factor the
+      caller applies (the Trainer's ``1 / `` accumulation window, an fp16 ``GradScaler``'s loss
+      scale) reaches every mini-batch, and the gradients are the non-cached loss's times it;
+    - under a DeepSpeed engine: ZeRO-2 and ZeRO-3 stop on replays inside one backward
+      ("Gradient computed twice for this partition"), so every replay but the last runs here as
+      its own ``engine.backward`` outside the accumulation boundary
+      (:mod:`megaloss.integrations.deepspeed.grad_cache`) at the scale the Trainer will apply
+      (:func:`caller_loss_scale`: ``1 / `` the micro-batches of the current window, also in an
+      epoch's shorter last one), and the last replay is returned: the Trainer's own backward
+      completes the micro-step. A caller there that scales otherwise gets a ValueError from its
+      backward, not a wrong gradient (DeepSpeed's own fp16 loss scale applies to every replay
+      alike).
+
+    Under ``torch.no_grad`` (evaluation) it is the non-cached loss.
 
     Args:
         model, scale, similarity_fct, symmetric: as
@@ -331,19 +355,16 @@ class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankin
             raise ValueError(f"mini_batch_size must be an int >= 1, got {mini_batch_size!r}")
         self.mini_batch_size = mini_batch_size
 
-    def _replay_backward(self) -> Callable[[Tensor], None]:
-        """How a replay that is not the micro-step's last is back-propagated: at the scale the
-        caller applies to the returned loss (:func:`caller_loss_scale`); under DeepSpeed as an
-        accumulation pass, otherwise plainly (DDP then reduces every replay: correct, as
-        reduction is linear, at ``num_replays`` times the traffic)."""
-        deepspeed = hasattr(self.model, "set_gradient_accumulation_boundary")
-        scale = caller_loss_scale(deepspeed=deepspeed)
-        if deepspeed:  # a DeepSpeed engine
-            from ..deepspeed.grad_cache import inner_replay_backward
-            return inner_replay_backward(self.model, scale=scale)
-        if scale is None:
-            return lambda surrogate: surrogate.backward()
-        return lambda surrogate: (surrogate * scale).backward()
+    def _replay_backward(self) -> Optional[Callable[[Tensor], None]]:
+        """``grad_cache_step``'s ``backward``: under DeepSpeed every replay but the last as an
+        accumulation pass at the scale the caller applies to the returned loss
+        (:func:`caller_loss_scale`); otherwise ``None``, the replays inside the caller's backward
+        at its upstream gradient (DDP then reduces every replay: correct, as reduction is
+        linear, at ``num_replays`` times the traffic; none inside ``no_sync``)."""
+        if not hasattr(self.model, "set_gradient_accumulation_boundary"):  # no DeepSpeed engine
+            return None
+        from ..deepspeed.grad_cache import inner_replay_backward
+        return inner_replay_backward(self.model, scale=caller_loss_scale(deepspeed=True))
 
     def forward(self, sentence_features: Iterable[Dict[str, Any]],
                 labels: Optional[Tensor] = None, *,

@@ -12,10 +12,16 @@ Usage (the mixin goes first, so its methods come before TRL's)::
 
 What it changes in TRL 1.16 (``trl/trainer/grpo_trainer.py``):
 
+- ``__init__``: after TRL's own, the options are read from ``self.args`` and checked, so a
+  setting the hook does not reproduce fails at construction, before any generation.
 - ``_generate_and_score_completions``: after TRL's own, the generation batch's completion tokens
-  and sequences (rows with at least one completion token) are counted and summed over the
-  processes (one ``accelerator.reduce`` of two numbers); TRL's ``split_tensor_dict`` hands these
-  0-dim tensors to every micro-batch whole, as it does ``num_items_in_batch``.
+  and sequences are counted and summed over the processes (one ``accelerator.reduce`` of two
+  numbers); TRL's ``split_tensor_dict`` hands these 0-dim tensors to every micro-batch whole, as
+  it does ``num_items_in_batch``. A sequence is every row, as TRL counts them (its ``grpo``
+  averages over all rows, its ``dr_grpo`` divides by rows x ``max_completion_length``, also
+  for rows ``mask_truncated_completions`` emptied); a subclass setting
+  ``megaloss_count_empty_rows = False`` counts only rows with a completion token
+  (:class:`~megaloss.PolicyLossOptions` ``count_empty_rows``).
 - ``_compute_loss``: the per-token log-probs and entropies come from TRL's own
   ``_get_per_token_logps_and_entropies``; the loss is :func:`megaloss.policy_loss` with the
   weights ``1 / (n_s N_sequences)`` (``grpo``), ``1 / N_tokens`` (``bnpo``, ``dapo``, ``cispo``)
@@ -23,21 +29,24 @@ What it changes in TRL 1.16 (``trl/trainer/grpo_trainer.py``):
   number of processes (DDP and DeepSpeed average gradients over them; TRL's ``dapo`` scales the
   same way). TRL's own ``grpo`` / ``bnpo`` / ``dr_grpo`` normalise per micro-batch and process
   instead, so with uneven completion lengths their gradient depends on the split; these are the
-  single-device gradient of the generation batch. Metrics: ``kl``, ``entropy``,
+  single-device gradient of the generation batch, and on one micro-batch on one process they
+  equal TRL's loss, also with fully masked rows. Metrics: ``kl``, ``entropy``,
   ``clip_ratio/low_mean`` / ``high_mean`` / ``region_mean`` or ``cispo_clip_ratio`` per
   micro-batch, globally reduced, in TRL's ``_metrics``.
 
 The options come from TRL's ``GRPOConfig`` (``loss_type``, ``epsilon``, ``epsilon_high``,
 ``delta``, ``beta``, ``entropy_coef``, ``importance_sampling_level``, ``max_completion_length``).
-Refused (ValueError at the first loss): ``steps_per_generation`` other than
+Refused (ValueError at construction): ``steps_per_generation`` other than
 ``gradient_accumulation_steps`` (a generation batch must be one optimizer step for the counts to
 be the step's), ``loss_type`` outside megaloss's, ``top_entropy_quantile < 1``,
 ``off_policy_mask_threshold``, vLLM importance-sampling correction, adaptive entropy,
-``use_bias_correction_kl``, MoE auxiliary loss: TRL features this hook does not reproduce.
+``use_bias_correction_kl`` with ``beta > 0`` (TRL reads it only inside ``if self.beta != 0.0``,
+so its default ``True`` is accepted at ``beta = 0``), MoE auxiliary loss: TRL features this hook
+does not reproduce. ``delta`` is passed on and, as in TRL, ignored by ``cispo``.
 
-Tested on one process against TRL's own ``_compute_loss`` and across split micro-batches
-(``tests/integrations/test_hf_trl_policy.py``); the multi-process path relies on TRL's
-``accelerator.reduce`` and its process-count scaling.
+Tested on one process against TRL's own ``_compute_loss`` (also with fully masked rows) and
+across split micro-batches (``tests/integrations/test_hf_trl_policy.py``); the multi-process
+path relies on TRL's ``accelerator.reduce`` and its process-count scaling.
 """
 from __future__ import annotations
 
@@ -46,32 +55,44 @@ from typing import Any, Dict
 import torch
 
 from ...losses.policy import PolicyLossWeights, policy_loss, policy_metrics
-from ...ops.options import POLICY_LOSS_TYPES, PolicyLossOptions
+from ...ops.options import PolicyLossOptions
 from ...parallel.groups import SINGLE_RANK
 
 __all__ = ["MegalossGRPOMixin", "policy_options_from_grpo_args"]
 
 _COUNT_KEYS = ("megaloss_num_tokens", "megaloss_num_sequences")
+# The loss types the hook maps from a GRPOConfig (sapo / luspo / vespo and their GRPOConfig
+# fields are not mapped yet: megaloss.policy_loss has them, the hook refuses them).
+_MIXIN_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
 
 
-def policy_options_from_grpo_args(args: Any) -> PolicyLossOptions:
+def policy_options_from_grpo_args(args: Any, *, count_empty_rows: bool = True
+                                  ) -> PolicyLossOptions:
     """:class:`~megaloss.PolicyLossOptions` from a TRL ``GRPOConfig`` (``epsilon`` is
     ``epsilon_low``; ``epsilon_high`` defaults to it, as in TRL).
+
+    Args:
+        args: a ``trl.GRPOConfig`` (or an object with its attributes).
+        count_empty_rows: the options' ``count_empty_rows``; ``True`` (default) is TRL's row
+            count (module docstring).
 
     Raises:
         ValueError: a setting the hook does not reproduce (module docstring), or an option out of
             range.
+        TypeError: ``count_empty_rows`` not a bool (from :class:`~megaloss.PolicyLossOptions`).
     """
-    if args.loss_type not in POLICY_LOSS_TYPES:
+    if args.loss_type not in _MIXIN_LOSS_TYPES:
         raise ValueError(f"loss_type={args.loss_type!r}: MegalossGRPOMixin supports "
-                         f"{POLICY_LOSS_TYPES}")
+                         f"{_MIXIN_LOSS_TYPES}")
     unsupported = {
         "top_entropy_quantile": getattr(args, "top_entropy_quantile", 1.0) < 1.0,
         "off_policy_mask_threshold": getattr(args, "off_policy_mask_threshold", None) is not None,
         "vllm_importance_sampling_correction": bool(getattr(args, "use_vllm", False)) and bool(
             getattr(args, "vllm_importance_sampling_correction", False)),
         "use_adaptive_entropy": bool(getattr(args, "use_adaptive_entropy", False)),
-        "use_bias_correction_kl": bool(getattr(args, "use_bias_correction_kl", False)),
+        # TRL multiplies the KL by the ratio only inside `if self.beta != 0.0`.
+        "use_bias_correction_kl": args.beta != 0 and bool(
+            getattr(args, "use_bias_correction_kl", False)),
     }
     bad = [k for k, v in unsupported.items() if v]
     if bad:
@@ -88,7 +109,7 @@ def policy_options_from_grpo_args(args: Any) -> PolicyLossOptions:
         delta=getattr(args, "delta", None), beta=args.beta,
         entropy_coef=getattr(args, "entropy_coef", 0.0),
         importance_sampling_level=args.importance_sampling_level,
-        max_completion_length=args.max_completion_length)
+        max_completion_length=args.max_completion_length, count_empty_rows=count_empty_rows)
 
 
 def _mask(inputs: Dict[str, Any]) -> torch.Tensor:
@@ -97,21 +118,50 @@ def _mask(inputs: Dict[str, Any]) -> torch.Tensor:
 
 
 class MegalossGRPOMixin:
-    """Put before ``trl.GRPOTrainer`` in the bases (module docstring)."""
+    """Put before ``trl.GRPOTrainer`` in the bases (module docstring).
+
+    Attributes:
+        megaloss_count_empty_rows: class attribute, the options' ``count_empty_rows``: ``True``
+            (TRL's convention: every row is a sequence) or ``False`` (only rows with a
+            completion token).
+
+    Raises:
+        ValueError: at construction, a ``GRPOConfig`` setting the hook does not reproduce
+            (module docstring).
+    """
+
+    megaloss_count_empty_rows: bool = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # GRPOTrainer(model, reward_funcs, args, ...): refuse before TRL builds anything (its
+        # reference model, vLLM), and again on the args TRL settled on (its default config).
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if config is not None:
+            policy_options_from_grpo_args(config, count_empty_rows=self.megaloss_count_empty_rows)
+        super().__init__(*args, **kwargs)
+        self._megaloss_options()  # refuse now rather than after the first generation
+
+    def _megaloss_options(self) -> PolicyLossOptions:
+        """The options of ``self.args`` (read at every loss: TRL's args may be edited)."""
+        opts = policy_options_from_grpo_args(self.args,
+                                             count_empty_rows=self.megaloss_count_empty_rows)
+        if getattr(self, "aux_loss_enabled", False):
+            raise ValueError("MegalossGRPOMixin does not add the MoE auxiliary loss")
+        return opts
 
     def _generate_and_score_completions(self, inputs: Any) -> Dict[str, Any]:
         out = super()._generate_and_score_completions(inputs)
         valid = _mask(out) != 0
-        local = torch.stack([valid.sum(), valid.any(-1).sum()]).to(torch.float64)
+        rows = (torch.tensor(valid.shape[0], device=valid.device)
+                if self.megaloss_count_empty_rows else valid.any(-1).sum())
+        local = torch.stack([valid.sum(), rows]).to(torch.float64)
         total = self.accelerator.reduce(local, reduction="sum")
         for key, value in zip(_COUNT_KEYS, total):
             out[key] = value.reshape(())
         return out
 
     def _compute_loss(self, model: Any, inputs: Dict[str, Any]) -> torch.Tensor:
-        opts = policy_options_from_grpo_args(self.args)
-        if getattr(self, "aux_loss_enabled", False):
-            raise ValueError("MegalossGRPOMixin does not add the MoE auxiliary loss")
+        opts = self._megaloss_options()
         # As TRL's _compute_loss: the completion's per-token log-probs and entropies.
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids = inputs["completion_ids"]

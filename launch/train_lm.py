@@ -83,6 +83,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="DeepSpeed pipeline stages (overrides megaloss.pipeline_parallel_size); "
                         "runs at ZeRO-1 when the config asks for more (the pipeline engine's "
                         "limit); NUM_PROCS must be a multiple of pp x tp")
+    p.add_argument("--activation_checkpointing", action="store_true",
+                   help="recompute activations in the backward instead of keeping them (less "
+                        "memory, one more forward): every decoder layer (transformers' gradient "
+                        "checkpointing), under PP every pipeline layer (activation checkpoint "
+                        "interval 1); non-reentrant checkpoints in both")
     add_job_arguments(p, steps=150, output_dir=os.path.join("runs", "lm"))
     add_lm_data_arguments(p)
     add_llama_arguments(p)
@@ -120,9 +125,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     t_start = time.perf_counter()
     from megaloss import CausalLMWithLoss, Topology
     from megaloss.integrations.deepspeed import evaluate, initialize, load_ds_config, train_step
+    from megaloss.integrations.deepspeed.autotp import ds_config_autotp_size
     from megaloss.integrations.hf.ulysses import enable_ulysses_attention
 
-    rank, _ = start_process(args.local_rank)
+    rank, _ = start_process(args.local_rank, args.output_dir)
     out_dir = Path(args.output_dir)
     ckpt_dir = out_dir / CHECKPOINTS
     log = rank0_logger("lm", rank, t_start)
@@ -136,7 +142,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         ml.sequence_parallel_size = args.sequence_parallel_size
         ds_config.setdefault("megaloss", {})["sequence_parallel_size"] = args.sequence_parallel_size
     pp = pipeline_parallel_size(args, ml, ds_config)
-    topo = None if pp > 1 else Topology.build(ml.tensor_parallel_size,
+    # AutoTP ("tensor_parallel": {"autotp_size": N} in the ds_config): DeepSpeed builds the
+    # groups and shards the model inside initialize, which returns the topology
+    autotp = ds_config_autotp_size(ds_config) > 1
+    topo = None if pp > 1 or autotp else Topology.build(ml.tensor_parallel_size,
                                               sequence_parallel_size=ml.sequence_parallel_size)
     micro = ds_config.get("train_micro_batch_size_per_gpu", 1)
     gas = ds_config.get("gradient_accumulation_steps", 1)
@@ -150,17 +159,31 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         me, cfg, n_params, topo = pipe.me, pipe.config, pipe.parameters, pipe.me.topology
         step_fn, eval_fn = pipe.train_step, pipe.evaluate
     else:
-        model, cfg = build_llama(args, vocab, "sdpa" if topo.sp_size > 1 else None)
+        model, cfg = build_llama(args, vocab, "sdpa" if topo and topo.sp_size > 1 else None)
+        if args.activation_checkpointing:
+            # non-reentrant, as under PP: the reentrant checkpoint needs its inputs to require
+            # grad (torch.utils.checkpoint's documentation)
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+                model.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
         # With SP each rank runs the decoder on its slice of every sample; attention all-to-alls
         # heads over the SP group (DeepSpeed's UlyssesSPAttentionHF).
         # (process-global: restored when the job ends, for a caller that goes on in-process)
-        restore_attention = enable_ulysses_attention(model, topo, micro_batch_size=micro)
-        wrapper = CausalLMWithLoss(model, options=ml.ce.options(), tp_group=topo.tp_group)
+        if not autotp:
+            restore_attention = enable_ulysses_attention(model, topo, micro_batch_size=micro)
         # decoder + the full (unsharded) lm_head, whatever the TP size (a tied one is the
         # embedding)
         n_params = sum(p.numel() for p in model.base_model.parameters()) + (
             0 if cfg.tie_word_embeddings else vocab * cfg.hidden_size)
-        me = initialize(wrapper, ds_config, topology=topo, output_dir=str(out_dir))
+        if autotp:  # the *ForCausalLM itself: initialize wraps it for AutoTP's lm_head shard
+            me = initialize(model, ds_config, output_dir=str(out_dir))
+            topo = me.topology
+        else:
+            wrapper = CausalLMWithLoss(model, options=ml.ce.options(), tp_group=topo.tp_group)
+            me = initialize(wrapper, ds_config, topology=topo, output_dir=str(out_dir))
         step_fn = lambda mbs: train_step(me, mbs)  # noqa: E731
         eval_fn = lambda batches: evaluate(me, batches, log=True)  # noqa: E731
     engine = me.engine
@@ -234,8 +257,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "peak_memory_mib_per_rank": gather_per_rank(
             max((r["peak_memory_mib"] for r in rows), default=0.0)),
         "parameters_per_rank": gather_per_rank(sum(p.numel() for p in engine.module.parameters())),
-        "dp": topo.dp_size, "sp": topo.sp_size, "tp": topo.tp_size, "pp": pp,
+        "dp": topo.dp_size, "sp": topo.sp_size, "tp": topo.tp_size, "pp": pp, "autotp": autotp,
         "zero_stage": engine.zero_optimization_stage(), "micro_batch": micro, "gas": gas,
+        "activation_checkpointing": bool(args.activation_checkpointing),
         "seq_len": args.seq_len, "vocab_size": vocab, "parameters": int(n_params),
         "engine_loss_multiplier": me.engine_scale.loss_multiplier,
         "ce": ml.ce.model_dump(), "data": "stdlib" if not args.train_data else "user files",

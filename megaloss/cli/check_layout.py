@@ -16,7 +16,10 @@ read relative to the current one, and nothing of a megaloss checkout is needed.
 1. **Your layout**: ``deepspeed --num_gpus N --module megaloss.cli.check_layout ...`` (the
 ``deepspeed``
    launcher, as a training job runs) builds the model on every rank from one seed, makes the
-   process groups from the config's ``megaloss.tensor_parallel_size`` (``DP = N / TP``), and
+   process groups from the config's ``megaloss.tensor_parallel_size`` (``DP = N / TP``), or,
+   with DeepSpeed AutoTP (``"tensor_parallel": {"autotp_size": TP, "vocab_parallel_lm_head":
+   true}``, LM job), lets ``deepspeed.initialize`` shard the model and make the groups (megaloss's
+   loss on AutoTP's lm_head shard, :mod:`megaloss.integrations.deepspeed.autotp`), and
    trains K optimizer steps through the path megaloss users train with:
    ``megaloss.integrations.deepspeed.initialize`` (the engine, the measured engine scale, the
    calibrator) and ``train_step`` for the LM job; for the embedding job the loop of
@@ -26,7 +29,8 @@ read relative to the current one, and nothing of a megaloss checkout is needed.
    scheduler, clipping and precision, through the same ``initialize`` + ``train_step``. It runs
    in this process while the layout's processes run.
 3. **Compare**, step by step: the global loss, the gradient norm before clipping, and the
-   parameters after the step (the layout's TP shards and ZeRO-3 partitions gathered), as the
+   parameters after the step (the layout's TP shards, AutoTP's included, and ZeRO-3
+   partitions gathered), as the
    relative difference of the update ``|(p_layout - p0) - (p_ref - p0)| / |p_ref - p0|`` over
    all parameters. PASS when every figure is within the tolerance of the training dtype
    (:data:`TOLERANCES`, printed with the verdict); otherwise FAIL, with the likely cause.
@@ -106,9 +110,10 @@ __all__ = ["TOLERANCES", "MONITOR_SECTIONS", "TINY_LLAMA", "TINY_BERT", "trainin
 # ------------------------------------------------------------------------------------------------
 HELP_DESCRIPTION = """\
 It trains a few steps of a small model twice: with your ds_config's layout on --num_procs
-processes through the deepspeed launcher (DP = num_procs / megaloss.tensor_parallel_size),
-and on one process with no parallelism on the same global batches. Then it compares the
-loss, the gradient norm and the parameter update step by step, and prints PASS, or FAIL with
+processes through the deepspeed launcher (DP = num_procs / TP, TP: megaloss.tensor_parallel_size
+or DeepSpeed AutoTP's tensor_parallel.autotp_size), and on one process with no parallelism on
+the same global batches. Then it compares the loss, the gradient norm and the parameter
+update step by step, and prints PASS, or FAIL with
 the likely cause (a gradient scaled by the DP size, the wrong reduce group, ...)."""
 
 HELP_EPILOG = """\
@@ -131,7 +136,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "on the same --num_procs, a report each")
     p.add_argument("--num_procs", type=int, default=2,
                    help="processes of the layout (GPUs; CPU processes without GPUs); DP = "
-                        "num_procs / megaloss.tensor_parallel_size (default 2)")
+                        "num_procs / TP (megaloss.tensor_parallel_size, or AutoTP's "
+                        "tensor_parallel.autotp_size) (default 2)")
     p.add_argument("--job", choices=("lm", "embed"), default="lm",
                    help="lm: causal LM with the (vocab-parallel) chunked CE and token "
                         "calibration; embed: bi-encoder with the gathered MNR loss (TP 1)")
@@ -148,12 +154,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--keep", metavar="DIR", default=None,
                    help="write the layout's log and results to DIR (default: a temp dir)")
     p.add_argument("--verbose", action="store_true", help="print the launcher's output")
-    # the tool's own tests: the N-th layout (1 when no N) gets a wrong engine scale
-    p.add_argument("--_inject_wrong_scale", type=int, nargs="?", const=1, default=None,
+    # the tool's own tests: the N-th layouts (1 when no N) get a wrong engine scale
+    p.add_argument("--_inject_wrong_scale", type=int, nargs="*", default=None,
                    metavar="N", help=argparse.SUPPRESS)
     p.add_argument("--_worker", metavar="SPEC", default=None, help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args._inject_wrong_scale == []:
+        args._inject_wrong_scale = [1]
     if args.steps < 1 or args.seq_len < 2:
         p.error("--steps must be >= 1 and --seq_len >= 2")
     return args

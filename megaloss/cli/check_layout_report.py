@@ -139,6 +139,10 @@ def _fmt_groups(groups: List[Dict[str, Any]], key: str) -> str:
     return " ".join(str(s) for s in seen)
 
 
+def _autotp(lay: Dict[str, Any]) -> str:
+    return " (DeepSpeed AutoTP)" if lay.get("autotp") else ""
+
+
 def _tied_note(spec: Dict[str, Any]) -> str:
     tied = spec["job"] == "lm" and getattr(model_config(spec), "tie_word_embeddings", False)
     return " (tied embeddings)" if tied else ""
@@ -150,7 +154,7 @@ def report(spec: Dict[str, Any], lay: Dict[str, Any], ref: Dict[str, Any],
     u = lay["used_scale"]
     tol = result["tolerance"]
     lines = [
-        f"layout: {lay['world']} processes = DP {lay['dp']} x TP {lay['tp']}"
+        f"layout: {lay['world']} processes = DP {lay['dp']} x TP {lay['tp']}{_autotp(lay)}"
         + (f" x PP {lay['pp']}" if lay.get("pp", 1) > 1 else "") + ", "
         f"ZeRO-{lay['zero_stage']}, micro-batch {lay['micro']} x GAS {lay['gas']}, "
         f"{result['dtype']}; job {spec['job']}, model {spec['model']}{_tied_note(spec)}, "
@@ -193,7 +197,8 @@ def report(spec: Dict[str, Any], lay: Dict[str, Any], ref: Dict[str, Any],
               f"{tol['grad_norm']:g}, parameter update {tol['params']:g} (relative)"]
     if verdict == "PASS":
         pp = f" x PP {lay['pp']}" if lay.get("pp", 1) > 1 else ""
-        lines.append(f"PASS: DP {lay['dp']} x TP {lay['tp']}{pp} ZeRO-{lay['zero_stage']} trains "
+        lines.append(f"PASS: DP {lay['dp']} x TP {lay['tp']}{_autotp(lay)}{pp} "
+                     f"ZeRO-{lay['zero_stage']} trains "
                      f"like one device over {spec['steps']} steps")
     else:
         worst = ", ".join(f"{k} at step {s}: {v:.2e}" for s, k, v in result["failures"][:4])

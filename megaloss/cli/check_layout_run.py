@@ -34,7 +34,10 @@ def model_config(spec: Dict[str, Any]):
     return cfg
 
 
-def build_model(spec: Dict[str, Any], tp_group, dp_group, ml):
+def build_model(spec: Dict[str, Any], tp_group, dp_group, ml, *, autotp: bool = False):
+    """The model of ``spec`` from its seed. ``autotp``: the plain ``*ForCausalLM``, which
+    :func:`megaloss.integrations.deepspeed.initialize` wraps in ``AutoTPCausalLMWithLoss`` and
+    DeepSpeed AutoTP shards."""
     import torch
     import transformers
 
@@ -44,6 +47,8 @@ def build_model(spec: Dict[str, Any], tp_group, dp_group, ml):
     torch.manual_seed(spec["seed"])  # every rank and the reference start from the same weights
     if spec["job"] == "lm":
         model = transformers.AutoModelForCausalLM.from_config(cfg)
+        if autotp:
+            return model
         return CausalLMWithLoss(model, options=ml.ce.options(), tp_group=tp_group)
     encoder = transformers.AutoModel.from_config(cfg, add_pooling_layer=False) if \
         cfg.model_type == "bert" else transformers.AutoModel.from_config(cfg)
@@ -110,13 +115,42 @@ def _embed_step(me, mbs, dp_group, dp_size: int, multiplier: float):
     return float(loss), float(norm if norm is not None else own_norm)
 
 
+def _autotp_full_parameters(module) -> Dict[str, Any]:
+    """:func:`full_parameters` of a DeepSpeed AutoTP module (``AutoTPCausalLMWithLoss``): every
+    AutoTP layer's shards gathered by the layer's own ``gather_params`` (deepspeed 0.19.8
+    ``deepspeed/module_inject/layers.py``: column-parallel ``LinearLayer`` / the vocab-parallel
+    lm_head on dim 0, row-parallel ``LinearAllreduce`` on dim 1, uneven splits included) on
+    copies, so the engine's parameters (views of ZeRO's flat buffers) are left as they are. Named
+    as in ``CausalLMWithLoss``, which holds the ``*ForCausalLM`` as its child ``model``, so the
+    names are the one-device run's. Collective over the TP group."""
+    import torch
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    out = {}
+    for mod_name, mod in module.named_modules():
+        own = list(mod.named_parameters(recurse=False))
+        if not own:
+            continue
+        copies = {n: torch.nn.Parameter(p.detach().float().clone(), requires_grad=False)
+                  for n, p in own}
+        if isinstance(mod, TensorParallel_Layer):
+            mod.gather_params([copies.get("weight"), copies.get("bias")])
+        for n, t in copies.items():
+            out[f"model.{mod_name}.{n}" if mod_name else f"model.{n}"] = t.data.cpu()
+    return out
+
+
 def full_parameters(me, topology) -> Dict[str, Any]:
     """Every parameter of the model as one device holds it (float32, CPU): TP vocab shards
-    gathered and trimmed to the vocabulary, ZeRO-3 partitions gathered. Collective."""
+    gathered and trimmed to the vocabulary, ZeRO-3 partitions gathered, DeepSpeed AutoTP's
+    shards gathered (:func:`_autotp_full_parameters`). Collective."""
     import deepspeed
 
+    from megaloss.integrations.deepspeed.config import ds_config_autotp_size
     from megaloss.parallel import all_gather_dim0, is_tensor_parallel
     module = me.engine.module
+    if ds_config_autotp_size(me.ds_config) > 1:  # ZeRO-3 is refused with AutoTP
+        return _autotp_full_parameters(module)
     named = list(module.named_parameters())
     gather = (deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None)
               if me.engine.zero_optimization_stage() == 3 else contextlib.nullcontext())
@@ -149,13 +183,17 @@ def run_training(spec: Dict[str, Any], role: str) -> Dict[str, Any]:
     if role == "layout" and spec.get("pp", 1) > 1:
         return run_pipeline_training(spec, model_config, global_batches, _rows)
     ds_config, ml = load_ds_config(spec[f"{role}_config"])
-    topo = Topology.build(ml.tensor_parallel_size)
+    autotp = role == "layout" and spec.get("autotp", False)
+    # under DeepSpeed AutoTP the groups are AutoTP's, made inside deepspeed.initialize
+    topo = None if autotp else Topology.build(ml.tensor_parallel_size)
     # the imports (and an earlier layout's) out of the engine set-up's gc.collect(); before the
     # model, which is garbage once this layout is done
     freeze_imported_objects()
-    model = build_model(spec, topo.tp_group, topo.dp_group, ml)
+    model = build_model(spec, None if autotp else topo.tp_group,
+                        None if autotp else topo.dp_group, ml, autotp=autotp)
     vocab = model_config(spec).vocab_size
     me = initialize(model, ds_config, topology=topo)
+    topo = me.topology
     measured = me.engine_scale
     if role == "layout" and spec["inject_wrong_scale"]:
         # Deliberately wrong calibration (for the tool's own tests): the engine scale off by the
@@ -191,7 +229,7 @@ def run_training(spec: Dict[str, Any], role: str) -> Dict[str, Any]:
     dist.all_gather_object(everyone, groups)
     record.update(
         groups=everyone, zero_stage=int(engine.zero_optimization_stage()),
-        world=dist.get_world_size(), dp=topo.dp_size, tp=topo.tp_size,
+        world=dist.get_world_size(), dp=topo.dp_size, tp=topo.tp_size, autotp=autotp,
         gas=int(engine.gradient_accumulation_steps()), micro=micro,
         measured_scale=dataclasses.asdict(measured), used_scale=dataclasses.asdict(used),
         torch=torch.__version__)

@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Optional
 from megaloss.cli.check_layout_pipeline import pipeline_config_notes
 
 __all__ = ["TOLERANCES", "MONITOR_SECTIONS", "TINY_LLAMA", "TINY_BERT", "training_dtype",
-           "DEFAULT_OPTIMIZER", "layout_config", "reference_config", "read_user_config",
-           "make_specs", "make_spec"]
+           "DEFAULT_OPTIMIZER", "layout_config", "reference_config", "layout_tp_size",
+           "read_user_config", "make_specs", "make_spec"]
 
 
 # Tolerances per training dtype: relative differences of the step's global loss, of the gradient
@@ -63,7 +63,8 @@ DEFAULT_OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}
 
 def layout_config(user: Dict[str, Any], job: str, num_procs: Optional[int] = None
                   ) -> Dict[str, Any]:
-    """The user's config for the layout run: monitors off, the embedding job at TP 1, the three
+    """The user's config for the layout run: monitors off, the embedding job at TP 1 (without
+    AutoTP's ``tensor_parallel`` section), the three
     batch keys reduced to micro-batch and accumulation steps (``train_batch_size`` alone is
     divided by ``GAS x DP``), and an optimizer when the config has none (both runs get it)."""
     cfg = json.loads(json.dumps(user))
@@ -72,8 +73,10 @@ def layout_config(user: Dict[str, Any], job: str, num_procs: Optional[int] = Non
         section["tensor_parallel_size"] = 1
     gas = int(cfg.setdefault("gradient_accumulation_steps", 1))
     total = cfg.pop("train_batch_size", None)  # DeepSpeed derives it from micro x GAS x DP
+    if job == "embed":  # AutoTP shards a causal LM's linears; the bi-encoder is DP only
+        cfg.pop("tensor_parallel", None)
     if "train_micro_batch_size_per_gpu" not in cfg:
-        dp = (num_procs or 1) // int(section.get("tensor_parallel_size", 1) or 1)
+        dp = (num_procs or 1) // layout_tp_size(cfg)
         cfg["train_micro_batch_size_per_gpu"] = max(1, int(total or 1) // (gas * max(dp, 1)))
     cfg.setdefault("steps_per_print", 10 ** 9)
     cfg.setdefault("optimizer", DEFAULT_OPTIMIZER)
@@ -82,7 +85,8 @@ def layout_config(user: Dict[str, Any], job: str, num_procs: Optional[int] = Non
 
 
 def reference_config(layout: Dict[str, Any], dp: int) -> Dict[str, Any]:
-    """One process, no parallelism: TP 1, ZeRO stage 0 (no partitioning, no offload), the
+    """One process, no parallelism: TP 1 (megaloss's and AutoTP's), ZeRO stage 0 (no
+    partitioning, no offload), the
     micro-batch of all DP ranks together, everything else (optimizer, scheduler, clipping,
     precision, accumulation steps, loss options) as the layout."""
     cfg = json.loads(json.dumps(layout))
@@ -90,7 +94,19 @@ def reference_config(layout: Dict[str, Any], dp: int) -> Dict[str, Any]:
     cfg["zero_optimization"] = {"stage": 0}
     cfg["megaloss"]["tensor_parallel_size"] = 1
     cfg["megaloss"].pop("pipeline_parallel_size", None)
+    cfg.pop("tensor_parallel", None)  # DeepSpeed AutoTP's section: no sharding on one device
     return cfg
+
+
+def layout_tp_size(cfg: Dict[str, Any]) -> int:
+    """The TP size of a layout config: DeepSpeed AutoTP's ``tensor_parallel.autotp_size`` when
+    above 1 (:func:`megaloss.integrations.deepspeed.config.ds_config_autotp_size`), else
+    ``megaloss.tensor_parallel_size``."""
+    from megaloss.integrations.deepspeed.config import ds_config_autotp_size
+
+    autotp = ds_config_autotp_size(cfg)
+    return autotp if autotp > 1 else int(cfg.get("megaloss", {}).get("tensor_parallel_size", 1)
+                                         or 1)
 
 
 def read_user_config(path: Optional[str]) -> Dict[str, Any]:
@@ -111,15 +127,15 @@ def read_user_config(path: Optional[str]) -> Dict[str, Any]:
 def make_specs(args: argparse.Namespace, out_dir: Path) -> List[Dict[str, Any]]:
     """One spec per ``--deepspeed_config`` (the shipped zero2.json when none is given). Exits
     with a message when ``--config_override`` is given neither once nor once per config, or
-    ``--_inject_wrong_scale`` names no layout."""
+    ``--_inject_wrong_scale`` names a number that is no layout's."""
     n = len(args.deepspeed_config or [None])
     overrides = args.config_override or [None]
     if len(overrides) not in (1, n):
         raise SystemExit(f"--config_override: give it once (for every config) or once per "
                          f"--deepspeed_config ({n}), got {len(overrides)}")
-    if args._inject_wrong_scale is not None and not 1 <= args._inject_wrong_scale <= n:
-        raise SystemExit(f"--_inject_wrong_scale {args._inject_wrong_scale}: a layout number "
-                         f"1..{n}")
+    for k in args._inject_wrong_scale or []:
+        if not 1 <= k <= n:
+            raise SystemExit(f"--_inject_wrong_scale {k}: a layout number 1..{n}")
     return [make_spec(args, out_dir, i) for i in range(n)]
 
 
@@ -130,11 +146,26 @@ def make_spec(args: argparse.Namespace, out_dir: Path, index: int = 0) -> Dict[s
     override_json = overrides[index if len(overrides) > 1 else 0]
     user = read_user_config(path)
     layout = layout_config(user, args.job, args.num_procs)
-    tp = int(layout["megaloss"].get("tensor_parallel_size", 1))
+    from megaloss.integrations.deepspeed.config import ds_config_autotp_size
+
+    autotp = ds_config_autotp_size(layout) > 1
+    tp = layout_tp_size(layout)
     pp = int(layout["megaloss"].get("pipeline_parallel_size", 1))
+    name = path or "zero2.json (shipped)"
+    if autotp:  # what megaloss refuses under AutoTP (ZeRO-3, both TP schemes, ...): said here
+        from megaloss.integrations.deepspeed.config import load_megaloss_config
+        try:
+            load_megaloss_config(layout)
+        except (TypeError, ValueError) as err:
+            raise SystemExit(f"--deepspeed_config {name}: {err}") from None
+        if pp > 1:
+            raise SystemExit(f"--deepspeed_config {name}: tensor_parallel.autotp_size={tp} with "
+                             f"megaloss.pipeline_parallel_size={pp}: AutoTP is not composed "
+                             "with megaloss's pipeline engine")
     if args.num_procs < 1 or args.num_procs % (tp * pp):
-        raise SystemExit(f"--num_procs {args.num_procs} must be a positive multiple of "
-                         f"megaloss.tensor_parallel_size={tp}"
+        what = (f"tensor_parallel.autotp_size={tp}" if autotp
+                else f"megaloss.tensor_parallel_size={tp}")
+        raise SystemExit(f"--num_procs {args.num_procs} must be a positive multiple of {what}"
                          + (f" x pipeline_parallel_size={pp}" if pp > 1 else ""))
     dp = args.num_procs // (tp * pp)
     override = json.loads(override_json) if override_json else {}
@@ -143,8 +174,14 @@ def make_spec(args: argparse.Namespace, out_dir: Path, index: int = 0) -> Dict[s
         notes.append(f"the config has no optimizer: both runs use {DEFAULT_OPTIMIZER}")
     if args.job == "embed" and int(user.get("megaloss", {}).get("tensor_parallel_size", 1)) > 1:
         notes.append("the embedding job is data parallel only: tensor_parallel_size set to 1")
+    if args.job == "embed" and ds_config_autotp_size(user) > 1:
+        notes.append("the embedding job is data parallel only: AutoTP's tensor_parallel "
+                     "section left out")
+    if autotp:
+        notes.append(f"DeepSpeed AutoTP (tensor_parallel.autotp_size {tp}) shards the model; "
+                     "megaloss's loss runs on its lm_head shard")
     return {
-        "notes": notes, "index": index, "config_name": path or "zero2.json (shipped)",
+        "notes": notes, "index": index, "config_name": name, "autotp": autotp,
         "job": args.job, "model": args.model, "config_override": override,
         "num_procs": args.num_procs, "tp": tp, "dp": dp, "pp": pp, "steps": args.steps,
         "seed": args.seed,
@@ -152,6 +189,6 @@ def make_spec(args: argparse.Namespace, out_dir: Path, index: int = 0) -> Dict[s
         "reference_config": reference_config(layout, dp), "dtype": training_dtype(layout),
         "micro": int(layout["train_micro_batch_size_per_gpu"]),
         "gas": int(layout["gradient_accumulation_steps"]),
-        "inject_wrong_scale": args._inject_wrong_scale == index + 1,
+        "inject_wrong_scale": index + 1 in (args._inject_wrong_scale or []),
         "result": str(out_dir / f"layout-{index + 1}.pt"),
     }

@@ -110,7 +110,23 @@ def test_deepspeeds_own_sequence_parallel_key_is_honoured_or_refused():
         load_megaloss_config({"sequence_parallel_size": "2"})
 
 
-def test_deepspeeds_autotp_is_refused_naming_megaloss_key():
-    with pytest.raises(ValueError, match=r"autotp_size=2.*megaloss.tensor_parallel_size=2"):
-        load_megaloss_config({"tensor_parallel": {"autotp_size": 2}})
+def test_deepspeeds_autotp_with_a_vocab_parallel_lm_head_is_accepted():
+    """megaloss's loss runs on AutoTP's lm_head shard (tests/integrations/
+    test_deepspeed_autotp.py); what it does not compose with is refused with the reason."""
+    tp = {"autotp_size": 2, "vocab_parallel_lm_head": True}
+    for stage in (0, 1, 2):
+        ml = load_megaloss_config({"tensor_parallel": tp, "zero_optimization": {"stage": stage}})
+        assert ml.tensor_parallel_size == 1
     assert load_megaloss_config({"tensor_parallel": {"autotp_size": 1}}).tensor_parallel_size == 1
+    with pytest.raises(ValueError, match=r"autotp_size=2 needs tensor_parallel\."
+                                         r"vocab_parallel_lm_head=true.*"
+                                         r"megaloss.tensor_parallel_size=2"):
+        load_megaloss_config({"tensor_parallel": {"autotp_size": 2}})
+    with pytest.raises(ValueError, match="vocab_parallel_lm_head=true"):
+        load_megaloss_config({"tensor_parallel": {"tp_size": 2, "vocab_parallel_lm_head": False}})
+    with pytest.raises(ValueError, match="ZeRO-3: DeepSpeed accepts it, but ZeRO-3 gathers"):
+        load_megaloss_config({"tensor_parallel": tp, "zero_optimization": {"stage": 3}})
+    with pytest.raises(ValueError, match="give one tensor-parallel scheme"):
+        load_megaloss_config({"tensor_parallel": tp, "megaloss": {"tensor_parallel_size": 2}})
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        load_megaloss_config({"tensor_parallel": tp, "sequence_parallel_size": 2})

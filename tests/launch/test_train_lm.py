@@ -6,9 +6,10 @@ calibrated metrics, the ``csv_monitor`` files DeepSpeed writes from ``engine.mon
 plot, and that training works: held-out cross-entropy and the train loss both fall.
 Layouts: ZeRO-0, ZeRO-1 and ZeRO-3 with DP=2 x TP=1 (ZeRO really partitions), ZeRO-2 with
 DP=1 x TP=2 (the main job's layout: vocab-parallel CE, here with ``--tie_word_embeddings``: the
-input embedding on the lm_head's vocab shard). The four layouts are jobs of the launch several
-test files share (``shared_launch`` in shared_launches.py: process start-up costs more than
-these tiny jobs).
+input embedding on the lm_head's vocab shard, and ``--activation_checkpointing``: transformers'
+non-reentrant gradient checkpointing of every decoder layer). The four layouts are jobs of the
+launch several test files share (``shared_launch`` in shared_launches.py: process start-up costs
+more than these tiny jobs).
 """
 import csv
 import json
@@ -53,7 +54,8 @@ def shared_launch_jobs(tmp_path) -> list:
         ds_config = tmp_path / f"zero{stage}-tp{tp}.json"
         ds_config.write_text(json.dumps(_ds_config(stage, tp)))
         argv = _job_args(ds_config, tmp_path / f"out-zero{stage}", tmp_path / "cache")
-        jobs.append({"job": "train_lm", "argv": argv + ["--tie_word_embeddings"] * (tp == 2)})
+        extra = ["--tie_word_embeddings", "--activation_checkpointing"] * (tp == 2)
+        jobs.append({"job": "train_lm", "argv": argv + extra})
     return jobs
 
 
@@ -73,6 +75,7 @@ def _check_outputs(out: Path, stage: int, tp: int) -> None:
         assert float(r["peak_memory_mib"]) > 0 and float(r["z_loss"]) > 0
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["dp"], summary["tp"], summary["zero_stage"]) == (2 // tp, tp, stage)
+    assert summary["activation_checkpointing"] is (tp == 2)
     assert summary["engine_loss_multiplier"] == 2 * (2 // tp)  # GAS x DP, measured
     assert summary["eval_after"]["loss"] < summary["eval_before"]["loss"] - 0.05, summary
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"]) - 0.05, (stage, rows)

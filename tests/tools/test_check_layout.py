@@ -14,6 +14,10 @@ per layout:
   exit status 1 with the summary naming that layout only;
 - PASS on DP 1 x TP 2 x PP 2 (DeepSpeed's pipeline engine; the ZeRO-2 config at ZeRO-1), tied
   embeddings (the weight on the first and the last stage).
+- DeepSpeed AutoTP (``"tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": true}``,
+  ``megaloss.tensor_parallel_size`` 1): PASS on DP 2 x TP 2 under ZeRO-2 (TP read from
+  ``autotp_size``, AutoTP's shards gathered for the comparison), and FAIL naming the cause with
+  the wrong scale injected (ZeRO-1).
 
 The 2-process run: PASS (exit status 0) for the embedding job (gathered MNR) on DP 2.
 
@@ -74,15 +78,17 @@ def background_jobs(folder, env):
     ``help``: ``--help`` from a directory outside the checkout (fast tier: its ~2.5 s of
     importing torch run on the core the single-process tests leave idle); the process.
     ``four_procs``: one launch of 4 processes: 1 ZeRO-2, 2 ZeRO-3 tied, 3 ZeRO-2 with the wrong
-    scale injected, 4 DP 1 x TP 2 x PP 2 tied; (the process, its report per layout).
+    scale injected, 4 DP 1 x TP 2 x PP 2 tied, 5 AutoTP ZeRO-2, 6 AutoTP ZeRO-1 with the wrong
+    scale injected; (the process, its report per layout).
     ``embed``: the embedding job on 2 processes; the process."""
     def four_procs():
         tmp_path = folder / "four_procs"
         tmp_path.mkdir()
         zero2 = _config(tmp_path, 2)
         proc = _run_tool(tmp_path, env, "--deepspeed_config", zero2, _config(tmp_path, 3),
-                         zero2, _pipeline_config(tmp_path), "--config_override", "{}", TIED,
-                         "{}", TIED, "--num_procs", "4", "--_inject_wrong_scale", "3")
+                         zero2, _pipeline_config(tmp_path), _autotp_config(tmp_path, 2),
+                         _autotp_config(tmp_path, 1), "--config_override", "{}", TIED, "{}",
+                         TIED, "{}", "{}", "--num_procs", "4", "--_inject_wrong_scale", "3", "6")
         return proc, _sections(proc.stdout)
 
     def embed():
@@ -128,10 +134,11 @@ def test_wrong_calibration_fails_and_names_the_cause(background):
     assert "the loss matches at step 1 but the gradient is 4 x one device's" in out
     assert "The loss multiplier in use is 16" in out and "the probe measured 4" in out
     assert "predicts 4" in out
-    # the run fails for that layout only
+    # the run fails for the layouts with the wrong scale only (3, and 6 under AutoTP)
     assert proc.returncode == 1, proc.stdout
-    assert re.search(r"summary: 3 of 4 layouts PASS; FAIL: layout 3 \(\S*zero2-tp2.json\)$",
-                     proc.stdout.strip()), proc.stdout[-500:]
+    assert re.search(r"summary: 4 of 6 layouts PASS; FAIL: layout 3 \(\S*zero2-tp2.json\), "
+                     r"layout 6 \(\S*autotp2-zero1.json\)$", proc.stdout.strip()), \
+        proc.stdout[-500:]
 
 
 @pytest.mark.deepspeed
@@ -294,3 +301,81 @@ def test_several_configs_get_a_spec_each_and_the_overrides_must_match(tmp_path):
     with pytest.raises(SystemExit, match="--_inject_wrong_scale 3: a layout number 1..2"):
         check_layout.make_specs(check_layout.parse_args(
             ["--deepspeed_config", zero2, zero3, "--_inject_wrong_scale", "3"]), tmp_path)
+
+
+def _autotp_config(tmp_path, stage: int) -> str:
+    """The shrunk shipped config with DeepSpeed AutoTP instead of megaloss's TP (its one-device
+    reference is the ZeRO-2 TP 2 layout's: stage 0, TP 1, the same batches)."""
+    with open(_config(tmp_path, stage, tp=1), encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["tensor_parallel"] = {"autotp_size": 2, "vocab_parallel_lm_head": True}
+    path = tmp_path / f"autotp2-zero{stage}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(1500)
+@FOUR_PROCS
+def test_autotp_layout_trains_like_one_device(background):
+    proc, sections = background
+    out = sections[5]
+    assert "PASS: DP 2 x TP 2 (DeepSpeed AutoTP) ZeRO-2" in out, proc.stdout + proc.stderr[-5000:]
+    assert "tensor parallel:             [0, 1] [2, 3]" in out  # AutoTP's groups
+    assert "data parallel:               [0, 2] [1, 3]" in out
+    assert "loss_multiplier 4, group ranks [0, 2]; GAS x DP = 4" in out
+    assert "initial parameters differ by 0.0e+00" in out  # AutoTP's shards gathered
+    assert "note: DeepSpeed AutoTP (tensor_parallel.autotp_size 2) shards the model" in proc.stdout
+
+
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(1500)
+@FOUR_PROCS
+def test_autotp_wrong_calibration_fails_and_names_the_cause(background):
+    proc, sections = background
+    out = sections[6]
+    assert "layout: 4 processes = DP 2 x TP 2 (DeepSpeed AutoTP), ZeRO-1" in out, out
+    assert "FAIL: grad_norm at step 1" in out, out
+    assert "the loss matches at step 1 but the gradient is 4 x one device's" in out
+
+
+def test_autotp_spec_reads_tp_from_autotp_size_and_the_reference_drops_it(tmp_path):
+    """Before AutoTP was read, the spec said TP 1 (``megaloss.tensor_parallel_size``), DP = all
+    processes, and the one-device reference kept ``tensor_parallel`` (initialize then refused
+    its topology)."""
+    path = _autotp_config(tmp_path, 2)
+    spec = check_layout.make_spec(check_layout.parse_args(
+        ["--deepspeed_config", path, "--num_procs", "4"]), tmp_path)
+    assert (spec["dp"], spec["tp"], spec["autotp"]) == (2, 2, True)
+    assert "tensor_parallel" in spec["layout_config"]
+    assert "tensor_parallel" not in spec["reference_config"]
+    assert spec["reference_config"]["train_micro_batch_size_per_gpu"] == 2 * spec["micro"]
+    # the reference is the one of megaloss's own TP 2 on the same batches
+    tp2 = check_layout.make_spec(check_layout.parse_args(
+        ["--deepspeed_config", _config(tmp_path, 2), "--num_procs", "4"]), tmp_path)
+    assert check_layout.reference_key(spec) == check_layout.reference_key(tp2)
+    with pytest.raises(SystemExit, match="multiple of tensor_parallel.autotp_size=2"):
+        check_layout.make_spec(check_layout.parse_args(
+            ["--deepspeed_config", path, "--num_procs", "3"]), tmp_path)
+    # the embedding job is data parallel only: AutoTP's section left out, with a note
+    spec = check_layout.make_spec(check_layout.parse_args(
+        ["--deepspeed_config", path, "--num_procs", "4", "--job", "embed"]), tmp_path)
+    assert (spec["dp"], spec["tp"], spec["autotp"]) == (4, 1, False)
+    assert "tensor_parallel" not in spec["layout_config"]
+    assert any("AutoTP's tensor_parallel section left out" in n for n in spec["notes"])
+
+
+def test_autotp_spec_refuses_what_megaloss_refuses_under_autotp(tmp_path):
+    for stage, tp, head, message in [(3, 1, True, "with ZeRO-3"), (2, 2, True, "not both"),
+                                     (2, 1, False, "vocab_parallel_lm_head=true")]:
+        with open(_autotp_config(tmp_path, stage), encoding="utf-8") as f:
+            cfg = json.load(f)
+        cfg["megaloss"]["tensor_parallel_size"] = tp
+        cfg["tensor_parallel"]["vocab_parallel_lm_head"] = head
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(cfg))
+        with pytest.raises(SystemExit, match=f"--deepspeed_config {path}: .*{message}"):
+            check_layout.make_spec(check_layout.parse_args(
+                ["--deepspeed_config", str(path), "--num_procs", "4"]), tmp_path)

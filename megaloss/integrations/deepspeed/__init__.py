@@ -11,15 +11,26 @@ gradient factor, the engine set-up, the calibrated training step and metrics thr
 - :mod:`.train_step`: :func:`train_step` and :func:`evaluate`.
 - :mod:`.policy_step`: :func:`policy_train_step` (GRPO family, CISPO) and
   :func:`dpo_train_step` (DPO / IPO), calibrated over the global batch.
+- :mod:`.step_checks`: the steps' micro-batch checks, agreed on by every rank before the first
+  collective (one error everywhere, no rank left waiting).
 - :mod:`.monitor`: :func:`write_metrics` (every event at the engine's global sample count, the
   x-axis DeepSpeed's own events use), :func:`continue_monitors`, :func:`close_monitors`.
 - :mod:`.checkpoint`: :func:`save_checkpoint` / :func:`load_checkpoint` (DeepSpeed's own, plus
   per-rank RNG states and an atomic ``latest``).
+- :mod:`.autotp`: megaloss's CE on the ``VocabParallelLinear`` lm_head shard of DeepSpeed AutoTP
+  (``"tensor_parallel": {"autotp_size": N, "vocab_parallel_lm_head": true}``).
 - :mod:`.grad_cache`: :func:`~.grad_cache.inner_replay_backward`, GradCache's replays as
   DeepSpeed accumulation passes (so ZeRO-2/3 accept them).
 
 Importing this package does not import ``deepspeed``; the functions import it when called.
 """
+from .autotp import (
+    AutoTPCausalLMWithLoss,
+    autotp_causal_lm_loss,
+    autotp_lm_head,
+    autotp_topology,
+    autotp_vocab_parallel_options,
+)
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from .compat import configure_launched_process, freeze_imported_objects, skip_cpu_shm_comm_build
 from .config import (
@@ -55,4 +66,6 @@ __all__ = [
     "monitor_step", "continue_monitors", "close_monitors", "save_checkpoint", "load_checkpoint",
     "resolve_checkpoint", "keep_wandb_cache_in_run_dir", "PolicyConfig", "DPOConfig",
     "policy_train_step", "dpo_train_step", "PolicyStepMetrics",
+    "autotp_lm_head", "autotp_topology", "autotp_vocab_parallel_options", "autotp_causal_lm_loss",
+    "AutoTPCausalLMWithLoss",
 ]

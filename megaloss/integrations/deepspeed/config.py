@@ -54,6 +54,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ...ops.options import (
+    DPO_LOSS_TYPES,
     CrossEntropyOptions,
     DistillationOptions,
     DPOOptions,
@@ -284,9 +285,12 @@ PolicyConfig = create_model(
     :func:`megaloss.integrations.deepspeed.policy_train_step`).
 
     Fields: every field of :class:`~megaloss.ops.options.PolicyLossOptions` (``loss_type``
-    ``"grpo"`` / ``"bnpo"`` / ``"dapo"`` / ``"dr_grpo"`` / ``"cispo"``, ``epsilon_low``,
-    ``epsilon_high``, ``delta``, ``beta``, ``entropy_coef``, ``importance_sampling_level``,
-    ``max_completion_length``; same defaults, validated together by the dataclass).
+    ``"grpo"`` / ``"bnpo"`` / ``"dapo"`` / ``"dr_grpo"`` / ``"cispo"`` / ``"sapo"`` /
+    ``"luspo"`` / ``"vespo"``, ``epsilon_low``, ``epsilon_high``, ``delta``, ``beta``,
+    ``entropy_coef``, ``importance_sampling_level``, ``max_completion_length``,
+    ``count_empty_rows``, ``kl_estimator``, ``cispo_two_sided``, ``sapo_temperature_pos`` /
+    ``_neg``, ``vespo_k_pos`` / ``vespo_lambda_pos`` / ``vespo_k_neg`` / ``vespo_lambda_neg``,
+    ``loss_agg_mode``; same defaults, validated together by the dataclass).
 
     :meth:`options` gives the :class:`~megaloss.ops.options.PolicyLossOptions`.
     """,
@@ -295,6 +299,27 @@ PolicyConfig = create_model(
 
 class _DPOSection(_OptionsSection):
     _options_cls: ClassVar[type] = DPOOptions
+
+    # label_smoothing's range depends on loss_type (robust: [0, 0.5); exo_pair: (0, 1)): each key
+    # is checked alone (the error names it; loss_type only against the list, its pairing with
+    # label_smoothing being the section's), then the dataclass checks the whole section.
+    @field_validator("*", mode="before")
+    @classmethod
+    def _validated_by_the_dataclass(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name == "loss_type":
+            if not isinstance(value, str) or value not in DPO_LOSS_TYPES:
+                raise PydanticCustomError(
+                    "megaloss_option", f"loss_type must be one of {DPO_LOSS_TYPES}, got {value!r}")
+            return value
+        return super()._validated_by_the_dataclass(value, info)
+
+    @model_validator(mode="after")
+    def _validated_whole(self) -> "_DPOSection":
+        try:
+            self.options()
+        except (ValueError, TypeError) as err:
+            raise PydanticCustomError("megaloss_option", str(err)) from None
+        return self
 
     def options(self) -> DPOOptions:
         """The :class:`~megaloss.ops.options.DPOOptions` of the loss."""
@@ -306,8 +331,9 @@ DPOConfig = create_model(
     __doc__="""Options of the preference loss (:func:`megaloss.dpo_loss`, trained by
     :func:`megaloss.integrations.deepspeed.dpo_train_step`).
 
-    Fields: every field of :class:`~megaloss.ops.options.DPOOptions` (``loss_type``
-    ``"sigmoid"`` / ``"ipo"``, ``beta``; same defaults, validated by the dataclass).
+    Fields: every field of :class:`~megaloss.ops.options.DPOOptions` (``loss_type``, one of
+    :data:`~megaloss.ops.options.DPO_LOSS_TYPES`, ``beta``, ``label_smoothing``,
+    ``discopop_tau``; same defaults, validated by the dataclass, key by key and then together).
 
     :meth:`options` gives the :class:`~megaloss.ops.options.DPOOptions`.
     """,
@@ -362,7 +388,7 @@ class MegalossConfig(_Strict):
         ce: :class:`CEConfig`.
         mnr: :class:`MNRConfig`.
         policy: :class:`PolicyConfig` (the policy-gradient losses).
-        dpo: :class:`DPOConfig` (DPO / IPO).
+        dpo: :class:`DPOConfig` (DPO, IPO and TRL's other pairwise loss types).
         distillation: :class:`DistillationConfig`, or ``None`` (default): the causal-LM loss
             is the cross-entropy. Given, the loss is the distillation loss and ``ce`` must not
             be given (refused: its keys would be ignored).
@@ -393,13 +419,30 @@ class MegalossConfig(_Strict):
         return section.loss_reduction
 
 
+def _section_keys(loc: tuple) -> list:
+    """The keys the section at ``loc`` (a pydantic error location without its last key) takes."""
+    model: Any = MegalossConfig
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = next((a for a in typing.get_args(field.annotation) if isinstance(a, type)
+                      and issubclass(a, BaseModel)), field.annotation)
+    return list(getattr(model, "model_fields", {}))
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         path = ".".join([SECTION] + [str(p) for p in e["loc"]])
-        lines.append(f"{path}: {e['msg']}" + (f" (got {e['input']!r})" if "input" in e
-                                               and e["type"] != "missing" and not
-                                               isinstance(e["input"], dict) else ""))
+        line = f"{path}: {e['msg']}" + (f" (got {e['input']!r})" if "input" in e
+                                        and e["type"] != "missing" and not
+                                        isinstance(e["input"], dict) else "")
+        if e["type"] == "extra_forbidden" and e["loc"]:
+            near = _closest(str(e["loc"][-1]), _section_keys(tuple(e["loc"][:-1])))
+            if near is not None:
+                line += f"; did you mean {'.'.join([SECTION, *map(str, e['loc'][:-1]), near])!r}?"
+        lines.append(line)
     return "invalid ds_config section: " + "; ".join(lines)
 
 
@@ -449,8 +492,17 @@ def _with_deepspeed_keys(ds_config: Mapping[str, Any], section: Mapping[str, Any
       ``megaloss.sequence_parallel_size`` when the section does not; two different values are an
       error (DeepSpeed's batch arithmetic would divide by one, megaloss's groups by the other).
     - ``"tensor_parallel": {"autotp_size": N > 1}`` makes DeepSpeed shard the model's linear
-      layers itself (AutoTP), which megaloss's vocab-parallel lm_head does not compose with:
-      refused, naming ``megaloss.tensor_parallel_size``.
+      layers itself (AutoTP, deepspeed 0.19.8 ``deepspeed/runtime/engine.py``). megaloss
+      computes its loss on AutoTP's lm_head shard
+      (:mod:`megaloss.integrations.deepspeed.autotp`) when that head is a
+      ``VocabParallelLinear``: ``"vocab_parallel_lm_head": true`` is required (DeepSpeed's
+      ``null`` default makes it one only for a tied head under a Hugging Face
+      ``embedding_rowwise`` plan, and ``false`` keeps full-vocabulary logits). Refused, with the
+      reason: ``vocab_parallel_lm_head`` not ``true``; ``megaloss.tensor_parallel_size > 1`` too
+      (megaloss's own vocab-parallel lm_head and its groups; one TP scheme at a time); ZeRO-3
+      (DeepSpeed accepts it, but gathers the head's shard only inside the head's own forward,
+      which megaloss's loss does not call: the weight it reads is ZeRO-3's empty placeholder);
+      ``sequence_parallel_size > 1`` (not composed with AutoTP's groups yet).
     """
     if "sequence_parallel_size" in ds_config:
         sp = ds_config["sequence_parallel_size"]
@@ -463,13 +515,47 @@ def _with_deepspeed_keys(ds_config: Mapping[str, Any], section: Mapping[str, Any
                 f"ds_config sequence_parallel_size={sp} (DeepSpeed's key) differs from "
                 f"{SECTION}.sequence_parallel_size={ml.sequence_parallel_size}: give one of them, "
                 "or the same value in both")
-    tp_section = ds_config.get("tensor_parallel")
-    if isinstance(tp_section, Mapping):
-        autotp = tp_section.get("autotp_size", tp_section.get("tp_size", 1))
-        if isinstance(autotp, int) and not isinstance(autotp, bool) and autotp > 1:
-            raise ValueError(
-                f"ds_config tensor_parallel.autotp_size={autotp}: DeepSpeed's AutoTP shards the "
-                f"model itself, which megaloss's vocab-parallel lm_head does not compose with; "
-                f"set {SECTION}.tensor_parallel_size={autotp} instead (and remove "
-                "tensor_parallel)")
+    autotp = ds_config_autotp_size(ds_config)
+    if autotp > 1:
+        _check_autotp(ds_config, ds_config["tensor_parallel"], autotp, ml)
     return ml
+
+
+def ds_config_autotp_size(ds_config: Any) -> int:
+    """``tensor_parallel.autotp_size`` of a ds_config dict (DeepSpeed's older spelling
+    ``tensor_parallel.tp_size`` too); 1 when absent or not an int."""
+    section = ds_config.get("tensor_parallel") if isinstance(ds_config, Mapping) else None
+    if not isinstance(section, Mapping):
+        return 1
+    size = section.get("autotp_size", section.get("tp_size", 1))
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
+
+
+def _check_autotp(ds_config: Mapping[str, Any], tp_section: Mapping[str, Any], autotp: int,
+                  ml: MegalossConfig) -> None:
+    """Refuse what megaloss's loss on DeepSpeed AutoTP's lm_head shard does not compose with
+    (see :func:`_with_deepspeed_keys`)."""
+    where = f"ds_config tensor_parallel.autotp_size={autotp}"
+    if tp_section.get("vocab_parallel_lm_head") is not True:
+        raise ValueError(
+            f"{where} needs tensor_parallel.vocab_parallel_lm_head=true: megaloss computes the "
+            "loss on the lm_head's vocabulary shard (DeepSpeed's VocabParallelLinear); without "
+            "it AutoTP keeps full-vocabulary logits; or set "
+            f"{SECTION}.tensor_parallel_size={autotp} instead of AutoTP (and remove "
+            "tensor_parallel)")
+    if ml.tensor_parallel_size > 1:
+        raise ValueError(
+            f"{where} and {SECTION}.tensor_parallel_size={ml.tensor_parallel_size}: give one "
+            "tensor-parallel scheme (AutoTP's shards and groups, or megaloss's vocab-parallel "
+            "lm_head and its own groups), not both")
+    zero = ds_config.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    if stage == 3:
+        raise ValueError(
+            f"{where} with ZeRO-3: DeepSpeed accepts it, but ZeRO-3 gathers the lm_head's shard "
+            "only inside the head's own forward, which megaloss's loss does not call (it reads "
+            "the weight from the hidden states' side, without logits); use ZeRO 0, 1 or 2")
+    if ml.sequence_parallel_size > 1:
+        raise ValueError(
+            f"{where} with sequence_parallel_size={ml.sequence_parallel_size}: megaloss's loss "
+            "on AutoTP's lm_head is not composed with sequence parallelism yet")

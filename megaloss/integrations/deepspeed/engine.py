@@ -23,13 +23,14 @@ import copy
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from ...calibration import EngineScale, LossCalibrator, loss_weight_dtype
 from ...parallel.topology import Topology
+from .autotp import ds_config_autotp_size
 from .compat import skip_cpu_shm_comm_build
 from .config import MegalossConfig, load_megaloss_config
 from .mpu import DeepSpeedMPU
@@ -155,7 +156,8 @@ class MegalossEngine:
 
 
 def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str, Any]], *,
-               topology: Topology, optimizer: Optional[torch.optim.Optimizer] = None,
+               topology: Optional[Topology] = None,
+               optimizer: Union[None, torch.optim.Optimizer, Callable[..., Any]] = None,
                lr_scheduler: Any = None, output_dir: Optional[str] = None,
                ignore_index: int = -100) -> MegalossEngine:
     """Build the DeepSpeed engine with megaloss's groups, gradient-scale probe and calibrator.
@@ -169,10 +171,18 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
         ds_config: path or dict; its ``"megaloss"`` section is validated, and its
             ``tensor_parallel_size`` must equal ``topology.tp_size``.
         topology: the process groups (e.g. ``Topology.build(tensor_parallel_size)``); an
-            ``sp`` of size 1.
+            ``sp`` of size 1. ``None`` (and only ``None``) under DeepSpeed AutoTP
+            (``"tensor_parallel": {"autotp_size": N, "vocab_parallel_lm_head": true}``): the
+            groups are AutoTP's, built inside ``deepspeed.initialize``
+            (:func:`~.autotp.autotp_topology`); ``module`` is then a ``*ForCausalLM`` (wrapped
+            here in :class:`~.autotp.AutoTPCausalLMWithLoss` with the config's CE options) or
+            that wrapper, sharded by AutoTP, the loss computed on its lm_head shard, and the
+            gradient factor measured on a probe engine with AutoTP's groups.
         optimizer: a ``torch.optim`` optimizer, or None to let the ds_config's ``"optimizer"``
             section build one (use ``"torch_adam": true`` on CPU: DeepSpeed's fused/CPU Adam
-            would JIT-compile an op).
+            would JIT-compile an op). Under AutoTP a callable ``params -> optimizer`` instead of
+            an optimizer: AutoTP replaces the sharded layers' Parameters inside
+            ``deepspeed.initialize``, so an optimizer built beforehand holds the unsharded ones.
         lr_scheduler: optional client scheduler (else the ds_config's ``"scheduler"``).
         output_dir: the run's output folder: monitors without an ``output_path`` write to
             ``<output_dir>/monitor``, and W&B (unless ``WANDB_DIR`` is set) to
@@ -183,7 +193,8 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
 
     Raises:
         ValueError: bad ``"megaloss"`` section, or a TP size that differs from ``topology``.
-        TypeError: ``topology`` is not a Topology.
+        TypeError: ``topology`` is not a Topology; under AutoTP a ``torch.optim.Optimizer``
+            instance, or a module that is neither a ``*ForCausalLM`` nor the AutoTP wrapper.
         megaloss.calibration.EngineScaleError: the engine reduces gradients in a way megaloss
             cannot compensate.
     """
@@ -205,6 +216,9 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
             os.environ["WANDB_DIR"] = _OWN_WANDB_DIR[0] = os.path.abspath(output_dir)
     if _enabled(cfg, "wandb"):
         keep_wandb_cache_in_run_dir()
+    if ds_config_autotp_size(cfg) > 1:
+        return _initialize_autotp(module, cfg, ml, topology=topology, optimizer=optimizer,
+                                  lr_scheduler=lr_scheduler, ignore_index=ignore_index)
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a megaloss Topology, got {type(topology).__name__}")
     if ml.tensor_parallel_size != topology.tp_size:
@@ -231,3 +245,48 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
                                 engine_scale=scale, ignore_index=ignore_index,
                                 weight_dtype=loss_weight_dtype(module))
     return MegalossEngine(engine, opt, sched, calibrator, ml, cfg, topology, mpu)
+
+
+def _initialize_autotp(module: nn.Module, cfg: Dict[str, Any], ml: MegalossConfig, *,
+                       topology: Optional[Topology], optimizer: Any, lr_scheduler: Any,
+                       ignore_index: int) -> MegalossEngine:
+    """:func:`initialize` under DeepSpeed AutoTP (the ds_config's ``tensor_parallel`` section is
+    already checked by :func:`~.config.load_megaloss_config`): no megaloss mpu (AutoTP's engine
+    sets its own, ``deepspeed.utils.groups``), the probe built with the same config (so with
+    AutoTP's groups), then the engine and the topology read from its groups."""
+    import deepspeed
+
+    from .autotp import AutoTPCausalLMWithLoss, autotp_topology
+
+    if topology is not None:
+        raise ValueError("under AutoTP (ds_config tensor_parallel.autotp_size > 1) the process "
+                         "groups are AutoTP's, built inside deepspeed.initialize: pass "
+                         "topology=None (megaloss reads them with autotp_topology)")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("under AutoTP pass the optimizer as a callable params -> optimizer (e.g. "
+                        "lambda params: torch.optim.AdamW(params, lr=...)) or a ds_config "
+                        "'optimizer' section: AutoTP replaces the sharded layers' Parameters "
+                        "inside deepspeed.initialize, so an optimizer built before holds the "
+                        "unsharded ones")
+    from ..hf.causal_lm import CausalLMWithLoss
+
+    if isinstance(module, CausalLMWithLoss):
+        raise TypeError("under AutoTP pass the *ForCausalLM itself (or AutoTPCausalLMWithLoss): "
+                        "CausalLMWithLoss replaced its nn.Linear lm_head, which AutoTP shards")
+    if not isinstance(module, AutoTPCausalLMWithLoss):
+        if not (hasattr(module, "base_model") and hasattr(module, "get_output_embeddings")):
+            raise TypeError(f"under AutoTP the module must be a Hugging Face *ForCausalLM (or "
+                            f"AutoTPCausalLMWithLoss), got {type(module).__name__}: AutoTP "
+                            "shards its nn.Linear lm_head inside deepspeed.initialize")
+        module = AutoTPCausalLMWithLoss(module, options=ml.ce.options(ignore_index))
+    scale = probe_deepspeed(cfg, mpu=None, backward="engine")
+    # lazily read: DeepSpeed consumes it after AutoTP's replacement (runtime/engine.py)
+    params = (p for p in module.parameters() if p.requires_grad)
+    engine, opt, _, sched = deepspeed.initialize(
+        model=module, model_parameters=params if optimizer is None else None,
+        optimizer=optimizer, lr_scheduler=lr_scheduler, config=cfg)
+    topology = autotp_topology(engine)
+    calibrator = LossCalibrator(topology, loss_reduction=ml.loss_reduction,
+                                engine_scale=scale, ignore_index=ignore_index,
+                                weight_dtype=loss_weight_dtype(module))
+    return MegalossEngine(engine, opt, sched, calibrator, ml, cfg, topology, None)

@@ -16,6 +16,7 @@ import torch
 from ...calibration.engine_scale import EngineScale, ProbeModule, measure_grad_scale
 from ...parallel.comm import all_reduce_max_
 from ...parallel.groups import GroupLike, group_ranks
+from .autotp import ds_config_autotp_size
 from .compat import skip_cpu_shm_comm_build
 
 __all__ = ["probe_deepspeed", "engine_reduce_group"]
@@ -85,8 +86,22 @@ def probe_deepspeed(config: Mapping[str, Any], *, mpu: Any = None, group: GroupL
     # probe's torch SGD (lr 0) never updates anything, and the flag is set on this copy only.
     cfg["zero_allow_untested_optimizer"] = True
     module = ProbeModule(torch.float32)
+    if ds_config_autotp_size(cfg) > 1:
+        # AutoTP: the engine builds its tensor- and data-parallel groups and reduces over the
+        # latter (deepspeed 0.19.8 runtime/engine.py, _configure_tensor_parallel_states); the
+        # flag skips the sharding of the probe's one parameter (_apply_autotp_partitioning
+        # returns at once), which has no transformer layers or lm_head to shard.
+        module.ds_autotp_parsed = True
     engine, *_ = deepspeed.initialize(
         model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.0), config=cfg, mpu=mpu)
+    check = getattr(engine, "first_dataloader_check", None)
+    if check is not None:
+        # AutoTP's engine asserts on its first forward that the TP ranks got equal inputs
+        # (runtime/engine.py, check_dataloader_inputs_same_across_ranks); the probe's
+        # coefficients differ per global rank on purpose, and each rank measures only over its
+        # own reduction group (the DP group), which holds no TP peer.
+        check.remove()
+        engine.first_dataloader_check = None
     try:
         reduce_group = engine_reduce_group(engine)
         mismatch = group is not _UNSET and group_ranks(group) != group_ranks(reduce_group)

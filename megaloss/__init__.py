@@ -40,6 +40,7 @@ from .calibration import (
     StepCalibration,
     compute_loss_weights,
     probe_ddp,
+    probe_fsdp,
     probe_no_engine,
 )
 from .losses import (
@@ -92,6 +93,7 @@ _LAZY = {
     "MegalossConfig": "megaloss.integrations.deepspeed.config",
     "load_megaloss_config": "megaloss.integrations.deepspeed.config",
     "CausalLMWithLoss": "megaloss.integrations.hf.causal_lm",
+    "CausalLMWithLogProbs": "megaloss.integrations.hf.causal_lm_log_probs",
     "CausalLMWithDistillation": "megaloss.integrations.hf.distillation",
 }
 
@@ -116,7 +118,7 @@ __all__ = [
     "DPOOptions", "DPOOutput", "dpo_loss", "dpo_pair_weights", "dpo_metrics", "sequence_log_probs",
     # calibration
     "LossCalibrator", "StepCalibration", "compute_loss_weights", "EngineScale",
-    "EngineScaleError", "probe_no_engine", "probe_ddp",
+    "EngineScaleError", "probe_no_engine", "probe_ddp", "probe_fsdp",
     # integrations (loaded on first use)
     *_LAZY,
 ]

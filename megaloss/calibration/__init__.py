@@ -5,6 +5,8 @@
 - :mod:`.engine_scale`: measure, with a probe through the real engine path, the factor an engine
   (none, DDP) applies to gradients, and the per-rank loss multiplier undoing it (the DeepSpeed
   probe is :func:`megaloss.integrations.deepspeed.probe_deepspeed`).
+- :mod:`.fsdp_scale`: the same for PyTorch FSDP2 (``fully_shard``, 1-D or HSDP):
+  :func:`probe_fsdp`.
 - :mod:`.calibrator`: :class:`LossCalibrator` / :class:`StepCalibration`, the per-step object a
   training loop or engine integration calls.
 """
@@ -16,6 +18,7 @@ from .engine_scale import (
     probe_ddp,
     probe_no_engine,
 )
+from .fsdp_scale import probe_fsdp
 from .weights import (
     LOSS_REDUCTIONS,
     LossWeights,
@@ -28,7 +31,7 @@ from .weights import (
 
 __all__ = [
     "LossCalibrator", "StepCalibration", "EngineScale", "EngineScaleError", "measure_grad_scale",
-    "probe_no_engine", "probe_ddp", "LOSS_REDUCTIONS", "LossWeights", "compute_loss_weights",
-    "loss_weight_dtype", "raw_token_weights", "sample_ids_from_boundaries",
+    "probe_no_engine", "probe_ddp", "probe_fsdp", "LOSS_REDUCTIONS", "LossWeights",
+    "compute_loss_weights", "loss_weight_dtype", "raw_token_weights", "sample_ids_from_boundaries",
     "split_for_sequence_parallel",
 ]

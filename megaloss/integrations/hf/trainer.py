@@ -49,13 +49,71 @@ all-reduce of 4 numbers at the end), not the stock Trainer's mean of per-batch m
 ``gather_for_metrics`` drops, ``accelerate/accelerator.py``) are left out. The wrapped model
 returns no logits, so evaluation gives no predictions (``compute_metrics`` is not called).
 
-Scope: data parallelism (DDP, DeepSpeed ZeRO 0-3). Tensor and sequence parallelism are refused
-with the reason: accelerate builds the engine without megaloss's ``Topology``, so the head would
-not be vocab-parallel over a TP group and the Trainer's sampler gives every rank whole sequences,
-not sequence-parallel slices; megaloss's own DeepSpeed loop supports both.
+Scope: data parallelism (DDP, DeepSpeed ZeRO 0-3), and DeepSpeed AutoTP. megaloss's own
+tensor parallelism and sequence parallelism are refused with the reason: accelerate builds the
+engine without megaloss's ``Topology``, so the head would not be vocab-parallel over a TP group
+and the Trainer's sampler gives every rank whole sequences, not sequence-parallel slices;
+megaloss's own DeepSpeed loop supports both.
+
+DeepSpeed AutoTP (``"tensor_parallel": {"autotp_size": N, "vocab_parallel_lm_head": true}`` in the
+ds_config, ZeRO 0-2): what transformers 5.x and accelerate 1.x do with that section is
+everything AutoTP needs: transformers' ``deepspeed_init``
+(``transformers/integrations/deepspeed.py``) calls ``deepspeed.tp_model_init``, which in
+deepspeed 0.19.8 only records the TP size (the sharding happens inside ``deepspeed.initialize``,
+``_apply_autotp_partitioning``); accelerate's ``_prepare_deepspeed``
+(``accelerate/accelerator.py``) makes a ``("tp",)`` device mesh, with which its data loaders
+give the ranks of one TP group the same batches (``accelerate/data_loader.py``, process index
+``// tp``); transformers' ``get_tp_size`` reads ``autotp_size`` (used by the stock
+``num_items_in_batch`` / loss scale, which this class replaces). The stock loss would run on
+AutoTP's vocab-parallel head without gathering its logits; here the model is wrapped in
+:class:`~megaloss.integrations.deepspeed.autotp.AutoTPCausalLMWithLoss` instead (its
+``nn.Linear`` lm_head is what AutoTP shards into a ``VocabParallelLinear``; megaloss's CE then
+runs on that shard), the calibration's all-reduce runs over the engine's data-parallel group
+(AutoTP's, without the TP peers, which hold the same batch), and the engine scale is measured
+on a probe engine of the same ds_config, as above. Tied embeddings are refused (as by
+``AutoTPCausalLMWithLoss``).
+
+PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``), two ways in:
+
+- accelerate's FSDP2 (``TrainingArguments(fsdp=True, fsdp_config={"version": 2, ...})`` or an
+  accelerate ``FullyShardedDataParallelPlugin(fsdp_version=2)``): ``Accelerator.prepare`` shards
+  the wrapper with ``fsdp2_prepare_model`` (``accelerate/utils/fsdp_utils.py``): ``fully_shard``
+  on each module its auto-wrap policy picks (the transformer policy reads
+  ``_no_split_modules``), on the input embedding, on ``[final norm, get_output_embeddings()]``
+  (``[final norm, input embedding, output embedding]`` when tied) with
+  ``reshard_after_forward=False``, then on the model as the root. The wrapper exposes the
+  wrapped model's ``_no_split_modules`` and ``get_output_embeddings`` (the loss head) to it, so
+  it gets the layout accelerate gives the plain ``*ForCausalLM``: decoder layers in their own
+  units, the loss head in the output-embedding unit (with the input embedding when tied; without
+  ``get_output_embeddings`` the tied weight would sit in the embedding's unit and also be read by
+  the root's head: torch's duplicate-parameter error at the first forward). The loss head's
+  forward is a module call inside that unit, which unshards its weight first.
+  accelerate 1.15 enables FSDP only for accelerator-backed distributed types
+  (``accelerate/state.py``: ``MULTI_GPU``, ``MULTI_XPU``, ...): on CPU (``MULTI_CPU``, gloo) it
+  drops the plugin and wraps the model in DDP, so :class:`MegalossTrainer` refuses
+  ``args.fsdp`` there with the way below;
+- a model already ``fully_shard``-ed (any device, ``args.fsdp`` unset): the
+  :class:`~megaloss.CausalLMWithLoss` sharded after wrapping, with the wrapper itself as the root
+  FSDP unit (every trainable parameter a DTensor). accelerate's DDP would refuse its DTensor
+  parameters (``prepare_model``: "incompatible with DDP"), so the Trainer is told that the model
+  owns its placement and gradient reduction (transformers' flag for models sharded at load time,
+  ``is_distributed_loading_by_transformers``: ``prepare_model(evaluation_mode=True)``, no DDP, no
+  second sharding), and its ``_run_epoch`` turns FSDP2's gradient sync off on the non-final
+  micro-batches of a step (``_defer_fsdp_gradient_reduction``, here
+  ``set_requires_gradient_sync(False)``, as accelerate's ``no_sync`` does under FSDP2).
+
+Either way the calibration's all-reduce runs over the ranks of the model's mesh (which must be
+the Trainer's processes: its data loaders give each a different batch), and ``M = 1 / c`` is
+measured by :func:`megaloss.calibration.probe_fsdp` on the sharded model (its mesh, reduce dtype,
+``set_gradient_divide_factor`` and sum-only flag) with the Trainer's accumulation (``no_sync``,
+or ``sync`` with ``sync_each_batch``), before the first training forward; not assumed to be
+DDP's (FSDP2's default average gives the mesh size, a divide factor ``f`` gives ``f``). FSDP1
+(``fsdp_version`` 1) is refused: no probe measures its flat-parameter reduction.
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
@@ -69,8 +127,9 @@ from ...calibration.weights import (
     raw_token_weights,
 )
 from ...ops.labels import causal_shift
+from ...ops.validation import is_dtensor
 from ...parallel.groups import SINGLE_RANK
-from ..deepspeed.config import MegalossConfig, load_megaloss_config
+from ..deepspeed.config import MegalossConfig, ds_config_autotp_size, load_megaloss_config
 from ..deepspeed.probe import engine_reduce_group
 from .causal_lm import CausalLMWithLoss
 
@@ -94,6 +153,21 @@ def megaloss_config_from_args(args: Any) -> MegalossConfig:
     return MegalossConfig()
 
 
+def _ds_config_dict(args: Any) -> Dict[str, Any]:
+    """The ds_config of ``args`` as a dict (``{}`` without one): the one ``TrainingArguments``
+    parsed (``hf_deepspeed_config.config``), else ``args.deepspeed`` read."""
+    hf = getattr(args, "hf_deepspeed_config", None)
+    if isinstance(getattr(hf, "config", None), Mapping):
+        return dict(hf.config)
+    ds = getattr(args, "deepspeed", None)
+    if isinstance(ds, Mapping):
+        return dict(ds)
+    if isinstance(ds, (str, os.PathLike)):
+        with open(ds, encoding="utf-8") as f:
+            return json.load(f)
+    return {}
+
+
 _USE_OWN_LOOP = ("use megaloss's own DeepSpeed loop (megaloss.integrations.deepspeed.initialize "
                  "with Topology.build(...); the launch/train_lm.py job), which builds these groups")
 
@@ -107,7 +181,9 @@ def _refuse_model_parallelism(cfg: MegalossConfig, args: Any) -> None:
             f"{cfg.tensor_parallel_size}): accelerate builds the engine without megaloss's "
             "Topology, so the lm_head would not be vocab-parallel over a TP group "
             "(CausalLMWithLoss(tp_group=...)) and the engine would average over the TP ranks as "
-            f"if they held data; {_USE_OWN_LOOP}")
+            f"if they held data; {_USE_OWN_LOOP}; or DeepSpeed AutoTP in the ds_config "
+            "(tensor_parallel.autotp_size with vocab_parallel_lm_head=true, "
+            "megaloss.tensor_parallel_size 1), which MegalossTrainer runs")
     if cfg.sequence_parallel_size != 1:
         raise ValueError(
             "MegalossTrainer supports data parallelism only, not sequence parallelism "
@@ -129,6 +205,57 @@ def _refuse_model_parallelism(cfg: MegalossConfig, args: Any) -> None:
                 f"{_USE_OWN_LOOP}")
 
 
+def _fsdp2_units(model: Optional[torch.nn.Module]) -> List[torch.nn.Module]:
+    """The FSDP2 (``fully_shard``) modules under ``model`` (none without torch's FSDP2)."""
+    if model is None:
+        return []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _check_presharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (a loss wrapper) is already ``fully_shard``-ed, checked to be usable
+    as it is: the wrapper itself the root FSDP unit, every trainable parameter a DTensor.
+
+    Raises:
+        ValueError: some parameters sharded, but the wrapper is not a ``fully_shard`` root or a
+            trainable parameter is not sharded (accelerate would neither reduce it nor wrap it).
+    """
+    sharded = [n for n, p in model.named_parameters() if is_dtensor(p)]
+    if not sharded and not _fsdp2_units(model):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+    plain = [n for n, p in model.named_parameters() if p.requires_grad and not is_dtensor(p)]
+    if not isinstance(model, FSDPModule) or plain:
+        what = (f"{type(model).__name__} itself is not fully_shard-ed" if
+                not isinstance(model, FSDPModule) else f"{plain[0]} is not sharded")
+        raise ValueError(
+            f"MegalossTrainer got a partly FSDP2-sharded model ({what}): apply fully_shard to "
+            "the wrapper's modules (each decoder layer, optionally the input embedding and the "
+            "loss head) and then to the CausalLMWithLoss wrapper itself as the root, so every "
+            "parameter is sharded and reduced by FSDP2 and the loss head runs inside an "
+            "FSDP-managed forward")
+    return True
+
+
+def _expose_to_accelerate_fsdp2(wrapper: torch.nn.Module) -> None:
+    """Let accelerate's ``fsdp2_prepare_model`` lay ``wrapper`` out as it does the wrapped
+    ``*ForCausalLM`` (module docstring): its ``_no_split_modules`` (the transformer auto-wrap
+    policy's default classes) and ``get_output_embeddings`` (the loss head; tied, it joins the
+    input embedding's unit)."""
+    inner = getattr(wrapper, "model", None)
+    if inner is None:
+        return
+    no_split = getattr(inner, "_no_split_modules", None)
+    if no_split is not None and "_no_split_modules" not in wrapper.__dict__:
+        wrapper._no_split_modules = list(no_split)
+    if callable(getattr(inner, "get_output_embeddings", None)):
+        wrapper.get_output_embeddings = inner.get_output_embeddings
+
+
 class MegalossTrainer(Trainer):
     """A ``transformers.Trainer`` whose causal-LM loss is megaloss's (module docstring).
 
@@ -143,11 +270,27 @@ class MegalossTrainer(Trainer):
     After ``train()``, ``trainer.model`` is the wrapper; ``trainer.model.model`` the HF model
     (its ``lm_head`` is megaloss's head, holding the same weight Parameter).
 
+    Under DeepSpeed AutoTP (the ds_config's ``tensor_parallel.autotp_size > 1``) the model is
+    wrapped in ``AutoTPCausalLMWithLoss`` instead, and ``trainer.model.model`` is the decoder
+    (module docstring).
+
+    Under FSDP2 (module docstring): accelerate's (``args.fsdp`` with ``fsdp_config`` version 2,
+    on an accelerator), or a :class:`~megaloss.CausalLMWithLoss` already ``fully_shard``-ed with
+    the wrapper as the root (then without ``args.fsdp``; the way on CPU / gloo). Its parameters
+    stay DTensors: read them with ``full_tensor()``.
+
     Raises:
         ValueError: ``tensor_parallel_size > 1`` or ``sequence_parallel_size > 1`` in the section
             (or DeepSpeed's own ``sequence_parallel_size``), or ``args.parallelism_config`` with
             tensor / context / sequence parallelism: each refused with the reason (use
-            megaloss's own DeepSpeed loop); an invalid section.
+            megaloss's own DeepSpeed loop); an invalid section; under AutoTP what megaloss
+            refuses there (``vocab_parallel_lm_head`` unset, ZeRO-3).
+        TypeError: under AutoTP a ``CausalLMWithLoss`` (its lm_head is no ``nn.Linear``).
+        ValueError (FSDP): ``args.fsdp`` where accelerate does not enable FSDP (CPU: it would
+            train DDP), naming the pre-sharded way; accelerate's FSDP1; a partly sharded wrapper
+            (the root not ``fully_shard``-ed, a trainable parameter not sharded); a
+            ``*ForCausalLM`` sharded before wrapping (``CausalLMWithLoss``'s refusal); a mesh
+            whose ranks are not the Trainer's processes (on the first training micro-batch).
         megaloss.calibration.EngineScaleError: on the first training micro-batch, an engine
             whose gradient scale megaloss cannot compensate.
     """
@@ -167,15 +310,103 @@ class MegalossTrainer(Trainer):
         self.megaloss_config = cfg
         self.loss_reduction = cfg.ce.loss_reduction
         assert self.loss_reduction in LOSS_REDUCTIONS
-        if model is not None and not isinstance(model, CausalLMWithLoss):
+        ds_dict = _ds_config_dict(args)
+        self.autotp_size = ds_config_autotp_size(ds_dict)
+        if self.autotp_size > 1:  # module docstring; what megaloss refuses under AutoTP, here
+            load_megaloss_config(ds_dict)  # vocab_parallel_lm_head, ZeRO-3, both TP schemes
+            model = self._autotp_model(model, cfg)
+        elif model is not None and not isinstance(model, CausalLMWithLoss):
             model = CausalLMWithLoss(model, options=cfg.ce.options())
+        presharded = model is not None and _check_presharded(model)
         self._parts = torch.zeros(3, dtype=torch.float64)  # ce, z, tokens since the last log
         self._parts_steps = 0
         self._eval_parts = torch.zeros(4, dtype=torch.float64)  # sum u*l, sum u*z, sum u, tokens
         self._engine_scale: Optional[tuple] = None  # (id of the engine, measured 1 / c)
+        self._fsdp_group_cache: Optional[tuple] = None  # (id of the model, its mesh's group)
         super().__init__(model=model, args=args, **kwargs)
+        self._setup_fsdp2(presharded)
+
+    def _setup_fsdp2(self, presharded: bool) -> None:
+        """Accelerate's FSDP2 or a pre-sharded model (module docstring); the refusals."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if self.is_fsdp_enabled and getattr(plugin, "fsdp_version", 1) != 2:
+            raise ValueError(
+                "MegalossTrainer supports accelerate's FSDP2 (fsdp_config={'version': 2}), not "
+                "FSDP1: megaloss measures FSDP2's gradient factor (probe_fsdp), not FSDP1's "
+                "flat-parameter reduction")
+        if self.is_fsdp_enabled:
+            if not presharded:
+                _expose_to_accelerate_fsdp2(self.model)
+            return
+        if getattr(self.args, "fsdp", None) and not presharded:
+            raise ValueError(
+                "TrainingArguments.fsdp is set, but accelerate did not enable FSDP "
+                f"(distributed type {self.accelerator.distributed_type}): accelerate 1.x enables "
+                "it only on accelerators (accelerate/state.py), and on CPU would train plain DDP. "
+                "For FSDP2 on CPU / gloo, shard the model before the Trainer: wrap it "
+                "(megaloss.CausalLMWithLoss(model, options=...)), apply "
+                "torch.distributed.fsdp.fully_shard to each decoder layer and then to the wrapper "
+                "as the root, and pass the wrapper without args.fsdp")
+        if presharded:
+            # transformers' path for a model that owns its sharding (no DDP, no second
+            # fully_shard: Trainer._prepare_for_training; no_sync: below)
+            self.is_distributed_loading_by_transformers = True
+
+    @staticmethod
+    def _autotp_model(model: Optional[torch.nn.Module], cfg: MegalossConfig):
+        """The model under DeepSpeed AutoTP: ``AutoTPCausalLMWithLoss`` of the ``*ForCausalLM``
+        (AutoTP shards its ``nn.Linear`` lm_head inside ``deepspeed.initialize``)."""
+        from ..deepspeed.autotp import AutoTPCausalLMWithLoss
+
+        if model is None or isinstance(model, AutoTPCausalLMWithLoss):
+            return model
+        if isinstance(model, CausalLMWithLoss):
+            raise TypeError("under DeepSpeed AutoTP (ds_config tensor_parallel.autotp_size > 1) "
+                            "pass the *ForCausalLM itself (or AutoTPCausalLMWithLoss): "
+                            "CausalLMWithLoss replaced its nn.Linear lm_head, which AutoTP "
+                            "shards")
+        return AutoTPCausalLMWithLoss(model, options=cfg.ce.options())
 
     # process groups and the engine's scale ---------------------------------------------------
+    def _fsdp2_model(self) -> Optional[torch.nn.Module]:
+        """The trained model when it is ``fully_shard``-ed (accelerate's FSDP2 after
+        ``prepare``, or pre-sharded), else None."""
+        model = getattr(self, "model", None)
+        return model if _fsdp2_units(model) else None
+
+    def _fsdp2_accumulation(self) -> str:
+        """How the Trainer accumulates under FSDP2 (:func:`~megaloss.calibration.probe_fsdp`'s
+        ``accumulation``): ``no_sync`` (accelerate's ``no_sync`` / the Trainer's
+        ``_defer_fsdp_gradient_reduction`` turn the sync off on non-final micro-batches),
+        ``sync`` with ``sync_each_batch``."""
+        kwargs = self.accelerator.gradient_state.plugin_kwargs
+        return "sync" if kwargs.get("sync_each_batch", False) else "no_sync"
+
+    def _fsdp2_group(self, model: torch.nn.Module):
+        """The process group over the ranks of ``model``'s FSDP2 mesh (both dimensions for
+        HSDP), checked to be the Trainer's processes.
+
+        Raises:
+            ValueError: the mesh's ranks are not all of accelerate's processes.
+        """
+        if self._fsdp_group_cache is not None and self._fsdp_group_cache[0] == id(model):
+            return self._fsdp_group_cache[1]
+        from ...calibration.fsdp_scale import _reduce_group, _settings_of_module
+
+        settings = _settings_of_module(model)
+        meshes = {tuple(s["mesh"].mesh.reshape(-1).tolist()) for s in settings}
+        ranks = sorted(next(iter(meshes))) if settings else []
+        processes = list(range(self.accelerator.num_processes))
+        if len(meshes) != 1 or ranks != processes:
+            raise ValueError(
+                f"MegalossTrainer under FSDP2 needs one mesh over the Trainer's processes "
+                f"{processes}, got meshes {sorted(meshes)}: accelerate's data loaders give every "
+                "process its own batch, so the calibration and the gradient reduction must span "
+                "them all")
+        group = _reduce_group(settings[0]["mesh"])
+        self._fsdp_group_cache = (id(model), group)
+        return group
+
     def _engine(self) -> Any:
         """The engine accelerate wrapped the model in (a DeepSpeed engine, DDP), or None."""
         wrapped = getattr(self, "model_wrapped", None)
@@ -187,6 +418,9 @@ class MegalossTrainer(Trainer):
         Trainer is not distributed (even if ``torch.distributed`` is initialized)."""
         if not (dist.is_available() and dist.is_initialized()):
             return SINGLE_RANK
+        fsdp = self._fsdp2_model()
+        if fsdp is not None:  # FSDP2: its mesh's ranks
+            return self._fsdp2_group(fsdp)
         engine = self._engine()
         if engine is not None and hasattr(engine, "set_gradient_accumulation_boundary"):
             group = engine_reduce_group(engine)
@@ -204,20 +438,31 @@ class MegalossTrainer(Trainer):
         built (:mod:`megaloss.calibration.engine_scale`): DeepSpeed by a probe engine from the
         real engine's final ds_config (``engine.backward`` with ``scale_wrt_gas`` divides by its
         ``G``, the Trainer's ``scale_wrt_gas=False`` does not: ``G / c``), DDP by a probe over
-        its ``process_group``, 1 without an engine. Collective on the first training
-        micro-batch (every rank runs it)."""
-        engine = self._engine()
+        its ``process_group``, FSDP2 by :func:`~megaloss.calibration.probe_fsdp` on the sharded
+        model, 1 without an engine. Collective on the first training micro-batch (every rank
+        runs it)."""
+        fsdp = self._fsdp2_model()
+        engine = self._engine() if fsdp is None else fsdp
         key = id(engine)
         if self._engine_scale is not None and self._engine_scale[0] == key:
             return self._engine_scale[1]
-        if engine is None or self._dp_group() is SINGLE_RANK:
+        if fsdp is not None:
+            from ...calibration.fsdp_scale import probe_fsdp
+            self._fsdp2_group(fsdp)  # the mesh is the Trainer's processes
+            scale = probe_fsdp(fsdp, gas=self.args.gradient_accumulation_steps,
+                               accumulation=self._fsdp2_accumulation())
+            multiplier = scale.loss_multiplier
+        elif engine is None or self._dp_group() is SINGLE_RANK:
             multiplier = 1.0
         elif hasattr(engine, "set_gradient_accumulation_boundary"):
             from ..deepspeed.probe import probe_deepspeed
             config = getattr(getattr(engine, "_config", None), "_param_dict", None) \
                 or engine.config
-            scale = probe_deepspeed(config, mpu=getattr(engine, "mpu", None),
-                                    group=self._dp_group())
+            # under AutoTP the engine's mpu is deepspeed.utils.groups, made by the engine from
+            # the config: the probe builds its own from the config, as initialize's AutoTP path
+            # (its batch size counts every rank, as DeepSpeed's and transformers' "auto" do)
+            mpu = None if self.autotp_size > 1 else getattr(engine, "mpu", None)
+            scale = probe_deepspeed(config, mpu=mpu, group=self._dp_group())
             multiplier = scale.loss_multiplier / scale.gradient_accumulation_steps
         else:
             from ...calibration.engine_scale import probe_ddp
@@ -306,13 +551,28 @@ class MegalossTrainer(Trainer):
                                              out.num_valid_tokens.detach().double().cpu()])
             loss = out.loss / den.to(out.loss).clamp_min(torch.finfo(torch.float32).tiny)
             return (loss, {}) if return_outputs else loss
+        # FSDP2: the probe's fully_shard-ed backward runs before the model's forward
+        multiplier = self._loss_multiplier() if self._fsdp2_model() is not None else None
         out = model(shift_labels=shift_labels, loss_weights=weights, **kwargs)
-        loss = out.loss * self._loss_multiplier()
+        loss = out.loss * (self._loss_multiplier() if multiplier is None else multiplier)
         if model.training:
             z = out.z_loss.detach().double().cpu()
             self._parts[0] += float(out.loss.detach().double().cpu() - z)
             self._parts[1] += float(z)
         return (loss, {}) if return_outputs else loss
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self) -> Iterator[None]:
+        """The Trainer's ``no_sync`` for a model that owns its FSDP2 sharding (its
+        ``_run_epoch`` enters it on the non-final micro-batches of a step when the model is
+        ``fully_shard``-ed and flagged as such; transformers' own version reads its
+        ``DistributedConfig``, which a model sharded by hand has not): no gradient reduction
+        until the step's last backward, as accelerate's ``no_sync`` under FSDP2."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
 
     # evaluation ----------------------------------------------------------------------------------
     def _without_repeated_eval_rows(self, shift_labels: torch.Tensor) -> torch.Tensor:
@@ -320,13 +580,15 @@ class MegalossTrainer(Trainer):
         batch set to ``ignore_index``: the rows ``gather_for_metrics`` drops (the gathered batch,
         rank after rank, is cut to ``gradient_state.remainder`` rows)."""
         acc = getattr(self, "accelerator", None)
-        if acc is None or acc.num_processes == 1 or not acc.even_batches:
+        tp = max(1, self.autotp_size)  # the ranks of one AutoTP group read the same batches
+        if acc is None or acc.num_processes // tp == 1 or not acc.even_batches:
             return shift_labels
         state = acc.gradient_state
         if not state.end_of_dataloader or state.remainder <= 0:
             return shift_labels
         rows = shift_labels.shape[0]
-        first = acc.process_index * rows  # even_batches: every rank's last batch has `rows` rows
+        # even_batches: every data-parallel rank's last batch has `rows` rows
+        first = (acc.process_index // tp) * rows
         repeated = torch.arange(first, first + rows, device=shift_labels.device) >= \
             state.remainder
         if not bool(repeated.any()):
@@ -356,12 +618,16 @@ class MegalossTrainer(Trainer):
                         ignore_keys: Optional[List[str]] = None,
                         metric_key_prefix: str = "eval") -> Any:
         """The stock loop, then ``{prefix}_loss`` replaced by the calibrated loss of the whole
-        set (module docstring) and its parts added."""
+        set (module docstring) and its parts added. Under FSDP2 the model is resharded after it
+        (units with ``reshard_after_forward=False``, the root's default, keep their parameters
+        unsharded after a forward without backward)."""
         self._eval_parts = torch.zeros(4, dtype=torch.float64)
         output = super().evaluation_loop(dataloader, description,
                                          prediction_loss_only=prediction_loss_only,
                                          ignore_keys=ignore_keys,
                                          metric_key_prefix=metric_key_prefix)
+        for unit in _fsdp2_units(getattr(self, "model", None)):
+            unit.reshard()
         num, z, den, tokens = self._all_reduce_cpu(self._eval_parts).tolist()
         scale = 1.0 / den if den > 0 else 0.0
         output.metrics[f"{metric_key_prefix}_loss"] = num * scale
@@ -373,11 +639,19 @@ class MegalossTrainer(Trainer):
     # logging -------------------------------------------------------------------------------------
     def log(self, logs: Dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add ``ce_loss``, ``z_loss`` and ``num_valid_tokens`` (per optimizer step, averaged
-        since the last log; one all-reduce) to the Trainer's training logs."""
+        since the last log; one all-reduce) to the Trainer's training logs. Under FSDP2 the
+        Trainer's ``loss`` (the mean over ranks of ``M * sum_t w_t l_t``) is rescaled by
+        ``ranks / M``: the global loss also when ``M`` is not the rank count (a
+        ``set_gradient_divide_factor``)."""
         if "loss" in logs and self._parts_steps > 0:
             parts = self._all_reduce_cpu(self._parts[:2].clone())
             steps = self._parts_steps
             logs = dict(logs)
+            fsdp = self._fsdp2_model()
+            if (fsdp is not None and self._engine_scale is not None
+                    and self._engine_scale[0] == id(fsdp)):
+                ranks = dist.get_world_size(self._dp_group())
+                logs["loss"] = round(float(logs["loss"]) * ranks / self._engine_scale[1], 4)
             logs["ce_loss"] = round(float(parts[0]) / steps, 6)
             logs["z_loss"] = round(float(parts[1]) / steps, 8)
             logs["num_valid_tokens"] = float(self._parts[2]) / steps

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The LM job under PyTorch FSDP2 instead of DeepSpeed: launch/train_lm.sh's data, model and
+# held-out perplexity report, the Llama fully_shard-ed over all processes (CPU: gloo, GPU: NCCL),
+# megaloss's chunked CE inside the FSDP-managed forward, calibrated with probe_fsdp. Extra
+# arguments go to launch/train_lm_fsdp.py, e.g.
+#   NUM_PROCS=4 bash launch/train_lm_fsdp.sh --steps 300 --loss_reduction sample
+# Runs in the current directory: outputs go to ./runs/lm_fsdp unless --output_dir says otherwise.
+# One node: NUM_PROCS processes (default 2), a free rendezvous port unless MASTER_PORT is set.
+# Several nodes: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (torchrun's static rendezvous; run
+# this script once per node). DRY_RUN=1 prints the command instead.
+set -euo pipefail
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+JOB="${REPO}/launch/train_lm_fsdp.py"
+export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
+NUM_PROCS="${NUM_PROCS:-2}"
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+PORT="${MASTER_PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+if command -v torchrun >/dev/null 2>&1; then TORCHRUN=(torchrun)
+else TORCHRUN=(python3 -m torch.distributed.run); fi
+CMD=("${TORCHRUN[@]}" --nnodes "${NNODES}" --node_rank "${NODE_RANK}"
+     --nproc_per_node "${NUM_PROCS}" --master_addr "${MASTER_ADDR}" --master_port "${PORT}"
+     "${JOB}" "$@")
+if [[ -n "${DRY_RUN:-}" ]]; then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
+
+# The arguments and inputs, checked once before any rank starts (launch/jobs/preflight.py): one
+# line under the script's name, exit status 2.
+MEGALOSS_PROG="$(basename "$0")" MEGALOSS_WORLD_SIZE="$((NNODES * NUM_PROCS))" \
+  python3 -m launch.jobs.check_args "${JOB}" "$@" || exit $?
+for arg in "$@"; do
+  if [[ "${arg}" == "-h" || "${arg}" == "--help" ]]; then exit 0; fi
+done
+# A failing rank leaves its message in ${MEGALOSS_ERROR_FILE}.rank<r>; the lowest rank's is shown
+# once, after torchrun's own lines (launch/multinode.sh does the same for the DeepSpeed jobs).
+MEGALOSS_ERROR_FILE="$(mktemp "${TMPDIR:-/tmp}/megaloss-error.XXXXXX")"
+export MEGALOSS_ERROR_FILE
+# one thread per process unless OMP_NUM_THREADS says otherwise (torchrun's default too)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+trap '' INT USR1
+set +e
+"${CMD[@]}"
+rc=$?
+set -e
+trap - INT USR1
+cleanup() {
+  rm -f "${MEGALOSS_ERROR_FILE}" "${MEGALOSS_ERROR_FILE}".rank* "${MEGALOSS_ERROR_FILE}".stopped* \
+    "${MEGALOSS_ERROR_FILE}".left*
+}
+# Stopped on request (SIGTERM / SIGINT / SIGUSR1) and saved on every rank, no rank failed:
+# status 75 (EX_TEMPFAIL: continue with --resume).
+if ls "${MEGALOSS_ERROR_FILE}".stopped* >/dev/null 2>&1 \
+    && ! ls "${MEGALOSS_ERROR_FILE}".rank* >/dev/null 2>&1; then
+  echo "stopped on request after a checkpoint on every rank: exit status 75 (continue with" \
+    "--resume)" >&2
+  cleanup
+  exit 75
+fi
+if (( rc != 0 )); then
+  first="$(ls "${MEGALOSS_ERROR_FILE}".rank* 2>/dev/null | sort | head -n 1)"
+  if [[ -n "${first}" ]]; then echo "error: $(cat "${first}")" >&2; fi
+fi
+cleanup
+exit "${rc}"

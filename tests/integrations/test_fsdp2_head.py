@@ -1,0 +1,241 @@
+"""megaloss's Hugging Face heads under PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) on 2
+gloo ranks over a CPU DeviceMesh: a tiny float64 ``LlamaForCausalLM`` wrapped in
+:class:`CausalLMWithLoss` / :class:`CausalLMWithLogProbs` / :class:`CausalLMWithDistillation`,
+then ``fully_shard`` per decoder layer and on the wrapper as root (torchtitan's layout), the head
+in the root unit or its own unit, ``reshard_after_forward`` True and False, tied embeddings.
+
+Each case trains 2 SGD steps; each rank's loss and every full parameter after the steps
+(``DTensor.full_tensor()``) equal a single-process float64 reference on plain full logits
+(``F.cross_entropy`` / ``F.log_softmax``) within 1e-10. FSDP2 averages gradients over its ranks
+(the data-parallel mean), so the reference steps on the gradient of the global batch's
+sum-reduced loss divided by the world size. With ``MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)`` the loss is within twice eager bf16's own error (the same model cast to
+bf16, HF's logits upcast to fp32) of the float64 reference. Refusals: a sharded DTensor weight
+given to the loss functions directly (TypeError naming ``register_fsdp_forward_method``), a model
+or a teacher already sharded before wrapping (ValueError).
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megaloss.testing import run_distributed
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+WORLD, B, T, V, H = 2, 2, 8, 50, 16
+LR = 0.05
+STEPS = 2
+
+# name: (wrapper kind, head placement, reshard_after_forward, tied, mixed precision)
+CASES = {
+    "ce-root-reshard": ("ce", "root", True, False, False),
+    "ce-root-keep": ("ce", "root", False, False, False),
+    "ce-unit-reshard": ("ce", "unit", True, False, False),
+    "ce-unit-keep": ("ce", "unit", False, False, False),
+    "ce-tied-reshard": ("ce", "root", True, True, False),
+    "ce-tied-keep": ("ce", "root", False, True, False),
+    "ce-tied-unit-reshard": ("ce", "unit", True, True, False),
+    "logprobs-root-reshard": ("logprobs", "root", True, False, False),
+    "logprobs-unit-keep": ("logprobs", "unit", False, False, False),
+    "distill-root-reshard": ("distill", "root", True, False, False),
+    "distill-unit-keep": ("distill", "unit", False, False, False),
+    "ce-root-bf16": ("ce", "root", True, False, True),
+    "ce-unit-bf16": ("ce", "unit", False, True, True),
+}
+
+
+def _llama(seed, tied=False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=tied, attn_implementation="eager")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(torch.float64)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, V, (WORLD * B, T), generator=g)
+    labels = ids.clone()
+    labels[:, :2] = -100  # a prompt without loss
+    return ids, labels
+
+
+def _ref_loss(model, teacher, kind, ids, labels, dtype=torch.float64):
+    """The per-row-sum loss of HF's full logits (float64 unless ``dtype``), plain torch."""
+    logits = model(input_ids=ids).logits[:, :-1].to(dtype)
+    target = labels[:, 1:]
+    valid = target != -100
+    if kind == "ce":
+        return F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), reduction="sum")
+    logp = F.log_softmax(logits, dim=-1)
+    if kind == "logprobs":
+        picked = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
+        return -(picked * valid).sum()
+    with torch.no_grad():
+        t_logp = F.log_softmax(teacher(input_ids=ids).logits[:, :-1].to(dtype), dim=-1)
+    kl = (t_logp.exp() * (t_logp - logp)).sum(-1)  # forward KL(P_teacher || Q_student)
+    return (kl * valid).sum()
+
+
+def _wrap(model, teacher, kind, dtype):
+    from megaloss.integrations.hf import (
+        CausalLMWithDistillation,
+        CausalLMWithLogProbs,
+        CausalLMWithLoss,
+    )
+    from megaloss.ops.options import CrossEntropyOptions, DistillationOptions, LogProbsOptions
+    if kind == "ce":
+        return CausalLMWithLoss(model, options=CrossEntropyOptions(reduction="sum",
+                                                                   accum_dtype=dtype))
+    if kind == "logprobs":
+        return CausalLMWithLogProbs(model, options=LogProbsOptions(accum_dtype=dtype))
+    return CausalLMWithDistillation(model, teacher, options=DistillationOptions(
+        reduction="sum", accum_dtype=dtype))
+
+
+def _wrapper_loss(wrapper, kind, ids, labels):
+    out = wrapper(ids, labels=labels)
+    return -out.log_probs.sum() if kind == "logprobs" else out.loss
+
+
+def _run_case(rank, world, mesh, kind, place, reshard, tied, mixed):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    rows = slice(rank * B, (rank + 1) * B)
+    ref = _llama(0, tied)
+    teacher = _llama(1) if kind == "distill" else None
+    model = _llama(0, tied)
+    model.load_state_dict(ref.state_dict())
+    wrapper = _wrap(model, teacher, kind, torch.float32 if mixed else torch.float64)
+    kw = dict(mesh=mesh, reshard_after_forward=reshard)
+    if mixed:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    if place == "unit" and tied:
+        # a tied weight in one group with both users (FSDP2 refuses it in two groups)
+        fully_shard([model.model.embed_tokens, model.lm_head], **kw)
+    elif place == "unit":
+        fully_shard(model.lm_head, **kw)  # the loss head as its own FSDP unit
+    fully_shard(wrapper, **kw)
+    head_type = type(model.lm_head.weight).__name__
+    opt = torch.optim.SGD(wrapper.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    out = dict(head_type=head_type, loss_err=[], loss=[], ref_loss=[])
+    for step in range(STEPS):
+        ids, labels = _batch(step)
+        loss = _wrapper_loss(wrapper, kind, ids[rows], labels[rows])
+        with torch.no_grad():
+            ref_rank = _ref_loss(ref, teacher, kind, ids[rows], labels[rows])
+        out["loss"].append(float(loss.detach()))
+        out["ref_loss"].append(float(ref_rank))
+        out["loss_err"].append(abs(out["loss"][-1] - float(ref_rank)) / abs(float(ref_rank)))
+        if mixed and step == 0:
+            eager = _llama(0, tied)
+            eager.load_state_dict(ref.state_dict())
+            eager = eager.to(torch.bfloat16)
+            with torch.no_grad():
+                e = _ref_loss(eager, None, kind, ids[rows], labels[rows], dtype=torch.float32)
+            out["eager_bf16_err"] = abs(float(e) - float(ref_rank)) / abs(float(ref_rank))
+            out["fsdp_bf16_err"] = out["loss_err"][0]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        # FSDP2's gradient is the mean over ranks of each rank's sum: the global sum / world
+        ref_opt.zero_grad()
+        (_ref_loss(ref, teacher, kind, ids, labels) / world).backward()
+        ref_opt.step()
+    ref_params = dict(ref.named_parameters())
+    param_err = 0.0
+    names = []
+    for name, p in wrapper.named_parameters():
+        full = p.full_tensor().detach()
+        r = ref_params[name.removeprefix("model.")].detach()
+        param_err = max(param_err, float((full - r).abs().max()) / max(1.0, float(r.abs().max())))
+        names.append(name)
+    moved = max(float((a - b).abs().max()) for a, b in
+                zip(ref.parameters(), _llama(0, tied).parameters()))
+    out.update(param_err=param_err, n_params=len(names), moved=moved)
+    return out
+
+
+def _refusals(rank, world, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    import megaloss
+    from megaloss.integrations.hf import CausalLMWithDistillation, CausalLMWithLoss
+    out = {}
+    model = _llama(0)
+    fully_shard(model.lm_head, mesh=mesh)
+    weight = model.lm_head.weight
+    h = torch.randn(5, H, dtype=torch.float64)
+    lab = torch.randint(0, V, (5,))
+    for name, fn in (("ce", megaloss.linear_cross_entropy),
+                     ("logprobs", megaloss.linear_log_probs)):
+        try:
+            fn(h, weight, lab)
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type and message are what is tested
+            out[name] = f"{type(e).__name__}: {e}"
+    try:
+        megaloss.linear_distillation_loss(h, torch.randn(V, H, dtype=torch.float64), lab,
+                                          teacher_hidden_states=h, teacher_weight=weight)
+        out["distill_teacher"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["distill_teacher"] = f"{type(e).__name__}: {e}"
+    try:
+        CausalLMWithLoss(model)
+        out["wrap_after"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["wrap_after"] = f"{type(e).__name__}: {e}"
+    try:
+        CausalLMWithDistillation(_llama(2), model)
+        out["teacher"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["teacher"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    results = {name: _run_case(rank, world, mesh, *case) for name, case in CASES.items()}
+    results["refusals"] = _refusals(rank, world, mesh)
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_worker, WORLD, timeout=540)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if not c[4]])
+def test_fsdp2_float64_equals_reference(results, name):
+    for rank, res in enumerate(results):
+        r = res[name]
+        assert r["head_type"] == "DTensor", r  # the head weight really is sharded
+        assert r["moved"] > 1e-4  # the steps changed the parameters
+        assert max(r["loss_err"]) < 1e-10, (rank, r)
+        assert r["param_err"] < 1e-10, (rank, r)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[4]])
+def test_fsdp2_bf16_mixed_precision_within_eager_error(results, name):
+    for rank, res in enumerate(results):
+        r = res[name]
+        assert math.isfinite(r["fsdp_bf16_err"])
+        assert r["fsdp_bf16_err"] <= 2 * r["eager_bf16_err"], (rank, r)
+        assert max(r["loss_err"]) < 5e-2, (rank, r)  # step 2 still trains in bf16
+
+
+def test_sharded_weight_outside_fsdp_forward_is_refused(results):
+    for res in results:
+        ref = res["refusals"]
+        for key in ("ce", "logprobs", "distill_teacher"):
+            assert ref[key].startswith("TypeError"), (key, ref[key])
+            assert "DTensor" in ref[key] and "register_fsdp_forward_method" in ref[key], ref[key]
+        assert ref["wrap_after"].startswith("ValueError") and "wrap it first" in ref["wrap_after"]
+        assert ref["teacher"].startswith("ValueError") and "teacher" in ref["teacher"]

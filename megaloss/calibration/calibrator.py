@@ -49,11 +49,15 @@ class StepCalibration:
     Attributes:
         loss_weights: the :class:`~megaloss.calibration.weights.LossWeights` of the step.
         loss_multiplier: per-rank factor applied by :meth:`loss_for_backward` (``1 / c``).
+        count_empty_samples: whether :attr:`num_samples` (and the ``"sample"`` denominator)
+            counts samples without a valid token (the calibrator's option).
     """
 
     def __init__(self, loss_weights: LossWeights, local_labels: List[torch.Tensor],
-                 topology: Topology, loss_multiplier: float):
+                 topology: Topology, loss_multiplier: float, *,
+                 count_empty_samples: bool = False):
         self.loss_weights = loss_weights
+        self.count_empty_samples = count_empty_samples
         self._labels = local_labels
         self._topology = topology
         self.loss_multiplier = float(loss_multiplier)
@@ -116,7 +120,8 @@ class StepCalibration:
 
     @property
     def num_samples(self) -> torch.Tensor:
-        """Global samples with >= 1 valid token (float64 scalar, no extra collective)."""
+        """Global samples with >= 1 valid token, or every sample with ``count_empty_samples``
+        (float64 scalar, no extra collective)."""
         return self.loss_weights.num_samples
 
     def _check_index(self, i: int) -> None:
@@ -141,17 +146,22 @@ class LossCalibrator:
         sp_split: how a full sequence is cut into this SP rank's slice (default
             :func:`~megaloss.calibration.weights.split_for_sequence_parallel`); it must match how
             the inputs are split.
+        count_empty_samples: count samples without a valid token too, in
+            :attr:`StepCalibration.num_samples` and the ``"sample"`` denominator (see
+            :func:`~megaloss.calibration.weights.compute_loss_weights`; bool).
 
     Raises:
         ValueError: unknown ``loss_reduction``; an ``engine_scale`` measured over a group of
             another size than the topology's ``dp x sp`` group.
-        TypeError: ``engine_scale`` or ``topology`` of the wrong type.
+        TypeError: ``engine_scale`` or ``topology`` of the wrong type, ``count_empty_samples``
+            not a bool.
     """
 
     def __init__(self, topology: Optional[Topology] = None, *, loss_reduction: str = "token",
                  engine_scale: Optional[EngineScale] = None, ignore_index: int = -100,
                  weight_dtype: torch.dtype = torch.float32,
-                 sp_split: SpSplitFn = split_for_sequence_parallel):
+                 sp_split: SpSplitFn = split_for_sequence_parallel,
+                 count_empty_samples: bool = False):
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got "
                              f"{loss_reduction!r}")
@@ -176,6 +186,9 @@ class LossCalibrator:
         self.ignore_index = ignore_index
         self.weight_dtype = weight_dtype
         self.sp_split = sp_split
+        if not isinstance(count_empty_samples, bool):
+            raise TypeError(f"count_empty_samples must be a bool, got {count_empty_samples!r}")
+        self.count_empty_samples = count_empty_samples
 
     def begin_step(self, labels: Sequence[torch.Tensor], *,
                    cu_seqlens: Optional[Sequence[Optional[torch.Tensor]]] = None,
@@ -197,10 +210,12 @@ class LossCalibrator:
         lw = compute_loss_weights(labels, self.loss_reduction, group=topo.dp_sp_group,
                                   sp_group=topo.sp_group, ignore_index=self.ignore_index,
                                   cu_seqlens=cu_seqlens, position_ids=position_ids,
-                                  dtype=self.weight_dtype, sp_split=self.sp_split)
+                                  dtype=self.weight_dtype, sp_split=self.sp_split,
+                                  count_empty_samples=self.count_empty_samples)
         labels = [labels] if isinstance(labels, torch.Tensor) else list(labels)
         local = [self.sp_split(y, topo.sp_rank, topo.sp_size, self.ignore_index) for y in labels]
-        return StepCalibration(lw, local, topo, self.engine_scale.loss_multiplier)
+        return StepCalibration(lw, local, topo, self.engine_scale.loss_multiplier,
+                               count_empty_samples=self.count_empty_samples)
 
     def __repr__(self) -> str:
         return (f"LossCalibrator(loss_reduction={self.loss_reduction!r}, {self.topology!r}, "

@@ -19,6 +19,11 @@ would compute on the whole step's batch. ``D`` is the only global quantity: each
 ``u_t`` of the tokens it holds and one SUM all-reduce over the ``dp x sp`` group gives it (TP
 replicas hold the same tokens and are not in that group, so nothing is counted twice).
 
+``N_samples`` counts the samples with at least one valid token; with ``count_empty_samples``
+it counts every sample, also those whose tokens are all ignored (then ``D = N_samples`` of all
+samples for ``"sample"``, TRL's ``grpo`` mean over every row; ``"token"`` and ``"square"`` are
+unchanged, an empty sample adds nothing to them).
+
 Sequence parallelism. A sample split over SP ranks must count whole, so ``n_s`` must be known on
 every piece. As in XTuner, every rank of an SP group is given the *full* (unsplit) labels of its
 micro-batches: ``n_s`` is then exact locally, and only the rank's own slice (see
@@ -32,6 +37,7 @@ row start) mark packed samples.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
@@ -158,6 +164,20 @@ def raw_token_weights(labels: torch.Tensor, loss_reduction: str, *, ignore_index
     return (per_token * flat_valid).reshape(labels.shape)
 
 
+def _sample_count(labels: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+                  position_ids: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """float64 scalar: the samples of one micro-batch, with or without a valid token (the rows,
+    or the packed samples ``cu_seqlens`` / ``position_ids`` mark)."""
+    if cu_seqlens is not None:
+        n = torch.as_tensor(cu_seqlens).reshape(-1).numel() - 1
+    elif position_ids is not None and labels.numel() > 0:
+        sid = sample_ids_from_boundaries(labels, position_ids=position_ids)
+        return (sid[-1] + 1).to(torch.float64)
+    else:
+        n = math.prod(labels.shape[:-1]) if labels.numel() > 0 or labels.dim() > 1 else 0
+    return torch.tensor(float(n), dtype=torch.float64, device=device)
+
+
 @dataclass
 class LossWeights:
     """Result of :func:`compute_loss_weights` (every tensor stays on the labels' device).
@@ -166,7 +186,8 @@ class LossWeights:
         weights: per micro-batch, this rank's ``w_t`` (its SP slice), ``dtype`` as requested.
         denominator: float64 scalar ``D`` (identical on all ``dp x sp`` ranks).
         num_tokens: float64 scalar, global number of valid tokens of the step.
-        num_samples: float64 scalar, global number of samples with >= 1 valid token.
+        num_samples: float64 scalar, global number of samples with >= 1 valid token (of every
+            sample, also without one, with ``count_empty_samples``).
     """
 
     weights: List[torch.Tensor]
@@ -197,6 +218,7 @@ def compute_loss_weights(
     position_ids: Optional[Sequence[Optional[torch.Tensor]]] = None,
     dtype: torch.dtype = torch.float32,
     sp_split: SpSplitFn = split_for_sequence_parallel,
+    count_empty_samples: bool = False,
 ) -> LossWeights:
     """Global per-token loss weights for all micro-batches of one optimizer step.
 
@@ -217,6 +239,8 @@ def compute_loss_weights(
         dtype: floating dtype of the returned weights (statistics are float64).
         sp_split: ``fn(x, sp_rank, sp_size, pad_value) -> local slice`` along the sequence; the
             default is :func:`split_for_sequence_parallel`.
+        count_empty_samples: count samples without a valid token too, in ``num_samples`` and in
+            the ``"sample"`` denominator (module docstring; bool).
 
     Returns:
         :class:`LossWeights`; ``weights[i]`` has the shape of this rank's slice of ``labels[i]``
@@ -224,8 +248,11 @@ def compute_loss_weights(
 
     Raises:
         ValueError: unknown ``loss_reduction``, empty ``labels``, mismatched per-micro-batch lists.
-        TypeError: labels not integer tensors, ``dtype`` not floating.
+        TypeError: labels not integer tensors, ``dtype`` not floating, ``count_empty_samples``
+            not a bool.
     """
+    if not isinstance(count_empty_samples, bool):
+        raise TypeError(f"count_empty_samples must be a bool, got {count_empty_samples!r}")
     if loss_reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got "
                          f"{loss_reduction!r}")
@@ -255,10 +282,16 @@ def compute_loss_weights(
                                   position_ids=pos, dtype=torch.float64)
         u = sp_split(u, sp_rank, sp_size, 0.0)
         inv_n = sp_split(inv_n, sp_rank, sp_size, 0.0)
-        stats += torch.stack([u.sum(), (inv_n > 0).sum().to(torch.float64), inv_n.sum()])
+        if count_empty_samples:
+            # Every SP rank holds the full labels: the first one counts their samples, once.
+            samples = _sample_count(y, cu, pos, device) if sp_rank == 0 else stats.new_zeros(())
+        else:
+            samples = inv_n.sum()
+        stats += torch.stack([u.sum(), (inv_n > 0).sum().to(torch.float64), samples])
         local_raw.append(u)
     all_reduce_sum_(stats, group)
-    denom = stats[0]
+    # "sample" with empty samples: D is the count of every sample, not sum u (which skips them).
+    denom = stats[2] if count_empty_samples and loss_reduction == "sample" else stats[0]
     # D == 0 only when no rank has a valid token: every u_t is 0 then, and so is every weight.
     scale = torch.where(denom > 0, denom, torch.ones_like(denom)).reciprocal()
     weights = [(u * scale).to(dtype) for u in local_raw]

@@ -30,6 +30,13 @@ has a vocab-parallel form, and ``forward(..., return_stats=False)``.
   entropy bonus, GSPO's sequence ratio) on per-token log-probs, normalised over the global
   batch by the calibrator (:func:`policy_loss`).
 - :mod:`.dpo`: preference losses (DPO sigmoid, IPO) on sequence log-probs (:func:`dpo_loss`).
+- :mod:`.orpo`: ORPO's odds-ratio loss plus NLL on sequence log-probs (:func:`orpo_loss`), and
+  the step's pair / NLL-token weights the sequence-level preference losses share
+  (:func:`preference_weights`).
+- :mod:`.simpo`: CPO (sigmoid / hinge / IPO, plus NLL) and SimPO on sequence log-probs
+  (:func:`cpo_loss`, :func:`simpo_loss`).
+- :mod:`.kto`: KTO (desirable / undesirable examples against a KL baseline) on sequence
+  log-probs (:func:`kto_loss`, :func:`kto_kl_baseline`).
 - :mod:`.grad_cache`: GradCache, a contrastive loss over a batch embedded a mini-batch at a time
   (:func:`grad_cache_step`, :func:`split_rows`).
 
@@ -48,8 +55,26 @@ from .dpo import (
     sequence_log_probs,
 )
 from .grad_cache import GradCacheStep, grad_cache_step, split_rows
+from .kto import (
+    KTO_LOSS_TYPES,
+    KTO_METRICS,
+    KTOOptions,
+    KTOOutput,
+    kto_kl_baseline,
+    kto_loss,
+    kto_metrics,
+)
 from .log_probs import LinearLogProbs, LogProbsOutput, linear_log_probs
 from .mnr import SIMILARITIES, MNROptions, MNROutput, MultipleNegativesRankingLoss, mnr_loss
+from .orpo import (
+    ORPO_METRICS,
+    ORPOOptions,
+    ORPOOutput,
+    PreferenceWeights,
+    orpo_loss,
+    orpo_metrics,
+    preference_weights,
+)
 from .policy import (
     POLICY_METRICS,
     PolicyLossOptions,
@@ -61,6 +86,15 @@ from .policy import (
     policy_loss_reduction,
     policy_loss_weights,
     policy_metrics,
+)
+from .simpo import (
+    CPO_LOSS_TYPES,
+    CPO_METRICS,
+    CPOOptions,
+    CPOOutput,
+    cpo_loss,
+    cpo_metrics,
+    simpo_loss,
 )
 from .vocab_parallel import VocabParallelOptions, vocab_shard_range
 from .vocab_parallel_embedding import VocabParallelEmbedding
@@ -77,4 +111,10 @@ __all__ = [
     "PolicyLossWeights", "POLICY_METRICS", "dpo_loss", "dpo_pair_weights", "dpo_metrics",
     "sequence_log_probs", "DPOOptions", "DPOOutput", "DPO_METRICS",
     "linear_log_probs", "LinearLogProbs", "LogProbsOutput",
+    "orpo_loss", "orpo_metrics", "ORPOOptions", "ORPOOutput", "ORPO_METRICS",
+    "preference_weights", "PreferenceWeights",
+    "cpo_loss", "simpo_loss", "cpo_metrics", "CPOOptions", "CPOOutput", "CPO_LOSS_TYPES",
+    "CPO_METRICS",
+    "kto_loss", "kto_kl_baseline", "kto_metrics", "KTOOptions", "KTOOutput", "KTO_LOSS_TYPES",
+    "KTO_METRICS",
 ]

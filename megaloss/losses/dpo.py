@@ -1,17 +1,56 @@
-"""Preference losses on sequence log-probs: DPO (sigmoid) and IPO, averaged over the *global*
-pairs of an optimizer step.
+"""Pairwise preference losses on sequence log-probs (DPO, IPO and the other
+pairwise loss types of TRL 1.16), averaged over the *global* pairs of an optimizer step.
 
 Math (TRL 1.16, ``trl/trainer/dpo_trainer.py``, ``DPOTrainer._compute_loss``, with
 ``f_divergence_type="reverse_kl"``), per pair ``p`` of a chosen and a rejected completion::
 
     r_c = logp(chosen) - ref_logp(chosen)          (sequence log-prob sums)
     r_r = logp(rejected) - ref_logp(rejected)
-    sigmoid: l_p = -logsigmoid(beta * (r_c - r_r))          (Rafailov et al. 2023, arXiv:2305.18290)
-    ipo:     l_p = (r_c / n_c - r_r / n_r - 1 / (2 beta))**2  (Azar et al. 2023, arXiv:2310.12036,
-             Eq. 17, on the per-token log-ratios as TRL and the IPO authors compute it; ``n``: the
-             completion's token count, at least 1)
-
+    z   = beta * (r_c - r_r)
+    a_c = r_c / n_c,  a_r = r_r / n_r              (per-token log-ratios; ``n``: the completion's
+                                                    token count, at least 1)
     loss = sum_p l_p / N_pairs          (N_pairs over every DP / SP rank and accumulation step)
+
+with ``l_p`` by ``loss_type`` (``s``: sigmoid, ``ls``: logsigmoid, ``eps``:
+``label_smoothing``, ``tau``: ``discopop_tau``; sources as TRL's DPO documentation cites
+them)::
+
+    loss_type     l_p                                             source
+    ------------- ----------------------------------------------- -----------------------------
+    sigmoid       -ls(z)                                          DPO, Rafailov et al. 2023,
+                                                                  arXiv:2305.18290
+    hinge         relu(1 - z)                                     RSO, Liu et al. 2023,
+                                                                  arXiv:2309.06657 (the hinge
+                                                                  of SLiC, arXiv:2305.10425)
+    ipo           (a_c - a_r - 1 / (2 beta))**2                   IPO, Azar et al. 2023,
+                                                                  arXiv:2310.12036, Eq. 17
+    exo_pair      s(z) (ls(z) - log(1 - eps))                     EXO, Ji et al. 2024,
+                    + s(-z) (ls(-z) - log(eps))                   arXiv:2402.00856, Eq. 16
+    nca_pair      -ls(beta r_c) - ls(-beta r_c) / 2               NCA, Chen et al. 2024,
+                    - ls(-beta r_r) / 2                           arXiv:2402.05369
+    robust        (-(1 - eps) ls(z) + eps ls(-z)) / (1 - 2 eps)   Robust DPO, Chowdhury et al.
+                                                                  2024, arXiv:2403.00409
+    bco_pair      -ls(beta r_c) - ls(-beta r_r)                   BCO, Jung et al. 2024,
+                                                                  arXiv:2404.04656
+    sppo_hard     (r_c - 1 / (2 beta))**2                         SPPO, Wu et al. 2024,
+                    + (r_r + 1 / (2 beta))**2                     arXiv:2405.00675 (hard
+                                                                  probabilities 1 / 0)
+    apo_zero      1 - s(beta r_c) + s(beta r_r)                   APO, D'Oosterlinck et al.
+                                                                  2024, arXiv:2408.06266, Eq. 7
+    apo_down      s(beta r_c) + 1 - s(z)                          APO, arXiv:2408.06266, Eq. 8
+    discopop      -ls(z) (1 - s(z / tau)) + exp(-z) s(z / tau)    DiscoPOP, Lu et al. 2024,
+                                                                  arXiv:2406.08414, Eq. 5
+    sigmoid_norm  -ls(beta (a_c - a_r))                           length-normalised DPO, as
+                                                                  SimPO, Meng et al. 2024,
+                                                                  arXiv:2405.14734
+
+``ipo`` is on the per-token log-ratios as TRL and the IPO authors compute it. ``bco_pair`` is
+TRL 1.16's: without BCO's reward shift ``delta`` (a running mean of the rewards), which TRL's
+DPO leaves out too, so nothing is carried from step to step. Not here:
+TRL's ``aot`` / ``aot_unpaired`` (they sort the log-ratios over the batch, so a pair's loss
+depends on every other pair of the step, which no per-micro-batch weighting can reproduce) and
+``sft`` (a token-level NLL on the chosen completions: :func:`megaloss.linear_cross_entropy`).
+``exp(-z)`` of ``discopop`` overflows for ``z < -709`` in float64 (``-88`` in float32), as TRL's.
 
 TRL takes the mean over each process's micro-batch; megaloss weights each pair by
 ``1 / N_pairs`` of the whole step (:func:`dpo_pair_weights`, from the calibrator's sample count:
@@ -24,6 +63,7 @@ Metrics (:func:`dpo_metrics`, TRL's names, means over the step's global pairs):
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -100,6 +140,44 @@ def _vector(name: str, x: torch.Tensor, n: Optional[int]) -> int:
     return x.shape[0]
 
 
+_PER_TOKEN_TYPES = ("ipo", "sigmoid_norm")  # on the length-normalised log-ratios
+
+
+def _pair_loss(opts: DPOOptions, chosen_ratio: torch.Tensor,
+               rejected_ratio: torch.Tensor) -> torch.Tensor:
+    """``[P]`` losses of the loss types on the sequence log-ratios (module docstring), each the
+    expression of TRL 1.16's ``DPOTrainer._compute_loss`` in the inputs' dtype."""
+    beta, kind = opts.beta, opts.loss_type
+    z = beta * (chosen_ratio - rejected_ratio)
+    if kind == "sigmoid":
+        return -F.logsigmoid(z)
+    if kind == "hinge":
+        return torch.relu(1 - z)
+    if kind == "exo_pair":
+        eps = opts.label_smoothing
+        return (torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps))
+                + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(eps)))
+    if kind == "robust":
+        eps = opts.label_smoothing
+        return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+    if kind == "discopop":
+        modulation = torch.sigmoid(z / opts.discopop_tau)
+        return -F.logsigmoid(z) * (1 - modulation) + torch.exp(-z) * modulation
+    chosen, rejected = beta * chosen_ratio, beta * rejected_ratio
+    if kind == "nca_pair":
+        return (-F.logsigmoid(chosen) - 0.5 * F.logsigmoid(-chosen)
+                - 0.5 * F.logsigmoid(-rejected))
+    if kind == "bco_pair":
+        return -F.logsigmoid(chosen) - F.logsigmoid(-rejected)
+    if kind == "sppo_hard":
+        return (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+    if kind == "apo_zero":
+        return (1 - torch.sigmoid(chosen)) + torch.sigmoid(rejected)
+    if kind == "apo_down":
+        return torch.sigmoid(chosen) + (1 - torch.sigmoid(z))
+    raise AssertionError(kind)  # DPOOptions admits only the types above
+
+
 def dpo_loss(
     chosen_log_probs: torch.Tensor,
     rejected_log_probs: torch.Tensor,
@@ -111,20 +189,24 @@ def dpo_loss(
     pair_weights: Optional[torch.Tensor] = None,
     loss_type: str = "sigmoid",
     beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    discopop_tau: float = 0.05,
     return_stats: bool = False,
     options: Optional[DPOOptions] = None,
 ):
-    """The DPO / IPO loss of a micro-batch of pairs (module docstring for the math).
+    """The pairwise preference loss of a micro-batch of pairs (module docstring for the
+    math of each ``loss_type``).
 
     Args:
         chosen_log_probs, rejected_log_probs: ``[P]`` sequence log-probs under the policy
             (differentiable; :func:`sequence_log_probs` of ``linear_log_probs`` output).
         ref_chosen_log_probs, ref_rejected_log_probs: ``[P]`` under the reference (detached).
         chosen_lengths, rejected_lengths: ``[P]`` completion token counts; required for
-            ``loss_type="ipo"``, unused otherwise.
+            ``loss_type="ipo"`` and ``"sigmoid_norm"``, unused otherwise.
         pair_weights: ``[P]`` from :func:`dpo_pair_weights` (the step's global pair count);
             ``None``: the mean over this call's pairs.
-        loss_type, beta: the fields of :class:`~megaloss.ops.options.DPOOptions`.
+        loss_type, beta, label_smoothing, discopop_tau: the fields of
+            :class:`~megaloss.ops.options.DPOOptions`.
         return_stats: return a :class:`DPOOutput` (the loss and the local sums
             :func:`dpo_metrics` reads) instead of the loss alone.
         options: these fields as one :class:`DPOOptions` instead of the keywords.
@@ -134,28 +216,34 @@ def dpo_loss(
         holding it.
 
     Raises:
-        ValueError: shape mismatches; lengths missing for ``"ipo"``; an option out of range.
+        ValueError: shape mismatches; lengths missing for ``"ipo"`` / ``"sigmoid_norm"``; an
+            option out of range.
         TypeError: non-floating inputs; ``options`` of the wrong type or with option keywords.
     """
-    opts = resolve_options(DPOOptions, options, dict(loss_type=loss_type, beta=beta))
+    opts = resolve_options(DPOOptions, options, dict(
+        loss_type=loss_type, beta=beta, label_smoothing=label_smoothing,
+        discopop_tau=discopop_tau))
     n = _vector("chosen_log_probs", chosen_log_probs, None)
     _vector("rejected_log_probs", rejected_log_probs, n)
     _vector("ref_chosen_log_probs", ref_chosen_log_probs, n)
     _vector("ref_rejected_log_probs", ref_rejected_log_probs, n)
     chosen_ratio = chosen_log_probs - ref_chosen_log_probs
     rejected_ratio = rejected_log_probs - ref_rejected_log_probs
-    if opts.loss_type == "sigmoid":
-        per_pair = -F.logsigmoid(opts.beta * (chosen_ratio - rejected_ratio))
-    else:
+    if opts.loss_type in _PER_TOKEN_TYPES:
         for name, x in (("chosen_lengths", chosen_lengths), ("rejected_lengths", rejected_lengths)):
             if x is None:
-                raise ValueError(f"{name} is required for loss_type='ipo' (the log-ratios are "
-                                 "per completion token)")
+                raise ValueError(f"{name} is required for loss_type={opts.loss_type!r} (the "
+                                 "log-ratios are per completion token)")
             if not isinstance(x, torch.Tensor) or x.shape != (n,):
                 raise ValueError(f"{name} must be a [{n}] tensor, got {getattr(x, 'shape', x)}")
         delta = (chosen_ratio / chosen_lengths.to(chosen_ratio.dtype).clamp(min=1.0)
                  - rejected_ratio / rejected_lengths.to(chosen_ratio.dtype).clamp(min=1.0))
-        per_pair = (delta - 1 / (2 * opts.beta)) ** 2
+        if opts.loss_type == "ipo":
+            per_pair = (delta - 1 / (2 * opts.beta)) ** 2
+        else:
+            per_pair = -F.logsigmoid(opts.beta * delta)
+    else:
+        per_pair = _pair_loss(opts, chosen_ratio, rejected_ratio)
     if pair_weights is None:
         pair_weights = torch.full((n,), 1.0 / max(n, 1), dtype=per_pair.dtype,
                                   device=per_pair.device)

@@ -1,5 +1,6 @@
-"""Policy-gradient losses of the GRPO family (``grpo``, ``bnpo``, ``dapo``, ``dr_grpo``) and
-CISPO on per-token log-probs, normalised over the *global* batch of an optimizer step.
+"""Policy-gradient losses of the GRPO family (``grpo``, ``bnpo``, ``dapo``, ``dr_grpo``,
+``luspo``), CISPO, SAPO and VESPO on per-token log-probs, normalised over the *global* batch of
+an optimizer step.
 
 Math, per completion token ``t`` of sequence ``s`` (TRL 1.16, ``trl/trainer/grpo_trainer.py``,
 ``GRPOTrainer._compute_loss``, reproduced term by term)::
@@ -8,25 +9,60 @@ Math, per completion token ``t`` of sequence ``s`` (TRL 1.16, ``trl/trainer/grpo
     ratio      = exp(log_ratio)                       (importance_sampling_level="token")
                = exp(mean_{t in s} log_ratio)         ("sequence": GSPO, arXiv:2507.18071)
     PPO:   l_t = -min(min(ratio, delta) * A_s, clamp(ratio, 1 - eps_low, 1 + eps_high) * A_s)
+           (grpo, bnpo, dapo, dr_grpo, luspo)
     CISPO: l_t = -stopgrad(min(ratio, eps_high)) * A_s * logp_t
-    KL:    l_t += beta * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)     (k3 estimator)
+           two-sided (cispo_two_sided, verl):
+           l_t = -stopgrad(clamp(ratio, 1 - eps_low, 1 + eps_high)) * A_s * logp_t
+    SAPO:  l_t = -sigmoid(tau_s * (ratio - 1)) * 4 / tau_s * A_s     (tau_s: sapo_temperature_pos
+           if A_s > 0, else sapo_temperature_neg; arXiv:2511.20347)
+    VESPO: l_t = -stopgrad(phi_s) * A_s * logp_t,  phi_s = exp(lambda + k log w_s - lambda w_s),
+           log w_s = clamp(sum_{t in s} clamp(log_ratio_t, -20, 20), log 1e-8, 20), (k, lambda)
+           by the sign of A_s (vespo_k_pos, vespo_lambda_pos if A_s >= 0; arXiv:2602.10693)
+    KL:    l_t += beta * KL_t,  KL_t the kl_estimator of x = logp_t - ref_t:
+           k1: x   k2: x^2 / 2   k3 (default): exp(-x) + x - 1   abs: |x|
+           low_var_kl: clamp(k3 of clamp(x, -20, 20), -10, 10)
+           "+" forms (k1+, k3+, low_var_kl+, abs+): that value, the gradient of k2
 
     loss = sum_t w_t * l_t  -  entropy_coef * sum_t h_t * H_t
 
 with the loss weights ``w_t`` of the ``loss_type`` and the entropy weights ``h_t = 1 / N_tokens``,
 both over the completion tokens of every micro-batch of every DP / SP rank of the step:
 
-=========== ============================================== ===================================
-loss_type   ``w_t``                                        megaloss calibration
-=========== ============================================== ===================================
-grpo        ``1 / (n_s * N_sequences)``                    ``loss_reduction="sample"``
-bnpo, dapo  ``1 / N_tokens``                               ``loss_reduction="token"``
-cispo       ``1 / N_tokens``                               ``loss_reduction="token"``
-dr_grpo     ``1 / (N_sequences * max_completion_length)``  the step's global sequence count
-=========== ============================================== ===================================
+=============== ============================================== ===============================
+loss_type       ``w_t``                                        megaloss calibration
+=============== ============================================== ===============================
+grpo, sapo      ``1 / (n_s * N_sequences)``                    ``loss_reduction="sample"``
+bnpo, dapo      ``1 / N_tokens``                               ``loss_reduction="token"``
+cispo, vespo    ``1 / N_tokens``                               ``loss_reduction="token"``
+dr_grpo         ``1 / (N_sequences * max_completion_length)``  the step's global sequence count
+luspo           ``1 / N_sequences``                            the step's global sequence count
+=============== ============================================== ===============================
 
-(``n_s``: completion tokens of sequence ``s``; a sequence is a row with at least one completion
-token, so padding rows, all-padding micro-batches and ranks without completions count nothing.)
+``loss_agg_mode`` (verl's ``agg_loss``, ``verl/trainer/ppo/core_algos.py``) replaces the
+``loss_type``'s weights, and the entropy weights too (``h_t = w_t``: verl's actor aggregates
+the policy term, the KL and the entropy with the one mode):
+
+============================ ============================================ ====================
+loss_agg_mode                ``w_t = h_t``                                megaloss calibration
+============================ ============================================ ====================
+``token-mean``               ``1 / N_tokens``                             ``"token"``
+``seq-mean-token-sum``       ``1 / N_sequences``                          ``"token"``
+``seq-mean-token-mean``      ``1 / (n_s * N_sequences)``                  ``"sample"``
+``seq-mean-token-sum-norm``  ``1 / max_completion_length``                ``"token"``
+============================ ============================================ ====================
+
+verl computes each mode per micro-batch (its ``seq-mean-token-sum-norm`` divides the
+micro-batch's token sum by ``loss_scale_factor``, by default the padded response length, and
+its actor scales each micro-batch by ``1 / gradient_accumulation`` before the DP average);
+megaloss's is verl's ``agg_loss`` on the whole global batch as one micro-batch, so it does not
+depend on the split (``max_completion_length`` is verl's ``loss_scale_factor``; verl's
+``seq-mean-token-mean`` adds ``1e-8`` to each ``n_s``, megaloss does not).
+
+(``n_s``: completion tokens of sequence ``s``. ``N_sequences``: by default the rows with at
+least one completion token, so padding rows, all-padding micro-batches and ranks without
+completions count nothing; with ``count_empty_rows=True`` every row, as TRL counts them: its
+``grpo``, ``sapo`` and ``luspo`` average over all ``B`` rows and its ``dr_grpo`` divides by ``B x
+max_completion_length``, also where ``mask_truncated_completions`` emptied a row.)
 The weights come from one :class:`~megaloss.calibration.LossCalibrator` step (ONE all-reduce of
 three numbers for the whole optimizer step), so ``sum over ranks and micro-batches of loss`` is
 the loss one device computes on the whole global batch, and backwarding
@@ -36,18 +72,26 @@ What differs from TRL, and why: TRL normalises ``grpo``, ``bnpo`` and ``dr_grpo`
 and per process (then divides by the accumulation steps), so the gradient depends on how the
 batch is split over ranks and accumulation steps whenever completion lengths differ; only its
 ``dapo`` / ``cispo`` use a global token count. megaloss normalises every ``loss_type`` over the
-global batch, so one optimizer step equals the single-device step for every layout; on one
-micro-batch on one process the two agree exactly. ``bnpo`` and ``dapo`` are therefore the same
-loss here (both names kept, as TRL spells them). The entropy bonus is the global token mean of the
-entropy (TRL: the micro-batch mean over the accumulation steps).
+global batch, so one optimizer step equals the single-device step for every layout; ``bnpo`` and
+``dapo`` are therefore the same loss here (both names kept, as TRL spells them). On one
+micro-batch on one process the two agree exactly with ``count_empty_rows=True`` (TRL's row
+count), and with the default ``False`` whenever every row holds a completion token; rows
+without one make the policy term of megaloss's ``grpo`` / ``dr_grpo`` larger by ``B / (rows
+with a completion token)`` (``bnpo``, ``dapo``, ``cispo`` count tokens and are unaffected). The
+entropy bonus is the global token mean of the entropy (TRL: the micro-batch mean over the
+accumulation steps).
 
 Metrics (TRL's names, :func:`policy_metrics`): ``kl`` and ``entropy`` are global token means,
 ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (PPO types) and
 ``cispo_clip_ratio`` global means over tokens (over sequences with
-``importance_sampling_level="sequence"``), over the whole step (TRL: per micro-batch).
+``importance_sampling_level="sequence"``, ``N_sequences`` as above), over the whole step (TRL: per
+micro-batch). With ``cispo_two_sided`` the ``cispo_clip_ratio`` is verl's ``pg_clipfrac`` (the
+share of ratios outside the clamp, any advantage). ``vespo/phi_seq_mean``: the mean ``phi_s``
+over sequences; ``sapo``: no clip metric (as TRL).
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -57,7 +101,8 @@ from ..calibration.engine_scale import EngineScale
 from ..calibration.weights import compute_loss_weights
 from ..ops.options import PolicyLossOptions, resolve_options
 from ..parallel.comm import all_reduce_sum_
-from ..parallel.groups import SINGLE_RANK, GroupLike
+from ..parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
+from ..parallel.mappings import all_reduce_sum_autograd
 from ..parallel.topology import Topology
 
 __all__ = ["PolicyLossOptions", "PolicyLossOutput", "PolicyLossWeights", "policy_loss",
@@ -65,7 +110,7 @@ __all__ = ["PolicyLossOptions", "PolicyLossOutput", "PolicyLossWeights", "policy
            "completion_labels", "policy_metrics", "POLICY_METRICS"]
 
 POLICY_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                  "clip_ratio/region_mean", "cispo_clip_ratio")
+                  "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean")
 # Layout of PolicyLossOutput.stats (local float64 sums; one all-reduce turns them into metrics).
 _KL, _ENT, _LOW, _HIGH, _REGION, _CISPO, _TOKENS, _CLIP_COUNT = range(8)
 _NUM_STATS = 8
@@ -94,16 +139,33 @@ class PolicyLossOutput(NamedTuple):
     stats: torch.Tensor
 
 
-def policy_loss_reduction(loss_type: str) -> str:
+def _normaliser(opts: PolicyLossOptions) -> str:
+    """How the loss weights are made: ``"token"`` (``1 / N_tokens``), ``"sample"`` (``1 / (n_s
+    N_sequences)``), ``"seq"`` (``1 / N_sequences``), ``"seq_const"`` (``1 / (N_sequences
+    L)``), ``"const"`` (``1 / L``), ``L`` being ``max_completion_length``."""
+    if opts.loss_agg_mode is not None:
+        return _AGG_NORMALISER[opts.loss_agg_mode]
+    return _TYPE_NORMALISER[opts.loss_type]
+
+
+_AGG_NORMALISER = {"token-mean": "token", "seq-mean-token-sum": "seq",
+                   "seq-mean-token-mean": "sample", "seq-mean-token-sum-norm": "const"}
+_TYPE_NORMALISER = {"grpo": "sample", "sapo": "sample", "bnpo": "token", "dapo": "token",
+                    "cispo": "token", "vespo": "token", "dr_grpo": "seq_const", "luspo": "seq"}
+
+
+def policy_loss_reduction(loss_type: str, loss_agg_mode: Optional[str] = None) -> str:
     """The :class:`~megaloss.calibration.LossCalibrator` ``loss_reduction`` a ``loss_type``'s
-    weights come from: ``"sample"`` for ``grpo``, ``"token"`` otherwise (``dr_grpo`` uses only
-    the step's sequence count, which every reduction provides).
+    (or a ``loss_agg_mode``'s) weights come from: ``"sample"`` for ``grpo``, ``sapo`` and
+    ``"seq-mean-token-mean"``, ``"token"`` otherwise (the others use only the step's token or
+    sequence count, which every reduction provides).
 
     Raises:
-        ValueError: unknown ``loss_type``.
+        ValueError: unknown ``loss_type`` or ``loss_agg_mode``.
     """
-    PolicyLossOptions(loss_type=loss_type, max_completion_length=1)  # validates the name
-    return "sample" if loss_type == "grpo" else "token"
+    opts = PolicyLossOptions(loss_type=loss_type, max_completion_length=1,
+                             loss_agg_mode=loss_agg_mode)  # validates the names
+    return "sample" if _normaliser(opts) == "sample" else "token"
 
 
 def policy_calibrator(options: PolicyLossOptions, topology: Optional[Topology] = None, *,
@@ -111,7 +173,8 @@ def policy_calibrator(options: PolicyLossOptions, topology: Optional[Topology] =
                       weight_dtype: torch.dtype = torch.float32) -> LossCalibrator:
     """The :class:`~megaloss.calibration.LossCalibrator` of a policy loss: its
     ``begin_step(completion_labels(mask) per micro-batch)`` is the one all-reduce of the step,
-    and :func:`policy_loss_weights` reads the weights from the step.
+    and :func:`policy_loss_weights` reads the weights from the step (its ``count_empty_samples``
+    is ``options.count_empty_rows``).
 
     Raises:
         TypeError: ``options`` is not a :class:`PolicyLossOptions`; see
@@ -119,8 +182,10 @@ def policy_calibrator(options: PolicyLossOptions, topology: Optional[Topology] =
     """
     if not isinstance(options, PolicyLossOptions):
         raise TypeError(f"options must be a PolicyLossOptions, got {type(options).__name__}")
-    return LossCalibrator(topology, loss_reduction=policy_loss_reduction(options.loss_type),
-                          engine_scale=engine_scale, weight_dtype=weight_dtype)
+    return LossCalibrator(topology, loss_reduction=policy_loss_reduction(options.loss_type,
+                                                                         options.loss_agg_mode),
+                          engine_scale=engine_scale, weight_dtype=weight_dtype,
+                          count_empty_samples=options.count_empty_rows)
 
 
 def completion_labels(completion_mask: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -143,12 +208,18 @@ def _weights(valid: torch.Tensor, step_weights: torch.Tensor, num_tokens: torch.
              dtype: torch.dtype) -> PolicyLossWeights:
     mask = valid.to(torch.float64)
     tokens = torch.where(num_tokens > 0, num_tokens, torch.ones_like(num_tokens))
-    entropy_w = (mask / tokens).to(dtype)
-    if options.loss_type == "dr_grpo":
-        seqs = torch.where(num_samples > 0, num_samples, torch.ones_like(num_samples))
+    seqs = torch.where(num_samples > 0, num_samples, torch.ones_like(num_samples))
+    norm = _normaliser(options)
+    if norm == "seq_const":
         loss_w = (mask / (seqs * options.max_completion_length)).to(dtype)
+    elif norm == "seq":
+        loss_w = (mask / seqs).to(dtype)
+    elif norm == "const":
+        loss_w = (mask / options.max_completion_length).to(dtype)
     else:
         loss_w = step_weights.to(dtype)
+    # verl aggregates the entropy with the loss's own mode; TRL takes its global token mean.
+    entropy_w = loss_w if options.loss_agg_mode is not None else (mask / tokens).to(dtype)
     return PolicyLossWeights(loss_w, entropy_w)
 
 
@@ -159,7 +230,9 @@ def policy_loss_weights(step: StepCalibration, i: int, options: PolicyLossOption
     Args:
         step: from ``policy_calibrator(options, ...).begin_step([completion_labels(m) for m in
             masks])`` (a :class:`~megaloss.calibration.LossCalibrator` whose
-            ``loss_reduction`` is :func:`policy_loss_reduction` of the ``loss_type``).
+            ``loss_reduction`` is :func:`policy_loss_reduction` of the ``loss_type`` and
+            ``count_empty_samples`` is ``options.count_empty_rows``, as
+            :func:`policy_calibrator` builds it).
         i: the micro-batch.
         options: the loss's :class:`PolicyLossOptions`.
         ignore_index: the label of non-completion tokens in the step's labels.
@@ -169,16 +242,16 @@ def policy_loss_weights(step: StepCalibration, i: int, options: PolicyLossOption
         weight dtype.
 
     Raises:
-        ValueError: ``importance_sampling_level="sequence"`` with sequence parallelism (a
-            sequence's mean log-ratio needs its whole completion on one rank).
+        ValueError: a step whose ``count_empty_samples`` is not ``options.count_empty_rows``.
         TypeError: ``options`` is not a :class:`PolicyLossOptions`.
         IndexError: ``i`` out of range.
     """
     if not isinstance(options, PolicyLossOptions):
         raise TypeError(f"options must be a PolicyLossOptions, got {type(options).__name__}")
-    if options.importance_sampling_level == "sequence" and step._topology.sp_size > 1:
-        raise ValueError("importance_sampling_level='sequence' is not supported with sequence "
-                         "parallelism (sp > 1): the sequence's mean log-ratio spans SP ranks")
+    if step.count_empty_samples != options.count_empty_rows:
+        raise ValueError(f"options.count_empty_rows={options.count_empty_rows} but the step was "
+                         f"calibrated with count_empty_samples={step.count_empty_samples}: build "
+                         "the calibrator with policy_calibrator(options)")
     w = step.weights(i)
     return _weights(step.local_labels(i) != ignore_index, w, step.num_tokens, step.num_samples,
                     options, w.dtype)
@@ -217,6 +290,7 @@ def policy_loss(
     max_completion_length: Optional[int] = None,
     return_stats: bool = False,
     options: Optional[PolicyLossOptions] = None,
+    sp_group: GroupLike = SINGLE_RANK,
 ):
     """The clipped policy-gradient loss of one micro-batch (module docstring for the math).
 
@@ -238,7 +312,16 @@ def policy_loss(
             fields of :class:`~megaloss.ops.options.PolicyLossOptions`, documented there.
         return_stats: return a :class:`PolicyLossOutput` (the loss and the local sums
             :func:`policy_metrics` reads) instead of the loss alone.
-        options: these fields as one :class:`PolicyLossOptions` instead of the keywords.
+        options: these fields as one :class:`PolicyLossOptions` instead of the keywords; the
+            other fields (``count_empty_rows``, ``kl_estimator``, ``cispo_two_sided``,
+            ``loss_agg_mode``, the ``sapo_*`` / ``vespo_*`` parameters) only through it.
+        sp_group: the sequence-parallel group (``Topology.sp_group``) when each of its ranks
+            holds a contiguous slice of the same sequences' tokens (every ``[B, T]`` input is
+            this rank's slice; ``advantages [B]`` the same on every rank). The per-sequence
+            sums (GSPO's summed log-ratio, VESPO's clamped one, the completion lengths) are
+            then added over the group by ONE all-reduce of ``[B]`` vectors (its backward one
+            more, so the gradient of the sum of the ranks' losses reaches every slice), and a
+            sequence counts once in the per-sequence metrics. Default: no SP.
 
     Returns:
         The loss ``sum w*l - entropy_coef * sum h*H`` (differentiable scalar), or with
@@ -246,7 +329,8 @@ def policy_loss(
 
     Raises:
         ValueError: shape mismatches; ``ref_log_probs`` missing with ``beta > 0``; ``entropy``
-            missing with ``entropy_coef != 0``; an option out of range.
+            missing with ``entropy_coef != 0``; an option out of range; ``sp_group`` of size
+            > 1 without ``weights`` (the normalisation must be the step's global one).
         TypeError: non-floating log-probs / advantages; ``options`` of the wrong type or
             together with option keywords.
     """
@@ -277,7 +361,12 @@ def policy_loss(
         raise ValueError(f"advantages must have shape {(shape[0],)} or {tuple(shape)}, got "
                          f"{tuple(advantages.shape)}")
     valid = completion_mask != 0
+    sp = group_size(sp_group)
     if weights is None:
+        if sp > 1:
+            raise ValueError("policy_loss with sp_group of size > 1 needs weights from "
+                             "policy_loss_weights (a calibrated step over dp x sp): weights "
+                             "from this call's slice alone would not be the global ones")
         weights = _local_weights(valid, opts, log_probs.dtype)
     elif not isinstance(weights, PolicyLossWeights):
         raise TypeError(f"weights must be PolicyLossWeights, got {type(weights).__name__}")
@@ -287,43 +376,138 @@ def policy_loss(
                              f"{getattr(w, 'shape', None)}")
 
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
-    log_ratio = torch.where(valid, log_probs - old_log_probs, zero)
-    n_seq_tokens = valid.sum(-1, keepdim=True)
+    token_log_ratio = torch.where(valid, log_probs - old_log_probs, zero)
+    log_ratio = token_log_ratio
+    per_seq = _sequence_sums(token_log_ratio, valid, opts, sp_group)
     if opts.importance_sampling_level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True) / n_seq_tokens.clamp(min=1)
+        log_ratio = per_seq["log_ratio"] / per_seq["tokens"].clamp(min=1)
     ratio = torch.exp(log_ratio)  # [B, T] or [B, 1]
-    if opts.loss_type == "cispo":
+    phi = None
+    if opts.loss_type == "cispo" and opts.cispo_two_sided:
+        # verl's compute_policy_loss_cispo: the log-ratio clamped to [-20, 20] first.
+        ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
+        capped = torch.clamp(ratio, 1 - opts.epsilon_low, 1 + opts.epsilon_high).detach()
+        per_token = -capped * advantages * log_probs
+    elif opts.loss_type == "cispo":
         capped = torch.clamp(ratio, max=opts.epsilon_high).detach()
         per_token = -capped * advantages * log_probs
+    elif opts.loss_type == "sapo":
+        temp = _where(advantages > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg,
+                      ratio)
+        per_token = -torch.sigmoid(temp * (ratio - 1)) * 4 / temp * advantages
+    elif opts.loss_type == "vespo":
+        phi = _vespo_weights(per_seq["clamped_log_ratio"], advantages, opts)
+        per_token = -phi * advantages * log_probs
     else:
         clipped = torch.clamp(ratio, 1 - opts.epsilon_low, 1 + opts.epsilon_high)
         unclipped = ratio if opts.delta is None else torch.clamp(ratio, max=opts.delta)
         per_token = -torch.min(unclipped * advantages, clipped * advantages)
     kl = None
     if opts.beta > 0:
-        d = torch.where(valid, ref_log_probs - log_probs, zero)
-        kl = torch.exp(d) - d - 1
+        kl = _kl(torch.where(valid, log_probs - ref_log_probs, zero), opts.kl_estimator)
         per_token = per_token + opts.beta * kl
     per_token = torch.where(valid, per_token.expand(shape), zero)
     loss = (per_token * weights.loss_weights.to(per_token.dtype)).sum()
     if opts.entropy_coef != 0:
         h = torch.where(valid, entropy, zero)
         loss = loss - opts.entropy_coef * (h * weights.entropy_weights.to(h.dtype)).sum()
-    stats = _stats(valid, ratio, advantages, kl, entropy, opts)
+    # which rows a per-sequence metric counts: this call's rows, or under SP the rows with a
+    # completion token on any SP rank, counted by SP rank 0 alone (each sequence once)
+    # (a token-level ratio of a one-token slice is still counted per token)
+    seq_rows = None
+    if sp > 1 and opts.importance_sampling_level != "sequence" and opts.loss_type != "vespo":
+        seq_rows = valid
+    elif sp > 1:
+        seq_rows = per_seq["tokens"] > 0
+        if opts.count_empty_rows:
+            seq_rows = torch.ones_like(seq_rows)
+        if group_rank(sp_group) != 0:
+            seq_rows = torch.zeros_like(seq_rows)
+    stats = _stats(valid, ratio, advantages, kl, entropy, opts, phi, seq_rows)
     return PolicyLossOutput(loss, stats) if return_stats else loss
+
+
+def _sequence_sums(token_log_ratio: torch.Tensor, valid: torch.Tensor, opts: PolicyLossOptions,
+                   sp_group: GroupLike) -> Dict[str, torch.Tensor]:
+    """The per-sequence ``[B, 1]`` sums a ``loss_type`` needs: ``log_ratio`` (GSPO's, with
+    gradient), ``clamped_log_ratio`` (VESPO's, detached) and ``tokens`` (completion lengths),
+    over the whole sequence: under SP (``sp_group`` of size > 1) this rank's slice sums added
+    over the group in ONE autograd all-reduce (:func:`megaloss.parallel.all_reduce_sum_autograd`:
+    SUM forward and backward, so each slice's gradient collects every rank's loss)."""
+    sequence = opts.importance_sampling_level == "sequence"
+    vespo = opts.loss_type == "vespo"
+    names, cols = ["tokens"], [valid.sum(-1).to(token_log_ratio.dtype)]
+    if sequence:
+        names.append("log_ratio")
+        cols.append(token_log_ratio.sum(-1))
+    if vespo:
+        names.append("clamped_log_ratio")
+        cols.append(torch.clamp(token_log_ratio.detach(), -20.0, 20.0).sum(-1))
+    if group_size(sp_group) > 1 and (sequence or vespo):
+        sums = all_reduce_sum_autograd(torch.stack(cols), sp_group)
+        cols = list(sums.unbind(0))
+    return {n: c.unsqueeze(-1) for n, c in zip(names, cols)}
+
+
+def _where(cond: torch.Tensor, a: float, b: float, like: torch.Tensor) -> torch.Tensor:
+    """``a`` where ``cond`` else ``b``, in ``like``'s dtype (Python floats given to torch.where
+    would be rounded to torch's default dtype first)."""
+    def full(v):
+        return torch.full((), v, dtype=like.dtype, device=like.device)
+    return torch.where(cond, full(a), full(b))
+
+
+def _kl(x: torch.Tensor, estimator: str) -> torch.Tensor:
+    """The per-token KL estimate of ``x = logp - ref`` (verl's ``kl_penalty`` /
+    ``kl_penalty_forward``, ``verl/trainer/ppo/core_algos.py``; ``"k3"`` is TRL's, unclamped)."""
+    base = estimator[:-1] if estimator.endswith("+") else estimator
+    if base == "k1":
+        value = x
+    elif base == "abs":
+        value = x.abs()
+    elif base == "k2":
+        value = 0.5 * x.square()
+    elif base == "k3":
+        d = -x
+        value = torch.exp(d) - d - 1
+    else:  # low_var_kl
+        d = torch.clamp(-x, -20.0, 20.0)
+        value = torch.clamp(torch.exp(d) - d - 1, -10.0, 10.0)
+    if base == estimator:
+        return value
+    # straight-through: the value of the estimator, the gradient of k2 (unbiased gradient)
+    grad_form = 0.5 * x.square()
+    return grad_form - grad_form.detach() + value.detach()
+
+
+@torch.no_grad()
+def _vespo_weights(clamped_log_ratio: torch.Tensor, advantages: torch.Tensor,
+                   opts: PolicyLossOptions) -> torch.Tensor:
+    """VESPO's detached Gamma weight ``phi(w) = exp(lambda + k log w - lambda w)`` of the
+    sequence ratio ``w = exp(sum_t clamp(log_ratio_t, -20, 20))`` (``log w`` clamped to
+    ``[log 1e-8, 20]``), as TRL 1.16's ``GRPOTrainer.get_gamma_weights``; ``[B, 1]`` (or the
+    advantages' ``[B, T]``). ``clamped_log_ratio``: the ``[B, 1]`` sum of the clamped token
+    log-ratios over the whole sequence."""
+    log_w = torch.clamp(clamped_log_ratio, math.log(1e-8), 20.0)
+    nonneg = advantages >= 0
+    k = _where(nonneg, opts.vespo_k_pos, opts.vespo_k_neg, log_w)
+    lam = _where(nonneg, opts.vespo_lambda_pos, opts.vespo_lambda_neg, log_w).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _local_weights(valid: torch.Tensor, opts: PolicyLossOptions,
                    dtype: torch.dtype) -> PolicyLossWeights:
     wdtype = torch.float64 if dtype == torch.float64 else torch.float32
     labels = completion_labels(valid)
-    lw = compute_loss_weights([labels], policy_loss_reduction(opts.loss_type),
-                              group=SINGLE_RANK, dtype=wdtype)
+    lw = compute_loss_weights([labels], policy_loss_reduction(opts.loss_type, opts.loss_agg_mode),
+                              group=SINGLE_RANK, dtype=wdtype,
+                              count_empty_samples=opts.count_empty_rows)
     return _weights(valid, lw.weights[0], lw.num_tokens, lw.num_samples, opts, wdtype)
 
 
 @torch.no_grad()
-def _stats(valid, ratio, advantages, kl, entropy, opts) -> torch.Tensor:
+def _stats(valid, ratio, advantages, kl, entropy, opts, phi=None, seq_rows=None) -> torch.Tensor:
     f64 = torch.float64
     stats = torch.zeros(_NUM_STATS, dtype=f64, device=valid.device)
     mask = valid.to(f64)
@@ -332,14 +516,28 @@ def _stats(valid, ratio, advantages, kl, entropy, opts) -> torch.Tensor:
         stats[_KL] = (kl.to(f64) * mask).sum()
     if entropy is not None:
         stats[_ENT] = torch.where(valid, entropy.detach().to(f64), 0.0).sum()
+    if phi is not None:  # vespo: the mean Gamma weight, one value per sequence (as TRL)
+        ratio = phi
     ratio, adv = torch.broadcast_tensors(ratio.detach(), advantages.detach())
     # TRL's clip metrics: one value per sequence when ratio and advantages are per sequence
-    # (GSPO), else per completion token.
-    counted = valid.any(-1, keepdim=True) if ratio.shape[1] == 1 else valid
-    stats[_CLIP_COUNT] = counted.sum()
-    if opts.loss_type == "cispo":
-        stats[_CISPO] = ((ratio > opts.epsilon_high) & (adv > 0) & counted).sum()
+    # (GSPO; TRL counts every row there, as count_empty_rows does), else per completion token.
+    if ratio.shape[1] != 1:
+        counted = valid
+    elif seq_rows is not None:  # under SP: decided over the whole sequence (policy_loss)
+        counted = seq_rows
+    elif opts.count_empty_rows:
+        counted = torch.ones_like(valid[:, :1])
     else:
+        counted = valid.any(-1, keepdim=True)
+    stats[_CLIP_COUNT] = counted.sum()
+    if opts.loss_type == "vespo":
+        stats[_CISPO] = torch.where(counted, ratio.to(f64), 0.0).sum()
+    elif opts.loss_type == "cispo" and opts.cispo_two_sided:  # verl's pg_clipfrac
+        outside = (ratio < 1 - opts.epsilon_low) | (ratio > 1 + opts.epsilon_high)
+        stats[_CISPO] = (outside & counted).sum()
+    elif opts.loss_type == "cispo":
+        stats[_CISPO] = ((ratio > opts.epsilon_high) & (adv > 0) & counted).sum()
+    elif opts.loss_type != "sapo":
         low = (ratio < 1 - opts.epsilon_low) & (adv < 0) & counted
         high = (ratio > 1 + opts.epsilon_high) & (adv > 0) & counted
         stats[_LOW], stats[_HIGH], stats[_REGION] = low.sum(), high.sum(), (low | high).sum()
@@ -362,7 +560,8 @@ def policy_metrics(stats: Union[torch.Tensor, Sequence[torch.Tensor]],
 
     Returns:
         ``{"kl" (beta > 0), "entropy" (has_entropy), "clip_ratio/low_mean",
-        "clip_ratio/high_mean", "clip_ratio/region_mean" (PPO types) | "cispo_clip_ratio"}``;
+        "clip_ratio/high_mean", "clip_ratio/region_mean" (PPO types) | "cispo_clip_ratio" |
+        "vespo/phi_seq_mean"}`` (none of the last for ``sapo``);
         0.0 for a mean over nothing.
     """
     if isinstance(stats, torch.Tensor):
@@ -383,7 +582,9 @@ def policy_metrics(stats: Union[torch.Tensor, Sequence[torch.Tensor]],
         out["entropy"] = mean(_ENT, _TOKENS)
     if options.loss_type == "cispo":
         out["cispo_clip_ratio"] = mean(_CISPO, _CLIP_COUNT)
-    else:
+    elif options.loss_type == "vespo":
+        out["vespo/phi_seq_mean"] = mean(_CISPO, _CLIP_COUNT)
+    elif options.loss_type != "sapo":
         out["clip_ratio/low_mean"] = mean(_LOW, _CLIP_COUNT)
         out["clip_ratio/high_mean"] = mean(_HIGH, _CLIP_COUNT)
         out["clip_ratio/region_mean"] = mean(_REGION, _CLIP_COUNT)

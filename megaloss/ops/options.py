@@ -7,7 +7,8 @@ are built from these dataclasses) or the functional API's keyword arguments down
 - :class:`LogProbsOptions`: the per-token log-probabilities of :func:`megaloss.linear_log_probs`.
 - :class:`PolicyLossOptions`: the policy-gradient losses (GRPO family, CISPO) of
   :func:`megaloss.policy_loss`.
-- :class:`DPOOptions`: the preference losses (DPO sigmoid, IPO) of :func:`megaloss.dpo_loss`.
+- :class:`DPOOptions`: the pairwise preference losses (DPO, IPO and TRL's other pairwise
+  loss types) of :func:`megaloss.dpo_loss`.
 - :class:`DistillationOptions`: the linear distillation loss (single-device and vocab-parallel).
 - :func:`resolve_options`: ``options=`` or the option keywords of an entry point, not both.
 
@@ -25,6 +26,7 @@ import torch
 __all__ = ["OptionsBase", "CrossEntropyOptions", "CE_REDUCTIONS", "CE_IMPLS", "MNROptions",
            "SIMILARITIES", "LogProbsOptions", "mnr_option_error", "resolve_options",
            "module_options", "PolicyLossOptions", "POLICY_LOSS_TYPES",
+           "KL_ESTIMATORS", "LOSS_AGG_MODES",
            "IMPORTANCE_SAMPLING_LEVELS", "DPOOptions", "DPO_LOSS_TYPES", "DistillationOptions",
            "DISTILLATION_KINDS"]
 
@@ -66,8 +68,10 @@ class CrossEntropyOptions(OptionsBase):
             (Chowdhery et al. 2022, arXiv:2204.02311); ``>= 0``, 0 disables it.
         logit_softcapping: ``c`` in Gemma 2's ``c * tanh(logits / c)`` (arXiv:2408.00118);
             ``None`` disables it, else ``> 0``.
-        chunk_size: tokens per chunk (``>= 1``); the working set is ``chunk_size x V`` logits in
-            fp32 (``x V/tp`` under tensor parallelism).
+        chunk_size: tokens per chunk (``>= 1``), or ``None`` (default): the chunk whose fp32
+            logits are about the size of the hidden states,
+            :func:`~megaloss.ops.chunk_driver.auto_chunk_size`. The working set is
+            ``chunk_size x V`` logits in fp32 (``x V/tp`` under tensor parallelism).
         accum_dtype: floating dtype of the weight/bias gradient accumulation across chunks (fp32
             by default: half-precision accumulation made training diverge in Liger-Kernel).
         impl: the chunk epilogue (everything after the chunk's lm_head GEMM: row statistics,
@@ -90,7 +94,7 @@ class CrossEntropyOptions(OptionsBase):
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     logit_softcapping: Optional[float] = None
-    chunk_size: int = 1024
+    chunk_size: Optional[int] = None
     accum_dtype: torch.dtype = torch.float32
     impl: str = "auto"
 
@@ -154,8 +158,8 @@ def _check_softcapping(options: Any, name: str) -> None:
 def _check_chunk_fields(options: Any) -> None:
     """The fields every chunked lm_head loss has: ``chunk_size``, ``accum_dtype``,
     ``ignore_index``."""
-    if _bad_chunk_size(options.chunk_size):
-        raise ValueError(f"chunk_size must be an int >= 1, got {options.chunk_size!r}")
+    if options.chunk_size is not None and _bad_chunk_size(options.chunk_size):
+        raise ValueError(f"chunk_size must be None or an int >= 1, got {options.chunk_size!r}")
     dtype = options.accum_dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"accum_dtype must be a floating torch.dtype, got {dtype!r}")
@@ -233,8 +237,9 @@ class LogProbsOptions(OptionsBase):
             ``None`` disables it, else ``> 0``.
         return_entropy: also compute the per-token entropy of ``softmax(y)`` (one more
             ``[tokens]`` statistic in the vocab-parallel all-reduce, one more pass per chunk).
-        chunk_size: tokens per chunk (``>= 1``); the working set is a few ``chunk_size x V``
-            fp32 buffers (``x V/tp`` under tensor parallelism).
+        chunk_size: tokens per chunk (``>= 1``), or ``None`` (default):
+            :func:`~megaloss.ops.chunk_driver.auto_chunk_size`. The working set is a few
+            ``chunk_size x V`` fp32 buffers (``x V/tp`` under tensor parallelism).
         accum_dtype: floating dtype of the weight/bias gradient accumulation across chunks.
         impl: the chunk epilogue, as :class:`CrossEntropyOptions`'s: ``"torch"``, ``"triton"``
             or ``"auto"``.
@@ -247,7 +252,7 @@ class LogProbsOptions(OptionsBase):
     temperature: float = 1.0
     logit_softcapping: Optional[float] = None
     return_entropy: bool = False
-    chunk_size: int = 1024
+    chunk_size: Optional[int] = None
     accum_dtype: torch.dtype = torch.float32
     impl: str = "auto"
 
@@ -262,9 +267,15 @@ class LogProbsOptions(OptionsBase):
 
 # --- policy-gradient and preference losses ---------------------------------------------------
 
-POLICY_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
+POLICY_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
+# verl's kl_penalty (verl/trainer/ppo/core_algos.py) names, "k3" being TRL's unclamped k3.
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+", "abs+")
+# verl's agg_loss (verl/trainer/ppo/core_algos.py) modes.
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
+                  "sppo_hard", "apo_zero", "apo_down", "discopop", "sigmoid_norm")
 
 
 @dataclass(frozen=True)
@@ -280,23 +291,63 @@ class PolicyLossOptions(OptionsBase):
             al. 2025, arXiv:2503.14476); ``"dr_grpo"``: the token sum divided by
             ``sequences x max_completion_length`` (Dr. GRPO, Liu et al. 2025,
             arXiv:2503.20783); ``"cispo"``: the token mean of CISPO's clipped-weight policy
-            gradient (MiniMax-M1, arXiv:2506.13585).
+            gradient (MiniMax-M1, arXiv:2506.13585); ``"sapo"``: ``grpo``'s normalisation of
+            SAPO's soft-gated ratio (arXiv:2511.20347); ``"luspo"``: the PPO loss summed over
+            each sequence's tokens, then the mean over sequences (LUSPO, arXiv:2602.05261; TRL
+            recommends ``importance_sampling_level="sequence"``); ``"vespo"``: the token mean of
+            ``-phi(w) * A * logp`` with VESPO's Gamma weight ``phi`` of the sequence ratio ``w``
+            (arXiv:2602.10693). Formulas: :mod:`megaloss.losses.policy`.
         epsilon_low, epsilon_high: PPO clipping of the ratio to ``[1 - epsilon_low,
             1 + epsilon_high]`` (Schulman et al. 2017, arXiv:1707.06347; DAPO's decoupled
             ``epsilon_high``). For ``"cispo"``, ``epsilon_high`` is the cap of the ratio itself
             (TRL's convention: ``clamp(ratio, max=epsilon_high)``), e.g. 5.0.
+            With ``cispo_two_sided=True`` the ratio is clamped to ``[1 - epsilon_low,
+            1 + epsilon_high]`` instead (verl's ``compute_policy_loss_cispo``).
         delta: optional upper bound of the unclipped ratio (two-sided clipping, TRL's
-            ``delta``); ``None`` disables it, else ``> 1 + epsilon_high``.
-        beta: coefficient of the KL penalty to the reference policy, the k3 estimator
-            ``exp(ref - logp) - (ref - logp) - 1`` per token (Schulman 2020, "Approximating KL
-            divergence", http://joschu.net/blog/kl-approx.html); 0 disables it (no reference
-            log-probs needed).
+            ``delta``, verl's dual-clip ``clip_ratio_c``); ``None`` disables it, else ``> 1 +
+            epsilon_high``. ``"cispo"``, ``"sapo"`` and ``"vespo"`` ignore it (as TRL, which
+            clips with ``delta`` only in its PPO-style branch), so any value is accepted there.
+        beta: coefficient of the KL penalty to the reference policy (the ``kl_estimator``
+            per token); 0 disables it (no reference log-probs needed).
+        kl_estimator: the per-token KL estimate (Schulman 2020, "Approximating KL divergence",
+            http://joschu.net/blog/kl-approx.html; verl's ``kl_penalty``,
+            ``verl/trainer/ppo/core_algos.py``), with ``x = logp - ref``: ``"k1"``: ``x``;
+            ``"k2"``: ``x^2 / 2``; ``"k3"`` (default, TRL's): ``exp(-x) + x - 1``;
+            ``"low_var_kl"``: k3 of ``clamp(-x, -20, 20)``, clamped to ``[-10, 10]`` (verl's
+            ``"low_var_kl"`` and ``"k3"``); ``"abs"``: ``|x|``. A trailing ``"+"`` (``"k1+"``,
+            ``"k3+"``, ``"low_var_kl+"``, ``"abs+"``) is verl's straight-through form: the value
+            of the estimator with the gradient of ``"k2"``.
+        cispo_two_sided: ``loss_type="cispo"`` only: clamp the ratio (under stop-gradient) to
+            ``[1 - epsilon_low, 1 + epsilon_high]`` as verl's ``compute_policy_loss_cispo``
+            (its log-ratio clamped to ``[-20, 20]`` first), instead of TRL's ``min(ratio,
+            epsilon_high)``.
+        sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures for tokens with
+            positive / non-positive advantage (TRL's names and defaults), finite ``> 0``.
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's Gamma weight
+            ``phi(w) = exp(lambda) * w^k * exp(-lambda * w)`` for advantages ``>= 0`` / ``< 0``
+            (TRL's names and defaults); ``k`` finite ``>= 0``, ``lambda`` finite ``> 0``.
+        loss_agg_mode: ``None`` (default): the normalisation of the ``loss_type``. Else one of
+            verl's ``agg_loss`` modes, replacing it (for the policy term, the KL and the
+            entropy bonus alike, as verl's actor aggregates all three with it), over the global
+            batch: ``"token-mean"`` (``1 / N_tokens``), ``"seq-mean-token-sum"``
+            (``1 / N_sequences``), ``"seq-mean-token-mean"`` (``1 / (n_s * N_sequences)``),
+            ``"seq-mean-token-sum-norm"`` (``1 / max_completion_length``: verl's token sum
+            divided by its ``loss_scale_factor``, which defaults to the padded response
+            length; required here).
         entropy_coef: coefficient of the entropy bonus: ``loss - entropy_coef * H`` with ``H``
             the global token mean of the per-token entropy; 0 disables it.
         importance_sampling_level: ``"token"`` (PPO's per-token ratio) or ``"sequence"`` (GSPO,
             Zheng et al. 2025, arXiv:2507.18071: ``exp`` of the sequence's mean log-ratio).
         max_completion_length: the generation length bound ``dr_grpo`` divides by (int
             ``>= 1``); required for ``"dr_grpo"``, else unused.
+        count_empty_rows: whether a row without any completion token counts as a sequence in
+            ``N_sequences`` (the ``grpo`` and ``dr_grpo`` denominators). ``False`` (default):
+            only rows with a completion token count, so padding rows, all-padding
+            micro-batches and ranks without completions change nothing. ``True``: every row
+            counts, TRL's convention (its ``grpo`` takes the mean over all ``B`` rows and
+            ``dr_grpo`` divides by ``B x max_completion_length``, also for rows that
+            ``mask_truncated_completions`` emptied), what ``MegalossGRPOMixin``
+            (``megaloss/integrations/hf/trl_policy.py``) uses.
 
     Raises:
         ValueError / TypeError: an option out of range or of the wrong type, naming it.
@@ -310,30 +361,67 @@ class PolicyLossOptions(OptionsBase):
     entropy_coef: float = 0.0
     importance_sampling_level: str = "token"
     max_completion_length: Optional[int] = None
+    count_empty_rows: bool = False
+    kl_estimator: str = "k3"
+    cispo_two_sided: bool = False
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    loss_agg_mode: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("loss_type", self.loss_type, POLICY_LOSS_TYPES)
+        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        if self.loss_agg_mode is not None and (not isinstance(self.loss_agg_mode, str)
+                                               or self.loss_agg_mode not in LOSS_AGG_MODES):
+            raise ValueError(f"loss_agg_mode must be None or one of {LOSS_AGG_MODES}, got "
+                             f"{self.loss_agg_mode!r}")
+        _check_bool("cispo_two_sided", self.cispo_two_sided)
+        if self.cispo_two_sided and self.loss_type != "cispo":
+            raise ValueError(f"cispo_two_sided=True needs loss_type='cispo', got loss_type="
+                             f"{self.loss_type!r}")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos",
+                     "vespo_lambda_neg"):
+            _check_finite_positive(name, getattr(self, name))
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite float >= 0, got {value!r}")
         _check_choice("importance_sampling_level", self.importance_sampling_level,
                       IMPORTANCE_SAMPLING_LEVELS)
         _check_float("epsilon_low", self.epsilon_low, 0.0, 1.0)
         _check_float("epsilon_high", self.epsilon_high, 0.0, float("inf"))
-        if self.loss_type == "cispo" and not self.epsilon_high > 0:
+        if self.loss_type == "cispo" and not self.cispo_two_sided and not self.epsilon_high > 0:
             raise ValueError("epsilon_high must be > 0 for loss_type='cispo' (it caps the ratio), "
                              f"got {self.epsilon_high!r}")
         _check_float("beta", self.beta, 0.0, float("inf"))
         if isinstance(self.entropy_coef, bool) or not isinstance(self.entropy_coef, (int, float)) \
                 or not math.isfinite(self.entropy_coef):
             raise ValueError(f"entropy_coef must be a finite float, got {self.entropy_coef!r}")
-        if self.delta is not None:
+        if self.delta is not None and self.loss_type in ("cispo", "sapo", "vespo"):
+            # these never read delta (TRL clips with it in its PPO branch only): only its type.
+            _check_float("delta", self.delta, -float("inf"), float("inf"), none_ok=True)
+        elif self.delta is not None:
             _check_float("delta", self.delta, 1.0 + self.epsilon_high, float("inf"),
                          open_low=True, none_ok=True)
         mcl = self.max_completion_length
         if mcl is not None and _bad_chunk_size(mcl):
             raise ValueError(f"max_completion_length must be None or an int >= 1, got {mcl!r}")
-        if self.loss_type == "dr_grpo" and mcl is None:
+        if self.loss_type == "dr_grpo" and mcl is None and self.loss_agg_mode is None:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length (an int >= 1): it "
                              "divides the token sum by sequences x max_completion_length")
-        for name in ("epsilon_low", "epsilon_high", "beta", "entropy_coef"):
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and mcl is None:
+            raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' needs max_completion_length "
+                             "(an int >= 1, verl's loss_scale_factor): it divides the token sum "
+                             "by it")
+        _check_bool("count_empty_rows", self.count_empty_rows)
+        for name in ("epsilon_low", "epsilon_high", "beta", "entropy_coef",
+                     "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                     "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.delta is not None:
             object.__setattr__(self, "delta", float(self.delta))
@@ -345,11 +433,23 @@ class DPOOptions(OptionsBase):
     ``trl/trainer/dpo_config.py``).
 
     Attributes:
-        loss_type: ``"sigmoid"``: DPO, ``-logsigmoid(beta * margin)`` (Rafailov et al. 2023,
-            arXiv:2305.18290); ``"ipo"``: IPO, ``(margin_per_token - 1 / (2 beta))**2`` on the
-            completion-length-normalised log-ratios, as TRL computes it (Azar et al. 2023,
-            arXiv:2310.12036, Eq. 17).
+        loss_type: the pairwise loss of TRL 1.16's ``DPOTrainer._compute_loss``
+            (``trl/trainer/dpo_trainer.py``), one of :data:`DPO_LOSS_TYPES`; the formulas and
+            their sources are in :mod:`megaloss.losses.dpo`. ``"sigmoid"`` (DPO, arXiv:2305.18290),
+            ``"hinge"`` (RSO / SLiC, arXiv:2309.06657, arXiv:2305.10425), ``"ipo"`` (IPO,
+            arXiv:2310.12036), ``"exo_pair"`` (EXO, arXiv:2402.00856), ``"nca_pair"`` (NCA,
+            arXiv:2402.05369), ``"robust"`` (Robust DPO, arXiv:2403.00409), ``"bco_pair"``
+            (BCO, arXiv:2404.04656), ``"sppo_hard"`` (SPPO, arXiv:2405.00675), ``"apo_zero"`` /
+            ``"apo_down"`` (APO, arXiv:2408.06266), ``"discopop"`` (DiscoPOP,
+            arXiv:2406.08414), ``"sigmoid_norm"`` (length-normalised DPO, as SimPO,
+            arXiv:2405.14734). ``"ipo"`` and ``"sigmoid_norm"`` divide each log-ratio by the
+            completion's token count.
         beta: the inverse temperature (DPO) / regularisation ``tau`` (IPO), finite ``> 0``.
+        label_smoothing: ``epsilon`` of ``"robust"`` (the label-flip probability, in
+            ``[0, 0.5)``) and of ``"exo_pair"`` (the target ``[1 - epsilon, epsilon]``, in
+            ``(0, 1)``; EXO recommends 1e-3); a float in ``[0, 1)``, read by no other type.
+        discopop_tau: the temperature of ``"discopop"``'s log-ratio modulation, finite ``> 0``
+            (DiscoPOP recommends the default 0.05); read by no other type.
 
     Raises:
         ValueError / TypeError: an option out of range or of the wrong type, naming it.
@@ -357,11 +457,24 @@ class DPOOptions(OptionsBase):
 
     loss_type: str = "sigmoid"
     beta: float = 0.1
+    label_smoothing: float = 0.0
+    discopop_tau: float = 0.05
 
     def __post_init__(self) -> None:
         _check_choice("loss_type", self.loss_type, DPO_LOSS_TYPES)
         _check_finite_positive("beta", self.beta)
-        object.__setattr__(self, "beta", float(self.beta))
+        eps = self.label_smoothing
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 <= eps < 1.0:
+            raise ValueError(f"label_smoothing must be a float in [0, 1), got {eps!r}")
+        if self.loss_type == "robust" and not eps < 0.5:
+            raise ValueError("label_smoothing must be in [0, 0.5) for loss_type='robust' (the "
+                             f"label-flip probability; it divides by 1 - 2 * it), got {eps!r}")
+        if self.loss_type == "exo_pair" and not eps > 0.0:
+            raise ValueError("label_smoothing must be in (0, 1) for loss_type='exo_pair' (its "
+                             f"log is taken; EXO recommends 1e-3), got {eps!r}")
+        _check_finite_positive("discopop_tau", self.discopop_tau)
+        for name in ("beta", "label_smoothing", "discopop_tau"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
 # --- end of policy-gradient and preference losses --------------------------------------------
 
@@ -401,8 +514,9 @@ class DistillationOptions(OptionsBase):
         logit_softcapping: Gemma 2's ``c * tanh(z / c)`` on the student's logits
             (arXiv:2408.00118), ``None`` or ``> 0``.
         teacher_logit_softcapping: the same for the teacher's logits.
-        chunk_size: tokens per chunk (``>= 1``); the working set is a few ``chunk_size x V``
-            fp32 buffers (``x V/tp`` under tensor parallelism).
+        chunk_size: tokens per chunk (``>= 1``), or ``None`` (default):
+            :func:`~megaloss.ops.chunk_driver.auto_chunk_size`. The working set is a few
+            ``chunk_size x V`` fp32 buffers (``x V/tp`` under tensor parallelism).
         accum_dtype: floating dtype of the student weight/bias gradient accumulation.
 
     Raises:
@@ -418,7 +532,7 @@ class DistillationOptions(OptionsBase):
     reduction: str = "mean"
     logit_softcapping: Optional[float] = None
     teacher_logit_softcapping: Optional[float] = None
-    chunk_size: int = 1024
+    chunk_size: Optional[int] = None
     accum_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:

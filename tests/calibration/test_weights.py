@@ -1,4 +1,5 @@
-"""Single-process checks of megaloss.calibration.weights and the probe's decision logic."""
+"""Checks of megaloss.calibration.weights (single-process, and sample counting under SP = 2 on
+the shared gloo ranks) and the probe's decision logic."""
 import math
 
 import pytest
@@ -85,6 +86,57 @@ def test_no_valid_token_gives_zero_weights_not_nan():
         assert float(loss) == 0.0 and float(step.global_loss()) == 0.0
 
 
+def test_count_empty_samples_by_hand():
+    """count_empty_samples: samples whose tokens are all ignored count in num_samples and in
+    the "sample" denominator, as rows, cu_seqlens or position_ids mark them; "token" and
+    "square" unchanged."""
+    rows = torch.tensor([[1, 2, IGNORE], [IGNORE, IGNORE, IGNORE], [3, IGNORE, IGNORE]])
+    values = torch.tensor([[1.0, 3.0, 100.0], [100.0, 100.0, 100.0], [5.0, 100.0, 100.0]],
+                          dtype=torch.float64)
+    packed, packed_values = rows.reshape(1, -1), values.reshape(1, -1)
+    marks = [dict(), dict(cu_seqlens=[torch.tensor([0, 3, 6, 9])]),
+             dict(position_ids=[torch.arange(3).repeat(3).reshape(1, -1)])]
+    want = {"token": (1 + 3 + 5) / 3, "sample": ((1 + 3) / 2 + 5) / 3,
+            "square": ((1 + 3) / math.sqrt(2) + 5) / (math.sqrt(2) + 1)}
+    for kwargs in marks:
+        labels, vals = ([rows], [values]) if not kwargs else ([packed], [packed_values])
+        for reduction, expected in want.items():
+            lw = compute_loss_weights(labels, reduction, dtype=torch.float64,
+                                      count_empty_samples=True, **kwargs)
+            assert _weighted(lw, vals) == pytest.approx(expected, rel=1e-12), (kwargs, reduction)
+            assert float(lw.num_samples) == 3 and float(lw.num_tokens) == 3
+            plain = compute_loss_weights(labels, reduction, dtype=torch.float64, **kwargs)
+            assert float(plain.num_samples) == pytest.approx(2)
+    # a micro-batch of empty rows adds its rows; the calibrator passes the option on
+    step = LossCalibrator(loss_reduction="sample", weight_dtype=torch.float64,
+                          count_empty_samples=True).begin_step([rows, torch.full((2, 3), IGNORE)])
+    assert float(step.num_samples) == 5 and step.count_empty_samples
+    with pytest.raises(TypeError, match="count_empty_samples must be a bool"):
+        LossCalibrator(count_empty_samples=1)
+
+
+def _sp_count_worker(rank, world):
+    """SP = world: every rank holds the full labels and counts its slice's tokens; the samples
+    are counted once."""
+    rows = torch.tensor([[1, 2, 3, 4], [IGNORE] * 4, [IGNORE, IGNORE, 5, IGNORE]])
+    lw = compute_loss_weights([rows], "sample", group=None, sp_group=None,
+                              dtype=torch.float64, count_empty_samples=True)
+    return float(lw.num_samples), float(lw.denominator), lw.weights[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_count_empty_samples_under_sequence_parallelism():
+    from megaloss.testing import run_distributed
+    results = run_distributed(_sp_count_worker, 2, timeout=100)
+    pieces = torch.cat([w for _, _, w in results], -1)
+    for num_samples, denominator, _ in results:
+        assert num_samples == 3 and denominator == 3
+    want = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0, 0, 0, 0], [0, 0, 1, 0]],
+                        dtype=torch.float64) / 3
+    torch.testing.assert_close(pieces, want, rtol=1e-15, atol=0)
+
+
 def test_sequence_parallel_slices_count_whole_samples():
     """Sum over SP slices (simulated: sp_group None but the slice function applied per rank)
     of the weights equals the unsplit weights, padding included."""
@@ -116,6 +168,7 @@ def test_sample_ids():
     (dict(cu_seqlens=[None, None]), ValueError, "one entry per micro-batch"),
     (dict(position_ids=[torch.zeros(2, 2)]), ValueError, "position_ids"),
     (dict(dtype=torch.long), TypeError, "dtype"),
+    (dict(count_empty_samples=1), TypeError, "count_empty_samples"),
 ])
 def test_bad_arguments(kwargs, err, match):
     args = dict(labels=[torch.zeros(1, 4, dtype=torch.long)], loss_reduction="token")

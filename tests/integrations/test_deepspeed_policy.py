@@ -4,17 +4,19 @@ TP = 2 (vocab-parallel ``linear_log_probs``, odd vocab so the shards are padded)
 ZeRO {0, 2, 3}, all in ONE spawn of 2 processes (a 1-rank layout runs as two replicas).
 
 A tiny policy (embedding, tanh layer, lm_head) with ``megaloss.linear_log_probs`` (entropy
-included) trains 8 optimizer steps (SGD, gradients clipped to global norm 1, active on some
+included) trains 10 optimizer steps (SGD, gradients clipped to global norm 1, active on some
 steps), one per case: ``grpo`` (KL + entropy bonus), ``bnpo``, ``dapo`` with GSPO's sequence
 ratio, ``dr_grpo`` (KL), ``cispo`` (entropy bonus), ``grpo`` on a step where one DP rank has no
-completion at all, DPO sigmoid, IPO. Completion lengths are uneven (1 to 6 tokens, a row
+completion at all, DPO sigmoid, IPO, then ``grpo`` (KL + entropy bonus) and ``dr_grpo`` with
+``count_empty_rows=True`` (TRL's row count: rows without a completion token count as
+sequences, here 3 of 8). Completion lengths are uneven (1 to 6 tokens, a row
 without any), one micro-batch of the DP = 2 x GAS = 2 split is all padding; old / reference
 log-probs are the reference's current ones plus noise, so clipping is active. The reference:
 the same model in float64, full logits (``log_softmax``), one call of
 :func:`megaloss.policy_loss` / :func:`megaloss.dpo_loss` on the whole global batch (those match
 TRL 1.16's own ``_compute_loss`` on one batch: ``tests/losses/test_policy*.py``).
 
-Tolerances: parameters within 1e-5 relative (Frobenius norm) after the 8 fp32 steps, each
+Tolerances: parameters within 1e-5 relative (Frobenius norm) after the 10 fp32 steps, each
 step's global loss within 1e-5 relative (+1e-7 absolute), the metrics within 1e-5 absolute.
 A per-rank or per-micro-batch normaliser, a wrong GAS / DP factor or a TP shard counted twice
 fails them (the uneven lengths make every such error visible).
@@ -46,10 +48,14 @@ def _cases():
             P(loss_type="cispo", epsilon_high=1.05, entropy_coef=0.02),
             P(loss_type="grpo", epsilon_high=0.28),  # a DP rank without completions
             DPOOptions(loss_type="sigmoid", beta=0.2),
-            DPOOptions(loss_type="ipo", beta=0.5)]
+            DPOOptions(loss_type="ipo", beta=0.5),
+            # TRL's row count: fully masked rows (an empty micro-batch among them) count too
+            P(loss_type="grpo", beta=0.05, entropy_coef=0.01, count_empty_rows=True),
+            P(loss_type="dr_grpo", max_completion_length=SEQ, count_empty_rows=True)]
 
 
 NO_COMPLETIONS_STEP = 5  # rows of DP rank 1 of the DP = 2 layouts have no completion token
+COUNT_EMPTY_STEPS = (8, 9)  # count_empty_rows=True
 
 
 class _Policy(torch.nn.Module):
@@ -101,7 +107,7 @@ def _data():
         mask[:, -1] = False  # the last position has no next token
         # a row without completion (for DPO a rejected row: a pair counts by its chosen one)
         mask[(3 * s) % ROWS if s < NO_COMPLETIONS_STEP + 1 else ROWS // 2 + s % 4] = False
-        if s == 1:
+        if s == 1 or s in COUNT_EMPTY_STEPS:
             mask[2:4] = False  # micro-batch 0 of DP rank 1 (DP = 2, GAS = 2): all padding
         if s == NO_COMPLETIONS_STEP:
             mask[2:4] = mask[6:8] = False  # DP rank 1 of DP = 2 holds rows 2, 3, 6, 7

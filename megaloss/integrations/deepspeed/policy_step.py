@@ -8,6 +8,8 @@ states) and, for the entropy bonus or metric, ``entropy`` (same shape, or ``None
 are the shifted targets, ``ignore_index`` off the completion.
 
 One step over the ``G`` micro-batches (``G`` = the ds_config's ``gradient_accumulation_steps``):
+their checks are agreed on by every rank (:mod:`.step_checks`: a failure flag all-gathered
+over ``dp x sp`` and TP, so a bad micro-batch raises on all ranks, not on its own only), then
 the completion masks of all of them are calibrated up front (ONE all-reduce over ``dp x sp``:
 global tokens, sequences and the ``loss_type``'s denominator), then each micro-batch runs
 forward, ``engine.backward(step.loss_for_backward(loss))`` (undoing the engine's measured
@@ -15,17 +17,20 @@ forward, ``engine.backward(step.loss_for_backward(loss))`` (undoing the engine's
 names) are reduced (two all-reduces) and written through ``engine.monitor`` like the CE series
 (``Train/megaloss/<name>``). The result equals one device's step on the global batch for every
 ``loss_type``, ZeRO stage, DP x GAS and TP (tested in
-``tests/integrations/test_deepspeed_policy.py``).
+``tests/integrations/test_deepspeed_policy.py``), and, for :func:`policy_train_step`, DP x SP
+under DeepSpeed-Ulysses (``tests/integrations/test_post_training_sp.py``).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Mapping, Optional, Sequence
+from functools import partial
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ...calibration import LossCalibrator
+from ...calibration.weights import split_for_sequence_parallel
 from ...losses.dpo import dpo_loss, dpo_metrics, dpo_pair_weights, sequence_log_probs
 from ...losses.policy import (
     completion_labels,
@@ -38,6 +43,12 @@ from ...ops.labels import causal_shift
 from ...ops.options import DPOOptions, PolicyLossOptions
 from .engine import MegalossEngine
 from .monitor import write_metrics
+from .step_checks import (
+    agreed_checks,
+    check_count,
+    check_dpo_micro_batch,
+    check_policy_micro_batch,
+)
 from .train_step import batch_to_device, peak_memory_mib, reduced_grad_norm
 
 __all__ = ["PolicyStepMetrics", "policy_train_step", "dpo_train_step"]
@@ -50,7 +61,8 @@ class PolicyStepMetrics:
 
     ``loss``: the global loss (what one device computes on the whole global batch);
     ``num_tokens``: global completion tokens; ``num_sequences``: global sequences (policy) or
-    pairs (DPO) with at least one completion token; ``metrics``: TRL's names
+    pairs (DPO) with at least one completion token (every row, for a policy loss with
+    ``count_empty_rows=True``); ``metrics``: TRL's names
     (:func:`megaloss.policy_metrics` / :func:`megaloss.dpo_metrics`), global over the step.
     """
 
@@ -73,28 +85,65 @@ class PolicyStepMetrics:
 
 
 def _check_micro_batches(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]],
-                         keys: Sequence[str]) -> int:
+                         keys: Sequence[str], check_one: Callable[[int, Mapping[str, Any]], None],
+                         *, sequence_parallel: bool = False) -> int:
+    """The step's micro-batch checks, agreed on by every rank before its first collective
+    (:mod:`.step_checks`: the same error everywhere, naming the failed ranks).
+    ``sequence_parallel``: whether the step supports ``sp > 1``."""
     gas = int(me.engine.gradient_accumulation_steps())
-    if len(micro_batches) != gas:
-        raise ValueError(f"micro_batches must hold gradient_accumulation_steps={gas} entries, got "
-                         f"{len(micro_batches)}")
-    if me.topology.sp_size != 1:
-        raise ValueError("policy_train_step / dpo_train_step do not support sequence "
-                         f"parallelism yet (sp={me.topology.sp_size})")
-    for i, mb in enumerate(micro_batches):
-        missing = [k for k in keys if mb.get(k) is None]
-        if missing:
-            raise ValueError(f"micro_batches[{i}] lacks {', '.join(missing)}")
+    sp = me.topology.sp_size
+
+    def checks() -> None:
+        check_count(micro_batches, gas)
+        if sp != 1 and not sequence_parallel:
+            raise ValueError("dpo_train_step does not support sequence parallelism "
+                             f"(sp={sp}): its sequence log-probs would span SP ranks")
+        for i, mb in enumerate(micro_batches):
+            missing = [k for k in keys if mb.get(k) is None]
+            if missing:
+                raise ValueError(f"micro_batches[{i}] lacks {', '.join(missing)}")
+            check_one(i, mb)
+            mask = mb.get("attention_mask")
+            if sp != 1 and mask is not None and not bool((mask != 0).all()):
+                raise ValueError(
+                    f"micro_batches[{i}]['attention_mask'] masks tokens, which sequence "
+                    f"parallelism (sp={sp}) cannot honour: Ulysses attends causally over the "
+                    "gathered sequence; right-pad the rows instead (padding after the "
+                    "completion is never attended to by a completion token)")
+
+    agreed_checks(checks, me.topology)
     return gas
 
 
 def _targets(mb: Mapping[str, Any], ignore_index: int) -> torch.Tensor:
-    mask = mb["completion_mask"]
-    if mask.shape != mb["input_ids"].shape:
-        raise ValueError(f"completion_mask must have the shape of input_ids "
-                         f"{tuple(mb['input_ids'].shape)}, got {tuple(mask.shape)}")
+    mask = mb["completion_mask"]  # its shape checked up front (_check_micro_batches)
     shifted = causal_shift(mb["input_ids"], ignore_index)
     return torch.where(mask != 0, shifted, torch.full_like(shifted, ignore_index))
+
+
+def _sp_slices(me: MegalossEngine, mb: Mapping[str, Any], labels: torch.Tensor
+               ) -> Tuple[Dict[str, Any], torch.Tensor]:
+    """This SP rank's view of a policy micro-batch: its contiguous slice of every ``[B, T]``
+    tensor (cut and right-padded as the calibration cuts the labels:
+    :func:`megaloss.calibration.split_for_sequence_parallel`; the mask, log-probs and ``[B, T]``
+    advantages padded with 0, the labels with ``ignore_index``), the *global* ``position_ids``
+    Ulysses needs (``arange`` when not given), no attention mask (all ones, checked: Ulysses
+    attends causally over the gathered sequence); ``advantages [B]`` as given. With ``sp = 1``
+    the micro-batch and labels as given."""
+    topo = me.topology
+    if topo.sp_size == 1:
+        return dict(mb), labels
+    sp, rank = topo.sp_size, topo.sp_rank
+    ids = mb["input_ids"]
+    out = {k: v for k, v in mb.items() if k != "attention_mask"}
+    if mb.get("position_ids") is None:
+        out["position_ids"] = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    for k in ("input_ids", "position_ids", "completion_mask", "old_log_probs", "ref_log_probs",
+              "advantages"):
+        v = out.get(k)
+        if v is not None and v.dim() == 2:
+            out[k] = split_for_sequence_parallel(v, rank, sp, 0)
+    return out, split_for_sequence_parallel(labels, rank, sp, me.calibrator.ignore_index)
 
 
 def _forward(me: MegalossEngine, mb: Mapping[str, Any], labels: torch.Tensor):
@@ -139,9 +188,18 @@ def policy_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, A
             ``old_log_probs [B, T]`` (default: the current log-probs, detached),
             ``ref_log_probs [B, T]`` (required when ``beta > 0``), ``attention_mask``,
             ``position_ids``. TP ranks of one DP rank pass the same batches; a rank may have
-            no completion at all (an all-zero mask).
+            no completion at all (an all-zero mask). Under sequence parallelism (``sp > 1``,
+            the module's attention routed through
+            :func:`megaloss.integrations.hf.ulysses.enable_ulysses_attention`) every SP rank of
+            a DP rank passes the same *full* micro-batches; each forwards its contiguous slice
+            of the tokens (:func:`megaloss.calibration.split_for_sequence_parallel`, global
+            ``position_ids``), the sequence-level sums are added over the SP group
+            (``policy_loss(..., sp_group=...)``) and each sequence counts once; an
+            ``attention_mask`` must then be all ones (right padding).
         options: default ``me.config.policy.options()`` (the ds_config's
-            ``"megaloss": {"policy": {...}}``).
+            ``"megaloss": {"policy": {...}}``); its ``count_empty_rows`` decides whether rows
+            without a completion token count as sequences (the calibration's
+            ``count_empty_samples``, via :func:`megaloss.policy_calibrator`).
         log: write the loss and metrics through ``engine.monitor``.
 
     Returns:
@@ -150,12 +208,21 @@ def policy_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, A
 
     Raises:
         ValueError: a wrong number of micro-batches, a missing key, a mask of another shape
-            than ``input_ids``, sequence parallelism; see :func:`megaloss.policy_loss`.
+            than ``input_ids``, ``advantages`` / ``old_log_probs`` / ``ref_log_probs`` of a
+            wrong shape, no ``ref_log_probs`` with ``beta > 0``, an ``attention_mask`` with
+            zeros under sequence parallelism; see
+            :func:`megaloss.policy_loss`. The micro-batch checks are agreed on by every rank
+            before the step's first collective (:mod:`.step_checks`): the same error on every
+            rank, naming the failed ranks.
+        TypeError: non-integer ``input_ids``, non-floating ``advantages`` or log-probs (agreed
+            on likewise); ``options`` not a ``PolicyLossOptions``.
     """
     opts = me.config.policy.options() if options is None else options
     if not isinstance(opts, PolicyLossOptions):
         raise TypeError(f"options must be a PolicyLossOptions, got {type(opts).__name__}")
-    gas = _check_micro_batches(me, micro_batches, ("input_ids", "completion_mask", "advantages"))
+    gas = _check_micro_batches(me, micro_batches, ("input_ids", "completion_mask", "advantages"),
+                               partial(check_policy_micro_batch, beta=opts.beta),
+                               sequence_parallel=True)
     t0 = time.perf_counter()
     engine = me.engine
     mbs = [batch_to_device(mb, engine.device) for mb in micro_batches]
@@ -164,15 +231,15 @@ def policy_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, A
                               weight_dtype=me.calibrator.weight_dtype)
     step = calib.begin_step([completion_labels(mb["completion_mask"], ignore) for mb in mbs])
     stats, has_entropy, own_norm = [], True, None
-    for i, mb in enumerate(mbs):
-        labels = _targets(mb, ignore)
+    for i, full in enumerate(mbs):
+        mb, labels = _sp_slices(me, full, _targets(full, ignore))
         log_probs, entropy = _forward(me, mb, labels)
         has_entropy = has_entropy and entropy is not None
         out = policy_loss(log_probs, mb.get("old_log_probs"), mb["advantages"],
                           mb["completion_mask"], ref_log_probs=mb.get("ref_log_probs"),
                           entropy=entropy,
                           weights=policy_loss_weights(step, i, opts, ignore_index=ignore),
-                          options=opts, return_stats=True)
+                          options=opts, return_stats=True, sp_group=me.topology.sp_group)
         engine.backward(step.loss_for_backward(out.loss))
         stats.append(out.stats)
         if i == gas - 1 and engine.zero_optimization_stage() == 0:
@@ -201,18 +268,17 @@ def dpo_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]
         ``num_sequences``: global pairs).
 
     Raises:
-        ValueError: as :func:`policy_train_step`; an odd number of rows.
+        ValueError / TypeError: as :func:`policy_train_step`; an odd number of rows; reference
+            log-probs not floating ``[P]`` (agreed on by every rank likewise); sequence
+            parallelism (``sp > 1``: a pair's sequence log-probs would span SP ranks).
     """
     opts = me.config.dpo.options() if options is None else options
     if not isinstance(opts, DPOOptions):
         raise TypeError(f"options must be a DPOOptions, got {type(opts).__name__}")
     gas = _check_micro_batches(me, micro_batches, ("input_ids", "completion_mask",
                                                    "ref_chosen_log_probs",
-                                                   "ref_rejected_log_probs"))
-    for i, mb in enumerate(micro_batches):
-        if mb["input_ids"].shape[0] % 2:
-            raise ValueError(f"micro_batches[{i}]: input_ids must hold 2P rows (chosen, then "
-                             f"rejected), got {mb['input_ids'].shape[0]}")
+                                                   "ref_rejected_log_probs"),
+                               check_dpo_micro_batch)
     t0 = time.perf_counter()
     engine = me.engine
     mbs = [batch_to_device(mb, engine.device) for mb in micro_batches]

@@ -26,7 +26,8 @@ __all__ = ["enable_ulysses_attention"]
 
 
 def enable_ulysses_attention(model: Any, topology: Topology, *, micro_batch_size: int,
-                             attn_implementation: str = "sdpa") -> Callable[[], None]:
+                             attn_implementation: str = "sdpa",
+                             teacher: Any = None) -> Callable[[], None]:
     """Route ``model``'s attention through DeepSpeed's Ulysses all-to-all over
     ``topology.sp_group``. Collective over the SP group at every attention call.
 
@@ -39,42 +40,55 @@ def enable_ulysses_attention(model: Any, topology: Topology, *, micro_batch_size
         attn_implementation: the core attention ``transformers`` runs after the all-to-all
             (``"sdpa"`` on CPU; flash-attention variants on GPU). ``"eager"`` is refused by
             DeepSpeed (it needs a 4D mask).
+        teacher: a frozen distillation teacher (``transformers`` model) run on the same token
+            slices (:class:`~megaloss.integrations.hf.distillation.CausalLMWithDistillation`):
+            its attention goes through the same hook (an all-to-all per attention call, under
+            ``no_grad``), with its own head geometry; checked like ``model`` and marked for
+            :func:`megaloss.integrations.deepspeed.train_step`, which refuses an unmarked
+            teacher under sequence parallelism.
 
     Returns:
         A function that restores ``transformers``' original attention function (the hook is
         process-global, as DeepSpeed's is).
 
     Raises:
-        ValueError: the model's attention implementation differs from ``attn_implementation``,
-            or its head counts are not divisible as Ulysses needs (``heads % sp``).
+        ValueError: the model's (or teacher's) attention implementation differs from
+            ``attn_implementation``, or its head counts are not divisible as Ulysses needs
+            (``heads % sp``).
     """
     if topology.sp_size == 1:
         return lambda: None
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ValueError("model must be a transformers model with a .config")
-    actual = getattr(config, "_attn_implementation", None)
-    if actual is not None and actual != attn_implementation:
-        raise ValueError(f"the model runs attn_implementation={actual!r} but "
-                         f"attn_implementation={attn_implementation!r} was asked for; load the "
-                         "model with the same value")
-    text = config.get_text_config()
-    heads, sp = text.num_attention_heads, topology.sp_size
-    if heads % sp:
-        raise ValueError(f"num_attention_heads={heads} must be divisible by sp={sp} (Ulysses "
-                         "gives each SP rank heads / sp heads)")
+    sp = topology.sp_size
+    text = _checked_text_config(model, "model", attn_implementation, sp)
+    if teacher is not None:
+        teacher_text = _checked_text_config(teacher, "teacher", attn_implementation, sp)
     original = ALL_ATTENTION_FUNCTIONS[attn_implementation]
-    uattn = UlyssesSPAttentionHF(
-        attn=original, batch_size=micro_batch_size, attn_head_count=heads,
-        attn_head_size=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        kv_head_count=text.num_key_value_heads, num_hidden_layers=text.num_hidden_layers,
-        process_group=topology.sp_group, seq_length_is_variable=True)
-    uattn.core_attn_implementation = attn_implementation
+    # one Ulysses module per head geometry (q heads, kv heads, head size): a student and a
+    # teacher of other shapes exchange their own heads
+    modules = {}
+
+    def ulysses_for(heads: int, kv_heads: int, head_size: int, layers: int):
+        uattn = modules.get((heads, kv_heads, head_size))
+        if uattn is None:
+            uattn = UlyssesSPAttentionHF(
+                attn=original, batch_size=micro_batch_size, attn_head_count=heads,
+                attn_head_size=head_size, kv_head_count=kv_heads, num_hidden_layers=layers,
+                process_group=topology.sp_group, seq_length_is_variable=True)
+            uattn.core_attn_implementation = attn_implementation
+            modules[(heads, kv_heads, head_size)] = uattn
+        return uattn
+
+    configs = [text] + ([teacher_text] if teacher is not None else [])
+    for c in configs:
+        ulysses_for(*_geometry(c))
 
     def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        # HF hands [B, heads, T_local, head_size]: pick the module of this geometry
+        uattn = ulysses_for(query.shape[1], key.shape[1], query.shape[-1],
+                            text.num_hidden_layers)
         # UlyssesSPAttentionHF checks every exchanged shape against a batch size fixed at
         # construction (its sequence length follows the input when seq_length_is_variable);
         # an evaluation batch or a last partial batch has fewer rows, so follow the input here.
@@ -91,8 +105,35 @@ def enable_ulysses_attention(model: Any, topology: Topology, *, micro_batch_size
         return uattn(module, query, key, value, None, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[attn_implementation] = ulysses_attention
+    if teacher is not None:
+        teacher._megaloss_ulysses_sp = sp  # read by the DeepSpeed train_step's check
 
     def restore() -> None:
         ALL_ATTENTION_FUNCTIONS[attn_implementation] = original
+        if teacher is not None:
+            teacher.__dict__.pop("_megaloss_ulysses_sp", None)
 
     return restore
+
+
+def _checked_text_config(model: Any, name: str, attn_implementation: str, sp: int) -> Any:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{name} must be a transformers model with a .config")
+    actual = getattr(config, "_attn_implementation", None)
+    if actual is not None and actual != attn_implementation:
+        raise ValueError(f"the {name} runs attn_implementation={actual!r} but "
+                         f"attn_implementation={attn_implementation!r} was asked for; load the "
+                         f"{name} with the same value")
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    if heads % sp:
+        raise ValueError(f"num_attention_heads={heads} of the {name} must be divisible by "
+                         f"sp={sp} (Ulysses gives each SP rank heads / sp heads)")
+    return text
+
+
+def _geometry(text: Any):
+    heads = text.num_attention_heads
+    return (heads, text.num_key_value_heads,
+            getattr(text, "head_dim", None) or text.hidden_size // heads, text.num_hidden_layers)

@@ -1,0 +1,199 @@
+"""Any Hugging Face ``*ForCausalLM`` whose forward returns the per-token log-probabilities (and
+entropies) of given labels, :func:`megaloss.linear_log_probs` on its last hidden states: the
+``[tokens, vocab]`` logits are never built. The per-token quantities of policy-gradient and
+preference losses (GRPO / PPO ratios, KL to a reference, DPO), for TRL-style and custom loops.
+
+As :class:`~megaloss.integrations.hf.causal_lm.CausalLMWithLoss` (same label convention, same
+``tp_group``, same handling of tied embeddings and of the config's logit transforms,
+:mod:`.head_config`), the lm_head is replaced in place by a head module whose forward computes
+the log-probs, so ZeRO-3 gathers its weight there. Called without labels the head is the plain
+lm_head again (``hidden @ W.T + b``; gathered over the vocabulary under TP, without gradient):
+``model(input_ids).logits`` and ``model.generate`` keep working on the very weights being
+trained, which is what an on-policy loop samples from.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...losses.log_probs import LogProbsOutput, linear_log_probs
+from ...losses.vocab_parallel_head import VocabParallelLMHead
+from ...ops.options import LogProbsOptions
+from ...parallel.groups import SINGLE_RANK, GroupLike
+from .causal_lm import (
+    HeadWrapper,
+    linear_lm_head,
+    shifted_targets,
+    wrapper_options,
+)
+
+__all__ = ["CausalLMWithLogProbs", "LinearLogProbsHead"]
+
+
+class LinearLogProbsHead(nn.Module):
+    """The (unsharded) lm_head plus :func:`megaloss.linear_log_probs`, as one module.
+
+    Keeps the original ``nn.Linear``'s ``weight [V, H]`` (and ``bias [V]``) Parameter objects, so
+    tied input embeddings stay tied and the state-dict names stay ``lm_head.weight``.
+    ``forward(hidden_states [..., H], labels=None [...], *, options)``: with *shifted* labels a
+    :class:`megaloss.LogProbsOutput` under ``options`` (a
+    :class:`~megaloss.ops.options.LogProbsOptions`); without, the logits ``F.linear(hidden, W,
+    b)``, as the ``nn.Linear`` it replaces (the model's own forward and ``generate``).
+
+    Raises:
+        TypeError: ``linear`` is not an ``nn.Linear``.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear lm_head, got {type(linear).__name__}")
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                options: Optional[LogProbsOptions] = None):
+        if labels is None:
+            return F.linear(hidden_states, self.weight, self.bias)
+        out = linear_log_probs(hidden_states, self.weight, labels, bias=self.bias,
+                               options=options)
+        # FSDP2 hooks the backward through this module's outputs; an in-place op on an output
+        # that is a view (the [N] results reshaped to labels' shape) would bypass the hook
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_state.py warns), so views are copied
+        # (a few [B, T] tensors).
+        return out._replace(**{k: v.clone() for k, v in out._asdict().items()
+                               if isinstance(v, torch.Tensor) and v._is_view()})
+
+    def extra_repr(self) -> str:
+        v, h = self.weight.shape
+        return f"vocab_size={v}, hidden_size={h}"
+
+
+class _VocabParallelLogProbsHead(VocabParallelLMHead):
+    """This TP rank's lm_head shard (:class:`megaloss.VocabParallelLMHead`'s layout and
+    parameter tags) whose forward returns the vocab-parallel log-probs, or without labels the
+    full logits gathered over the TP group (no gradient: for ``generate`` and evaluation)."""
+
+    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                options: Optional[LogProbsOptions] = None):
+        if labels is None:
+            return self._gathered_logits(hidden_states)
+        return linear_log_probs(hidden_states, self.weight, labels, bias=self.bias,
+                                options=options, vocab_parallel_options=self.parallel)
+
+    def _gathered_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
+            raise RuntimeError(
+                f"the full logits of a vocab-parallel lm_head (tp={self.tp_size}) are gathered "
+                "without gradient (generate, evaluation): run under torch.no_grad(), or train "
+                "through CausalLMWithLogProbs.forward(input_ids, labels=...)")
+        local = F.linear(hidden_states, self.weight, self.bias).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local, group=self.tp_group)
+        return torch.cat(parts, dim=-1)[..., :self.vocab_size]
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, "
+                f"tp={self.tp_size}, rows=[{self.vocab_start}, {self.vocab_stop})")
+
+
+class CausalLMWithLogProbs(HeadWrapper):
+    """Wrap a ``transformers`` ``*ForCausalLM``: forward = decoder + chunked per-token
+    log-probs (and entropy) of the labels, no logits.
+
+    The decoder is ``model.base_model``; the lm_head ``model.get_output_embeddings()`` is
+    replaced in place by the log-probs head (module docstring), which still returns logits when
+    called without labels, so ``model.generate`` samples from the trained weights.
+
+    Args:
+        model: a ``PreTrainedModel`` with a base model and an ``nn.Linear`` output embedding.
+        options: :class:`~megaloss.ops.options.LogProbsOptions` (``temperature``,
+            ``return_entropy``, ``chunk_size``, ...); default ``LogProbsOptions()``. Their
+            ``logit_softcapping``, when ``None``, becomes the model's own final soft-cap (Gemma
+            2's ``config.final_logit_softcapping``, :mod:`.head_config`), so the log-probs are
+            those of ``log_softmax(model(input_ids).logits / temperature)``.
+        tp_group: tensor-parallel group (``Topology.tp_group``); default
+            :data:`~megaloss.parallel.SINGLE_RANK`; ``None`` is torch's default group. With size
+            > 1 the lm_head is split over the vocabulary as in
+            :class:`~megaloss.integrations.hf.causal_lm.CausalLMWithLoss` (a tied input embedding
+            becomes a :class:`megaloss.VocabParallelEmbedding` on the head's shard); the outputs
+            are those of the full vocabulary, identical on every TP rank.
+
+    Attributes:
+        options: the resolved options; ``temperature`` reads and sets ``options.temperature``
+            (a loop switches it between phases: the sampling temperature for the policy loss,
+            as TRL does, 1 for SFT).
+
+    The Hugging Face model API (:data:`~megaloss.integrations.hf.causal_lm.HF_MODEL_API`:
+    ``config``, ``generation_config``, gradient checkpointing, ...) and :meth:`save_pretrained`
+    reach the wrapped model; generate with ``wrapper.model.generate``.
+
+    Raises:
+        TypeError: ``model`` has no base model or no ``nn.Linear`` output embedding; ``options``
+            not a ``LogProbsOptions``; TP > 1 with a tied input embedding of unknown forward.
+        ValueError: the model's config scales its logits (Cohere's ``logit_scale``, Granite's
+            ``logits_scaling``, ...) or cuts them, which the log-probs cannot reproduce;
+            ``options.logit_softcapping`` set and different from the model's own soft-cap.
+    """
+
+    def __init__(self, model: nn.Module, *, options: Optional[LogProbsOptions] = None,
+                 tp_group: GroupLike = SINGLE_RANK) -> None:
+        super().__init__()
+        lm_head = linear_lm_head(model)
+        self._install_head(
+            model, lm_head,
+            wrapper_options(options if options is not None else LogProbsOptions(),
+                            LogProbsOptions),
+            tp_group, LinearLogProbsHead, _VocabParallelLogProbsHead)
+
+    @property
+    def temperature(self) -> float:
+        return self.options.temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self.options = self.options.replace(temperature=value)
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                shift_labels: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                return_entropy: Optional[bool] = None) -> LogProbsOutput:
+        """Decoder, then the chunked log-probs of its last hidden states.
+
+        Args:
+            input_ids: ``[B, T]`` int64.
+            labels: ``[B, T]`` Hugging Face labels, *unshifted* (``labels = input_ids`` with
+                ``ignore_index`` where none), shifted here by :func:`megaloss.causal_shift`: the
+                last position of each row gets none. Global vocab ids also under TP.
+            shift_labels: ``[B, T]`` already shifted targets (``shift_labels[b, t]`` follows
+                position ``t``), instead of ``labels``.
+            attention_mask, position_ids: passed to the decoder (``[B, T]``).
+            return_entropy: this call's ``options.return_entropy``; ``None``: the options'.
+
+        Returns:
+            :class:`megaloss.LogProbsOutput` of shape ``[B, T]``, aligned with the shifted
+            targets: ``log_probs`` of ``softmax(softcap(z) / temperature)`` (fp32, fp64 for a
+            fp64 model; 0 where no target), ``entropy`` (``None`` unless asked), ``lse``,
+            ``greedy_match``.
+
+        Raises:
+            ValueError: neither or both of ``labels`` / ``shift_labels``; a shape other than
+                that of ``input_ids``; a label outside the vocabulary.
+        """
+        targets = shifted_targets(input_ids, labels, shift_labels, self.ignore_index)
+        options = self.options
+        if return_entropy is not None and return_entropy != options.return_entropy:
+            options = options.replace(return_entropy=return_entropy)
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids, use_cache=False)
+        return self.head(out.last_hidden_state, targets, options=options)
+
+    def extra_repr(self) -> str:
+        return (f"tp_size={self.tp_size}, vocab_size={self.vocab_size}, tied={self.tied}, "
+                f"temperature={self.temperature:g}")

@@ -1,0 +1,265 @@
+"""CPO and SimPO, reference-free preference losses on sequence log-probs (with CPO's NLL term on
+the chosen completions), normalised over the *global* pairs and tokens of an optimizer step.
+
+Math (TRL 1.16, ``trl/experimental/cpo/cpo_trainer.py``, ``CPOTrainer.cpo_loss``,
+``concatenated_forward`` and ``get_batch_loss_metrics``), per pair ``p`` (``ls``: logsigmoid,
+``eps``: ``label_smoothing``)::
+
+    x_c = logp(chosen), x_r = logp(rejected)          (sequence sums: sigmoid, hinge)
+    x_c = logp(chosen) / n_c, x_r = logp(rejected) / n_r    (per-token averages: ipo, simpo)
+    d = x_c - x_r
+
+    loss_type  l_p                                                  source
+    ---------- ---------------------------------------------------- ----------------------------
+    sigmoid    -(1 - eps) ls(beta d) - eps ls(-beta d)              CPO, Xu et al. 2024,
+                                                                    arXiv:2401.08417, Eq. 3
+    hinge      relu(1 - beta d)                                     SLiC, arXiv:2305.10425
+    ipo        (d - 1 / (2 beta))**2                                IPO, arXiv:2310.12036, Eq. 17
+    simpo      -(1 - eps) ls(beta d - gamma)                        SimPO, Meng et al. 2024,
+                 - eps ls(-(beta d - gamma))                        arXiv:2405.14734, Eq. 6
+
+    loss = sum_p l_p / N_pairs + cpo_alpha * sum_t nll_t / N_chosen_tokens
+
+with ``gamma`` = ``simpo_gamma`` (SimPO's target margin; the SimPO repository's
+``gamma_beta_ratio`` is ``simpo_gamma / beta``) and ``nll_t`` the chosen completions'
+negative log-probs (TRL's ``nn.CrossEntropyLoss`` over the chosen labels). Pure SimPO is
+``loss_type="simpo"`` with ``cpo_alpha=0`` (:func:`simpo_loss`); CPO-SimPO keeps the NLL. Not
+here: TRL's AlphaPO reward shaping (``CPOConfig.alpha != 0``).
+
+Normalisation: TRL takes each micro-batch's mean over its pairs and its chosen-token mean of the
+NLL; megaloss weights each pair by ``1 / N_pairs`` and each chosen token by ``1 / N_tokens`` of
+the whole step (:func:`~megaloss.losses.orpo.preference_weights` of a step begun on the chosen
+completions' labels; one all-reduce per step), so any DP x GAS split gives the single-device
+loss and gradient. ``preference_weights(..., convention="micro_batch")`` gives TRL's convention;
+without weights a call is TRL's loss of that micro-batch.
+
+Inputs: ``[P]`` floating tensors (summed completion log-probs under the policy, any float dtype;
+the loss is in their dtype) and ``[P]`` token counts; no reference model.
+
+Metrics (:func:`cpo_metrics`, TRL's names, means over the step's global pairs):
+``rewards/chosen`` (``beta * x_c``), ``rewards/rejected``, ``rewards/accuracies``
+(``x_c > x_r``), ``rewards/margins``, ``logps/chosen`` (``x_c``), ``logps/rejected``, and
+``nll_loss`` (the global chosen-token mean; 0 when ``cpo_alpha = 0``, as TRL, which then does not
+compute it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, NamedTuple, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.options import (
+    OptionsBase,
+    _check_choice,
+    _check_finite_positive,
+    _check_float,
+    resolve_options,
+)
+from ..parallel.groups import GroupLike
+from ._preference import (
+    check_lengths,
+    check_scalar_weight,
+    check_vector,
+    check_weights,
+    means,
+    ratio,
+    reduce_metrics,
+)
+
+__all__ = ["CPOOptions", "CPOOutput", "CPO_LOSS_TYPES", "CPO_METRICS", "cpo_loss", "simpo_loss",
+           "cpo_metrics"]
+
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+CPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+               "logps/chosen", "logps/rejected", "nll_loss")
+_PAIR_STATS = 6
+_NUM_STATS = _PAIR_STATS + 3  # the pair sums, the pair count, the NLL sum and its token count
+_AVERAGED = ("ipo", "simpo")  # on the per-token average log-probs
+
+
+@dataclass(frozen=True)
+class CPOOptions(OptionsBase):
+    """Options of :func:`cpo_loss` / :func:`simpo_loss` (names and defaults of TRL 1.16's
+    ``CPOConfig``, ``trl/experimental/cpo/cpo_config.py``).
+
+    Attributes:
+        loss_type: one of :data:`CPO_LOSS_TYPES` (module docstring).
+        beta: the inverse temperature (the regularisation ``tau`` for ``"ipo"``), finite ``> 0``.
+        label_smoothing: ``eps`` of ``"sigmoid"`` / ``"simpo"`` (conservative labels), in
+            ``[0, 0.5]``; must be 0 for ``"hinge"`` / ``"ipo"`` (TRL ignores it there with a
+            warning; megaloss refuses it).
+        cpo_alpha: the weight of the NLL term, finite ``>= 0`` (0: no NLL).
+        simpo_gamma: SimPO's target reward margin ``gamma``, finite ``>= 0``; read by
+            ``"simpo"`` only.
+
+    Raises:
+        ValueError: an option out of range, naming it.
+    """
+
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    cpo_alpha: float = 1.0
+    simpo_gamma: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check_choice("loss_type", self.loss_type, CPO_LOSS_TYPES)
+        _check_finite_positive("beta", self.beta)
+        _check_float("label_smoothing", self.label_smoothing, 0.0, 0.5)
+        if self.loss_type in ("hinge", "ipo") and self.label_smoothing != 0:
+            raise ValueError(f"label_smoothing must be 0 for loss_type={self.loss_type!r} (it "
+                             f"has no label smoothing), got {self.label_smoothing!r}")
+        _check_float("cpo_alpha", self.cpo_alpha, 0.0, float("inf"))
+        if not self.cpo_alpha < float("inf"):
+            raise ValueError(f"cpo_alpha must be finite, got {self.cpo_alpha!r}")
+        _check_float("simpo_gamma", self.simpo_gamma, 0.0, float("inf"))
+        if not self.simpo_gamma < float("inf"):
+            raise ValueError(f"simpo_gamma must be finite, got {self.simpo_gamma!r}")
+        for name in ("beta", "label_smoothing", "cpo_alpha", "simpo_gamma"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+
+class CPOOutput(NamedTuple):
+    """What :func:`cpo_loss` returns with ``return_stats=True``: ``loss`` (differentiable
+    scalar, this call's share of the global loss) and ``stats`` (detached float64 ``[9]`` local
+    sums for :func:`cpo_metrics`)."""
+
+    loss: torch.Tensor
+    stats: torch.Tensor
+
+
+def _pair_loss(opts: CPOOptions, d: torch.Tensor) -> torch.Tensor:
+    beta, kind, eps = opts.beta, opts.loss_type, opts.label_smoothing
+    if kind == "hinge":
+        return torch.relu(1 - beta * d)
+    if kind == "ipo":
+        return (d - 1 / (2 * beta)) ** 2
+    z = beta * d - opts.simpo_gamma if kind == "simpo" else beta * d
+    loss = -F.logsigmoid(z)
+    return loss * (1 - eps) - F.logsigmoid(-z) * eps if eps else loss
+
+
+def cpo_loss(
+    chosen_log_probs: torch.Tensor,
+    rejected_log_probs: torch.Tensor,
+    *,
+    chosen_lengths: Optional[torch.Tensor] = None,
+    rejected_lengths: Optional[torch.Tensor] = None,
+    pair_weights: Optional[torch.Tensor] = None,
+    nll_weight: Union[None, float, torch.Tensor] = None,
+    loss_type: str = "sigmoid",
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    cpo_alpha: float = 1.0,
+    simpo_gamma: float = 0.5,
+    return_stats: bool = False,
+    options: Optional[CPOOptions] = None,
+):
+    """The CPO / SimPO loss of a micro-batch of pairs (module docstring for the math).
+
+    Args:
+        chosen_log_probs, rejected_log_probs: ``[P]`` summed completion log-probs under the
+            policy (differentiable; :func:`~megaloss.losses.dpo.sequence_log_probs`).
+        chosen_lengths, rejected_lengths: ``[P]`` completion token counts (counts below 1 count
+            as 1 in the averages); required for ``"ipo"`` / ``"simpo"``, and ``chosen_lengths``
+            for the NLL when ``cpo_alpha > 0`` and ``nll_weight`` is ``None``.
+        pair_weights: ``[P]`` (:attr:`~megaloss.losses.orpo.PreferenceWeights.pair_weights`);
+            ``None``: the mean over this call's pairs.
+        nll_weight: the weight of each chosen token in the NLL
+            (:attr:`~megaloss.losses.orpo.PreferenceWeights.nll_weight`); ``None``:
+            ``1 / sum(chosen_lengths)`` of this call.
+        loss_type, beta, label_smoothing, cpo_alpha, simpo_gamma: the fields of
+            :class:`CPOOptions`.
+        return_stats: return a :class:`CPOOutput` instead of the loss alone.
+        options: the fields as one :class:`CPOOptions` instead of the keywords.
+
+    Returns:
+        The loss (differentiable scalar), or a :class:`CPOOutput` holding it.
+
+    Raises:
+        ValueError: an argument of the wrong shape or type, or missing, naming it; an option
+            out of range.
+        TypeError: ``options`` not a :class:`CPOOptions`, or given with option keywords.
+    """
+    opts = resolve_options(CPOOptions, options, dict(
+        loss_type=loss_type, beta=beta, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
+        simpo_gamma=simpo_gamma))
+    n = check_vector("chosen_log_probs", chosen_log_probs, None, "")
+    check_vector("rejected_log_probs", rejected_log_probs, n, "chosen_log_probs")
+    dtype = chosen_log_probs.dtype
+    if opts.loss_type in _AVERAGED:
+        why = f"loss_type={opts.loss_type!r} is on the per-token average log-probs"
+        x_c = chosen_log_probs / check_lengths("chosen_lengths", chosen_lengths, n, why, dtype)
+        x_r = rejected_log_probs / check_lengths("rejected_lengths", rejected_lengths, n, why,
+                                                 dtype)
+    else:
+        x_c, x_r = chosen_log_probs, rejected_log_probs
+    per_pair = _pair_loss(opts, x_c - x_r)
+    weights = check_weights("pair_weights", pair_weights, n, per_pair)
+    loss = (per_pair * weights).sum()
+    nll_sum = -chosen_log_probs.sum()
+    tokens = None
+    if chosen_lengths is not None:
+        check_lengths("chosen_lengths", chosen_lengths, n, "", dtype)
+        tokens = chosen_lengths.to(dtype).sum()
+    if opts.cpo_alpha:
+        if nll_weight is None and tokens is None:
+            raise ValueError("chosen_lengths is required for the NLL term (cpo_alpha > 0) "
+                             "without nll_weight: it is a token mean")
+        default = None if tokens is None else 1.0 / tokens.clamp(min=1.0)
+        w_nll = check_scalar_weight("nll_weight", nll_weight, per_pair, default)
+        loss = loss + opts.cpo_alpha * w_nll * nll_sum
+    if not return_stats:
+        return loss
+    with torch.no_grad():
+        counted = (weights > 0).to(torch.float64)
+        xc, xr = x_c.detach().to(torch.float64), x_r.detach().to(torch.float64)
+        rc, rr = opts.beta * xc, opts.beta * xr
+        values = torch.stack([rc, rr, (rc > rr).to(torch.float64), rc - rr, xc, xr])
+        zero = torch.zeros(1, dtype=torch.float64, device=counted.device)
+        nll = nll_sum.detach().to(torch.float64).reshape(1) if opts.cpo_alpha else zero
+        count = zero if tokens is None else tokens.detach().to(torch.float64).reshape(1)
+        stats = torch.cat([(values * counted).sum(-1), counted.sum().reshape(1), nll, count])
+    return CPOOutput(loss, stats)
+
+
+def simpo_loss(
+    chosen_log_probs: torch.Tensor,
+    rejected_log_probs: torch.Tensor,
+    *,
+    chosen_lengths: Optional[torch.Tensor] = None,
+    rejected_lengths: Optional[torch.Tensor] = None,
+    pair_weights: Optional[torch.Tensor] = None,
+    nll_weight: Union[None, float, torch.Tensor] = None,
+    beta: float = 0.1,
+    simpo_gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+    cpo_alpha: float = 0.0,
+    return_stats: bool = False,
+):
+    """SimPO (arXiv:2405.14734): :func:`cpo_loss` with ``loss_type="simpo"`` and, by default,
+    no NLL term (``cpo_alpha=0``; > 0 is CPO-SimPO). Arguments and errors as :func:`cpo_loss`;
+    ``chosen_lengths`` and ``rejected_lengths`` are required (the rewards are length-averaged).
+    """
+    return cpo_loss(chosen_log_probs, rejected_log_probs, chosen_lengths=chosen_lengths,
+                    rejected_lengths=rejected_lengths, pair_weights=pair_weights,
+                    nll_weight=nll_weight, return_stats=return_stats,
+                    options=CPOOptions(loss_type="simpo", beta=beta, simpo_gamma=simpo_gamma,
+                                       label_smoothing=label_smoothing, cpo_alpha=cpo_alpha))
+
+
+def cpo_metrics(stats: Union[torch.Tensor, Sequence[torch.Tensor]], *,
+                group: GroupLike = None) -> Dict[str, float]:
+    """The step's metrics under TRL's names (:data:`CPO_METRICS`): means over the global pairs,
+    ``nll_loss`` the global chosen-token mean (ONE all-reduce over ``group``, the ``dp x sp``
+    group; every rank must call it); 0.0 when no rank had a pair.
+
+    Raises:
+        ValueError: ``stats`` are not :attr:`CPOOutput.stats` tensors.
+    """
+    total = reduce_metrics(stats, _NUM_STATS, "CPOOutput", group)
+    out = means(CPO_METRICS[:_PAIR_STATS], total[:_PAIR_STATS], total[_PAIR_STATS])
+    out["nll_loss"] = ratio(total[-2], total[-1])
+    return out

@@ -30,7 +30,17 @@ log-probs (:func:`megaloss.linear_log_probs`, no ``[tokens, vocab]`` logits,
 Reports the held-out greedy reward at initialisation, after SFT (``reward_before``) and after
 GRPO (``reward_after``), writes ``metrics.csv`` (one row per step of either phase),
 ``loss_curve.png`` (rewards against the step) and ``summary.json`` to ``--output_dir`` (default
-``runs/grpo``; a folder holding a run is refused unless ``--overwrite``).
+``runs/grpo``; a folder that holds a run is refused unless ``--resume`` or ``--overwrite``).
+
+Checkpoints, resume and preemption are the LM job's (``launch/train_lm.py``,
+:mod:`launch.jobs.checkpoints`): ``--save_every N``, ``--resume [latest|PATH]``, ``--eval_only``,
+``--keep_checkpoints``; SIGTERM / SIGINT / SIGUSR1 save at the next step boundary and write what
+ran. The job's steps are its SFT steps then its GRPO steps (``--sft_steps + --steps``, the
+checkpoints ``step_<k>`` counted over both); a checkpoint holds, besides DeepSpeed's engine state
+and every rank's RNG states, the metrics and evaluations so far and, from the first GRPO step,
+the reference policy's weights (the SFT model). Each step's lists and each rank's sampling seed
+are drawn from ``(--seed, step, rank)``, so a resumed run draws the same rollouts and continues
+bitwise as if uninterrupted.
 """
 from __future__ import annotations
 
@@ -62,7 +72,22 @@ from launch.jobs.reporting import (
     write_summary_json,
 )
 from launch.jobs.rollout import completion_log_probs, generate_completions, make_rollout
-from launch.jobs.runs import agreed, open_fresh_run, quiet_job_environment, run_job, start_process
+from launch.jobs.runs import (
+    CHECKPOINTS,
+    StopRequest,
+    TrainLoop,
+    add_run_arguments,
+    check_run_arguments,
+    checkpoint_stats,
+    finish_run,
+    open_run,
+    quiet_job_environment,
+    report_checkpoint_eval,
+    resume_job_state,
+    run_job,
+    save_run,
+    start_process,
+)
 from launch.jobs.sft_step import sft_step
 
 quiet_job_environment()
@@ -75,8 +100,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", type=str, default=str(REPO / "configs" / "grpo.json"),
                    help="ds_config JSON; its 'megaloss.policy' section sets the GRPO loss "
                         "(loss_type, clipping, beta); tensor_parallel_size 1, ZeRO 0-2")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the run already in --output_dir")
     add_job_arguments(p, steps=40, output_dir=os.path.join("runs", "grpo"))
     g = p.add_argument_group("data (the items of the task's lists)")
     g.add_argument("--train_data", nargs="*", default=None,
@@ -111,6 +134,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--eval_every", type=int, default=10,
                    help="GRPO steps between held-out evaluations (0: only before and after)")
     add_llama_arguments(p)
+    add_run_arguments(p)  # --save_every, --resume, --eval_only, --overwrite, --keep_checkpoints
     p.set_defaults(model_size=None)  # None: 2 layers x 64 (the named sizes learn slower on CPU)
     args = p.parse_args(argv)
     if args.model_size is None:
@@ -125,6 +149,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--temperature must be > 0")
     if not 0 < args.held_out_lists < 1:
         p.error("--held_out_lists must be in (0, 1)")
+    check_run_arguments(p, args)
     check_input_files(p, args)
     return args
 
@@ -176,21 +201,32 @@ def _draw(task: ListTask, n: int, seed: int, *, held_out: bool) -> torch.Tensor:
     return task.draw(n, torch.Generator().manual_seed(seed), held_out=held_out)
 
 
+def _task_key(task: ListTask) -> Dict[str, Any]:
+    """What a checkpoint's task must match on resume (the prompts, answers and positions)."""
+    return {"kind": task.kind, "items": list(task.items), "length": task.length,
+            "held_out_lists": task.eval_fraction}
+
+
 def print_summary(summary: Dict[str, Any]) -> None:
-    e0, e1, e2 = summary["eval_init"], summary["eval_before"], summary["eval_after"]
-    rows = [("held-out reward (greedy)", f"{e0['reward']:.3f}", f"{e1['reward']:.3f}",
-             f"{e2['reward']:.3f}"),
-            ("held-out exact answers", f"{e0['exact']:.3f}", f"{e1['exact']:.3f}",
-             f"{e2['exact']:.3f}")]
+    evals = [summary["eval_init"], summary["eval_before"], summary["eval_after"]]
+
+    def cell(e, key):
+        return "-" if e is None else f"{e[key]:.3f}"
+
+    rows = [("held-out reward (greedy)", *(cell(e, "reward") for e in evals)),
+            ("held-out exact answers", *(cell(e, "exact") for e in evals))]
     if summary["train_reward_first"] is not None:
         rows.append(("train reward (sampled; first / last GRPO step)", "-",
                      f"{summary['train_reward_first']:.3f}",
                      f"{summary['train_reward_last']:.3f}"))
+    stopped = summary.get("stopped")
     info = (f"{summary['sft_steps']} SFT + {summary['steps']} GRPO steps in "
             f"{summary['train_seconds']:.1f} s, DP={summary['dp']}, ZeRO-{summary['zero_stage']}, "
             f"{summary['prompts_per_step']} prompts x {summary['num_generations']} completions "
             f"per step, loss_type {summary['policy']['loss_type']}, beta "
-            f"{summary['policy']['beta']:g}, {summary['model']}")
+            f"{summary['policy']['beta']:g}, {summary['model']}"
+            + (f"; stopped by {stopped['signal']} at step {stopped['step']} (resume with "
+               "--resume)" if stopped else ""))
     print_summary_table("megaloss GRPO job", rows, info,
                         columns=("metric", "init", "after SFT", "after GRPO"))
 
@@ -202,13 +238,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     from megaloss import Topology
     from megaloss.integrations.deepspeed import initialize, load_ds_config, policy_train_step
 
-    rank, _ = start_process(args.local_rank)
+    rank, _ = start_process(args.local_rank, args.output_dir)
     out_dir = Path(args.output_dir)
+    ckpt_dir = out_dir / CHECKPOINTS
     log = rank0_logger("grpo", rank, t_start)
 
     ds_config, ml = load_ds_config(args.deepspeed_config, output_dir=str(out_dir))
     _check_layout(ds_config, ml, args)
-    agreed(lambda: open_fresh_run(out_dir, args.overwrite), what=f"--output_dir {out_dir}")
+    resume_from = open_run(args, out_dir, ds_config)
     topo = Topology.build(1)
     dp, dp_rank = topo.dp_size, topo.dp_rank
     micro = ds_config.get("train_micro_batch_size_per_gpu", 1)
@@ -234,14 +271,62 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
     held = _rank_share(_draw(task, args.eval_prompts // dp * dp, args.seed + 1, held_out=True),
                        dp, dp_rank)
-    evals: List[Dict[str, Any]] = [{"phase": "init", "step": 0, **_evaluate(model, task, held,
-                                                                          topo.dp_group)}]
-    log(f"at initialisation: held-out reward {evals[0]['reward']:.3f}")
-    rows: List[Dict[str, Any]] = []
-    t_train = time.perf_counter()
-    p_len = task.prompt_length
 
-    for s in range(1, args.sft_steps + 1):
+    # what a resumed run needs besides the engine's own state (and the RNG states beside it)
+    job_state: Dict[str, Any] = {"rows": [], "evals": [], "train_seconds": 0.0, "saves": [],
+                                 "steps_done": 0, "sft_steps": args.sft_steps,
+                                 "task": _task_key(task), "reference": None}
+    if resume_from is not None:
+        resume_from = resume_job_state(
+            me, resume_from, job_state, {"data_key": data_key},
+            "--train_data / --eval_data / --eval_fraction / --max_train_bytes / --vocab_size",
+            log)
+        for key, flags in (("sft_steps", "--sft_steps"),
+                           ("task", "--task / --num_items / --list_length / --held_out_lists")):
+            if job_state[key] != {"sft_steps": args.sft_steps, "task": _task_key(task)}[key]:
+                raise SystemExit(f"checkpoint {resume_from} was trained with another {key} "
+                                 f"({job_state[key]}): pass the same {flags}")
+    start = int(job_state["steps_done"])
+    saves_before = len(job_state["saves"])  # the resumed run's record; summary: this run's
+
+    if args.eval_only:
+        log(f"evaluating checkpoint {resume_from} (step {start})")
+        result = _evaluate(model, task, held, topo.dp_group)
+        return report_checkpoint_eval(out_dir, rank, "megaloss GRPO job", resume_from, start,
+                                      result, [
+                                          ("held-out reward (greedy)", f"{result['reward']:.3f}"),
+                                          ("held-out exact answers", f"{result['exact']:.3f}")])
+
+    rows: List[Dict[str, Any]] = job_state["rows"]
+    evals: List[Dict[str, Any]] = job_state["evals"]
+    saves: List[Dict[str, Any]] = job_state["saves"]
+    if not evals:
+        evals.append({"phase": "init", "step": 0, **_evaluate(model, task, held, topo.dp_group)})
+        log(f"at initialisation: held-out reward {evals[0]['reward']:.3f}")
+    p_len = task.prompt_length
+    grpo: Dict[str, Any] = {"ref": None, "started": False}  # the GRPO phase's set-up
+
+    def start_grpo() -> None:
+        """After SFT: the held-out reward, the reference policy (the SFT model, frozen; read
+        back from the checkpoint when resuming past this point) and the sampling temperature."""
+        if not any(e["phase"] == "sft" for e in evals):
+            evals.append({"phase": "sft", "step": 0,
+                          **_evaluate(model, task, held, topo.dp_group)})
+            log(f"after SFT: held-out reward {evals[-1]['reward']:.3f}")
+        if opts.beta > 0:
+            if job_state["reference"] is None:
+                job_state["reference"] = {k: v.detach().cpu().clone()
+                                          for k, v in model.state_dict().items()}
+            ref_model, _ = build_llama(args, tok.get_vocab_size())
+            ref_model.load_state_dict(job_state["reference"])
+            ref_model.to(engine.device)
+            grpo["ref"] = CausalLMLogProbs(ref_model.requires_grad_(False).eval(),
+                                           return_entropy=False, temperature=args.temperature)
+        # the policy loss scores completions under the distribution they were sampled from
+        engine.module.temperature = args.temperature
+        grpo["started"] = True
+
+    def sft(s: int) -> Dict[str, Any]:
         lists = _rank_share(_draw(task, micro * gas * dp, args.seed * 1_000_003 + s,
                                   held_out=False), dp, dp_rank)
         ids = torch.cat([task.prompts(lists), task.answers(lists)], dim=1)
@@ -249,26 +334,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         labels[:, p_len - 1:-1] = ids[:, p_len:]
         m = sft_step(me, [{"input_ids": i, "shift_labels": y}
                           for i, y in zip(ids.chunk(gas), labels.chunk(gas))])
-        rows.append({"phase": "sft", "step": s, "optimizer_step": m["step"], "loss": m["loss"],
-                     "reward": "", "num_tokens": m["num_tokens"], "lr": m["lr"], "kl": "",
-                     "entropy": "", "clip_ratio": "", "eval_reward": ""})
         if s % max(1, args.sft_steps // 5) == 0:
             log(f"SFT step {s}/{args.sft_steps}: loss {m['loss']:.4f}")
-    evals.append({"phase": "sft", "step": 0, **_evaluate(model, task, held, topo.dp_group)})
-    log(f"after SFT: held-out reward {evals[-1]['reward']:.3f}")
+        return {"phase": "sft", "step": s, "optimizer_step": m["step"], "loss": m["loss"],
+                "reward": "", "num_tokens": m["num_tokens"], "lr": m["lr"], "kl": "",
+                "entropy": "", "clip_ratio": "", "eval_reward": ""}
 
-    ref = None
-    if opts.beta > 0:  # the reference policy: the SFT model, frozen
-        ref_model, _ = build_llama(args, tok.get_vocab_size())
-        ref_model.load_state_dict(model.state_dict())
-        ref_model.to(engine.device)
-        ref = CausalLMLogProbs(ref_model.requires_grad_(False).eval(), return_entropy=False,
-                               temperature=args.temperature)
-    # the policy loss scores completions under the distribution they were sampled from
-    engine.module.temperature = args.temperature
-
-    grpo_rows: List[Dict[str, Any]] = []
-    for s in range(1, args.steps + 1):
+    def grpo_step(s: int) -> Dict[str, Any]:
         lists = _rank_share(_draw(task, prompts_per_rank * dp, args.seed * 1_000_003 + 500_000 + s,
                                   held_out=False), dp, dp_rank)
         torch.manual_seed(args.seed * 1_000_003 + 7919 * s + dp_rank)  # this rank's samples
@@ -279,8 +351,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                               task.answers(lists).repeat_interleave(args.num_generations, 0))
         rollout = make_rollout(task.prompts(lists), completions, rewards, args.num_generations,
                                scale_rewards=not args.no_scale_rewards)
-        if ref is not None:
-            rollout.ref_log_probs = completion_log_probs(ref, rollout, micro, engine.device)
+        if grpo["ref"] is not None:
+            rollout.ref_log_probs = completion_log_probs(grpo["ref"], rollout, micro,
+                                                         engine.device)
         if args.num_iterations > 1:
             rollout.old_log_probs = completion_log_probs(engine, rollout, micro, engine.device)
         for _ in range(args.num_iterations):
@@ -291,27 +364,59 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             evals.append({"phase": "grpo", "step": s,
                           **_evaluate(model, task, held, topo.dp_group)})
             eval_reward = evals[-1]["reward"]
-        row = {"phase": "grpo", "step": s, "optimizer_step": m["step"], "loss": m["loss"],
-               "reward": reward, "num_tokens": m["num_tokens"], "lr": m["lr"],
-               "kl": m.get("kl", ""), "entropy": m.get("entropy", ""),
-               "clip_ratio": m.get("clip_ratio/region_mean", ""), "eval_reward": eval_reward}
-        rows.append(row)
-        grpo_rows.append(row)
         if s % max(1, args.steps // 10) == 0 or s == args.steps:
             log(f"GRPO step {s}/{args.steps}: train reward {reward:.3f}, loss {m['loss']:.4f}"
                 + (f", held-out reward {eval_reward:.3f}" if eval_reward != "" else ""))
-    train_seconds = time.perf_counter() - t_train
-    evals.append({"phase": "grpo", "step": args.steps,
-                  **_evaluate(model, task, held, topo.dp_group)})
-    log(f"after GRPO: held-out reward {evals[-1]['reward']:.3f} (after SFT "
-        f"{evals[1]['reward']:.3f})")
+        return {"phase": "grpo", "step": s, "optimizer_step": m["step"], "loss": m["loss"],
+                "reward": reward, "num_tokens": m["num_tokens"], "lr": m["lr"],
+                "kl": m.get("kl", ""), "entropy": m.get("entropy", ""),
+                "clip_ratio": m.get("clip_ratio/region_mean", ""), "eval_reward": eval_reward}
 
+    def save(step: int) -> None:
+        job = {"name": "grpo", "data_key": data_key, "seed": args.seed,
+               "sft_steps": args.sft_steps, "task": _task_key(task), "steps_done": step,
+               "rows": rows, "evals": evals, "saves": saves, "train_seconds": loop.seconds,
+               "reference": job_state["reference"]}
+        save_run(me, ckpt_dir, step, job, tok, args.keep_checkpoints, saves, log,
+                 tag=f"step_{step}")
+
+    # one loop over the job's steps: SFT steps 1..sft_steps, then GRPO steps
+    total = args.sft_steps + args.steps
+    loop_args = argparse.Namespace(steps=total, no_progress=args.no_progress,
+                                   save_every=args.save_every, resume=args.resume)
+    stop = StopRequest().install()
+    loop = TrainLoop(loop_args, start, job_state["train_seconds"], stop, engine.device, save, log)
+    for step in loop:
+        if step <= args.sft_steps:
+            rows.append(sft(step))
+        else:
+            if not grpo["started"]:
+                start_grpo()
+            rows.append(grpo_step(step - args.sft_steps))
+        last = rows[-1]
+        loop.show(phase=last["phase"], loss=f"{last['loss']:.3f}")
+    stopped, train_seconds = loop.stopped, loop.seconds
+    done = rows[-1]["step"] if rows and rows[-1]["phase"] == "grpo" else 0
+    if stopped is None and not (evals[-1]["phase"] == "grpo" and evals[-1]["step"] == done):
+        evals.append({"phase": "grpo", "step": done,
+                      **_evaluate(model, task, held, topo.dp_group)})
+        log(f"after GRPO: held-out reward {evals[-1]['reward']:.3f} (after SFT "
+            f"{evals[1]['reward']:.3f})")
+
+    grpo_rows = [r for r in rows if r["phase"] == "grpo"]
+    sft_rows = [r for r in rows if r["phase"] == "sft"]
+    after_sft = next((e for e in evals if e["phase"] == "sft"), None)
+    after = evals[-1] if stopped is None and evals[-1]["phase"] == "grpo" else None
     summary = {
-        "eval_init": evals[0], "eval_before": evals[1], "eval_after": evals[-1],
-        "reward_before": evals[1]["reward"], "reward_after": evals[-1]["reward"],
-        "evals": evals, "sft_steps": args.sft_steps, "steps": args.steps,
-        "sft_first_loss": rows[0]["loss"] if args.sft_steps else None,
-        "sft_last_loss": rows[args.sft_steps - 1]["loss"] if args.sft_steps else None,
+        "eval_init": evals[0], "eval_before": after_sft, "eval_after": after,
+        "reward_before": after_sft and after_sft["reward"],
+        "reward_after": after and after["reward"],
+        "evals": evals, "sft_steps": len(sft_rows), "steps": len(grpo_rows),
+        "sft_steps_requested": args.sft_steps, "steps_requested": args.steps,
+        "stopped": stopped, "resumed_from": resume_from and str(resume_from),
+        "resumed_at_step": start,
+        "sft_first_loss": sft_rows[0]["loss"] if sft_rows else None,
+        "sft_last_loss": sft_rows[-1]["loss"] if sft_rows else None,
         "train_reward_first": grpo_rows[0]["reward"] if grpo_rows else None,
         "train_reward_last": grpo_rows[-1]["reward"] if grpo_rows else None,
         "train_seconds": train_seconds, "total_seconds": time.perf_counter() - t_start,
@@ -325,13 +430,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "gas": gas, "vocab_size": tok.get_vocab_size(), "parameters": int(n_params),
         "engine_loss_multiplier": me.engine_scale.loss_multiplier,
         "model": f"Llama {cfg.num_hidden_layers}L x {cfg.hidden_size}",
+        "checkpoints": checkpoint_stats(saves, since=saves_before),
         "data": "stdlib" if not args.train_data else "user files", "data_key": data_key, **info,
     }
 
-    from megaloss.integrations.deepspeed import close_monitors
-
-    close_monitors(engine)
-    if rank == 0:
+    def write_outputs() -> None:
         write_metrics_csv(out_dir / "metrics.csv", rows)
         write_summary_json(out_dir / "summary.json", summary)
         grpo_evals = [e for e in evals if e["phase"] != "init"]
@@ -343,12 +446,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                    [e["reward"] for e in grpo_evals], "o-")],
             title=f"megaloss GRPO: {summary['model']}, {task.kind} of {task.length} words",
             ylabel="reward", xlabel="GRPO step (0: after SFT)", grid=True)
-        print_summary(summary)
-        log(f"wrote {out_dir / 'metrics.csv'}, {out_dir / 'loss_curve.png'}, "
-            f"{out_dir / 'summary.json'}")
-    import torch.distributed as dist
 
-    dist.barrier()
+    finish_run(out_dir, rank, write_outputs, lambda: print_summary(summary), log,
+               engine=engine, stop=stop)
     return summary
 
 

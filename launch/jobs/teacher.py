@@ -11,20 +11,36 @@ replicated, the vocab-parallel lm_head holds ``ceil(V / tp)`` rows per rank (the
 zeros). The full ``[V, H]`` head is their concatenation cut to ``V`` rows, so a teacher trained
 with one TP size loads under any other. ZeRO-3 checkpoints keep the weights in the optimizer
 partitions instead and are refused with the way out.
+
+The teacher the job trains itself is cached in ``--cache_dir`` as the token streams are
+(:mod:`launch.jobs.lm_data`): :func:`teacher_cache_folder` keys a copy of its finished phase
+folder (outputs and last checkpoint) by everything its training and evaluation read, and a later
+run of the same settings copies it back instead of training it again
+(:func:`store_cached_teacher`, :func:`restore_cached_teacher`).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
+import shutil
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from .models import build_llama
 
-__all__ = ["load_teacher_state", "build_teacher", "evaluate_teacher"]
+__all__ = ["load_teacher_state", "build_teacher", "evaluate_teacher", "teacher_cache_folder",
+           "store_cached_teacher", "restore_cached_teacher"]
 
 _HEAD = "model.lm_head.weight"
+# bump when the teacher phase trains or records differently for the same settings
+TEACHER_CACHE_VERSION = 1
+# ds_config sections that change what is logged, not the weights or the evaluations
+_UNKEYED = ("csv_monitor", "wandb", "tensorboard", "comet", "steps_per_print",
+            "wall_clock_breakdown")
 
 
 def load_teacher_state(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], Path]:
@@ -146,3 +162,78 @@ def evaluate_teacher(teacher: torch.nn.Module, batches, topology: Any, device: A
     n = float(sums[1])
     loss = float(sums[0]) / n if n > 0 else 0.0
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "num_tokens": n}
+
+
+def teacher_cache_folder(args: argparse.Namespace, ds_config: Dict[str, Any], world_size: int,
+                         data_key: str) -> Path:
+    """``<cache_dir>/distill-teacher-<key>``: where the teacher phase of these settings is cached.
+    The key is a digest of what its weights and evaluations depend on: the data and tokenizer
+    (``data_key``), ``teacher_model_size``, ``teacher_steps``, ``seed``, ``seq_len``,
+    ``eval_blocks``, ``eval_every``, the number of processes and the ds_config (optimizer,
+    scheduler, batch sizes, ZeRO stage, the ``megaloss`` section; its monitors left out)."""
+    cfg = {k: v for k, v in ds_config.items() if k not in _UNKEYED}
+    settings = {"version": TEACHER_CACHE_VERSION, "data_key": data_key,
+                "model_size": args.teacher_model_size, "steps": args.teacher_steps,
+                "seed": args.seed, "seq_len": args.seq_len, "eval_blocks": args.eval_blocks,
+                "eval_every": args.eval_every, "world_size": world_size, "ds_config": cfg}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    return Path(args.cache_dir) / f"distill-teacher-{key.hexdigest()[:16]}"
+
+
+def _latest(folder: Path) -> Optional[str]:
+    path = folder / "checkpoints" / "latest"
+    return path.read_text().strip() if path.is_file() else None
+
+
+def store_cached_teacher(phase_dir: Path, cache: Path) -> Optional[Path]:
+    """Copy a finished teacher phase folder into ``cache`` (call on one rank): its outputs and
+    its last checkpoint only, written under a temporary name and renamed, so a reader sees all
+    of it or nothing. Nothing is done when ``cache`` exists already or the phase has no
+    checkpoint; a copy that fails (a full or read-only disk) is removed and the error raised.
+
+    Returns:
+        ``cache``, or None when nothing was written.
+    """
+    last = _latest(phase_dir)
+    if cache.exists() or last is None:
+        return None
+    ckpts = phase_dir / "checkpoints"
+
+    def skip(folder: str, names):
+        if Path(folder) == ckpts:  # only the last checkpoint
+            return [n for n in names if n.startswith("step_") and n != last]
+        return []
+
+    tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(phase_dir, tmp, ignore=skip)
+        os.replace(tmp, cache)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cache
+
+
+def restore_cached_teacher(cache: Path, phase_dir: Path) -> Optional[Dict[str, Any]]:
+    """The cached teacher phase at ``cache`` copied to ``phase_dir`` (which must not exist; call
+    on one rank), its ``summary.json`` naming its new checkpoint folder (``checkpoints.last``)
+    and where it came from (``cached_from``).
+
+    Returns:
+        the phase's summary, or None when ``cache`` holds no finished teacher phase.
+    """
+    path = cache / "summary.json"
+    if not path.is_file() or _latest(cache) is None:
+        return None
+    summary = json.loads(path.read_text(encoding="utf-8"))
+    if summary.get("stopped") is not None or summary.get("eval_after") is None:
+        return None
+    shutil.copytree(cache, phase_dir)
+    summary["checkpoints"] = {**(summary.get("checkpoints") or {}),
+                              "last": str(phase_dir / "checkpoints" / _latest(cache))}
+    summary["cached_from"] = str(cache)
+    from .reporting import write_summary_json
+
+    write_summary_json(phase_dir / "summary.json", summary)
+    return summary

@@ -1,7 +1,8 @@
 """A bad micro-batch on ONE rank of a DeepSpeed training step: every rank raises the same error
 before the step's first collective, instead of the others waiting in it (the calibration's
-all-reduce, the engine's gradient reduction) for the rank that raised. 2 gloo processes, tiny
-engines on CPU: ``train_step`` and ``policy_train_step`` / ``dpo_train_step`` at DP = 2 (the
+all-reduce, the engine's gradient reduction) for the rank that raised; a bad label that only the
+loss's forward finds on one DP rank, before the backward's gradient reduction. 2 gloo processes,
+tiny engines on CPU: ``train_step`` and ``policy_train_step`` / ``dpo_train_step`` at DP = 2 (the
 first group the flag travels over, ``dp x sp``), ``policy_train_step`` at TP = 2 (the second).
 
 Each bad case is followed by a good step on both ranks: its global loss must be the same on
@@ -105,6 +106,10 @@ def _worker(rank, world):
     bad = dict(good, teacher_topk_ids=torch.zeros(ROWS, SEQ, 2, dtype=torch.long)) \
         if rank == 1 else good
     out["train_step: top-k"] = _outcome(train_step, me, bad)
+    labels = good["shift_labels"].clone()
+    labels[1, 3] = VOCAB  # found only inside the loss's forward, on this DP rank alone
+    bad = dict(good, shift_labels=labels) if rank == 1 else good
+    out["train_step: label in the loss"] = _outcome(train_step, me, bad)
     out["train_step: good"] = _outcome(train_step, me, good)
     me.engine.destroy()
 
@@ -136,7 +141,7 @@ def _reference(policy: bool, dp_ranks) -> float:
     if not policy:
         labels = torch.cat([b["shift_labels"] for b in batches])
         logits = model.hidden(ids) @ model.lm_head.T
-        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).detach(),
                                                        labels.reshape(-1), ignore_index=-100))
     mask = torch.cat([b["completion_mask"] for b in batches])
     adv = torch.cat([b["advantages"] for b in batches]).double()
@@ -152,6 +157,8 @@ EXPECTED = {  # case: (exception type, what the message must name)
                                  "shape of input_ids (2, 7), got (2, 6)"),
     "train_step: top-k": ("ValueError", "teacher_topk_ids and teacher_topk_log_probs go "
                           "together"),
+    "train_step: label in the loss": ("ValueError", f"labels must be in [0, {VOCAB}) or "
+                                      "ignore_index=-100, found 11"),
     "policy DP: completion_mask": ("ValueError", "micro_batches[0]['completion_mask'] must have "
                                    "the shape of input_ids (2, 7), got (2, 6)"),
     "dpo DP: ref_chosen_log_probs": ("ValueError", "micro_batches[0]['ref_chosen_log_probs'] "

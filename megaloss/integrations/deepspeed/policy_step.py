@@ -45,6 +45,7 @@ from .engine import MegalossEngine
 from .monitor import write_metrics
 from .step_checks import (
     agreed_checks,
+    agreed_forward,
     check_count,
     check_dpo_micro_batch,
     check_policy_micro_batch,
@@ -148,7 +149,7 @@ def _sp_slices(me: MegalossEngine, mb: Mapping[str, Any], labels: torch.Tensor
 
 def _forward(me: MegalossEngine, mb: Mapping[str, Any], labels: torch.Tensor):
     inputs = {k: mb[k] for k in ("attention_mask", "position_ids") if mb.get(k) is not None}
-    out = me.engine(mb["input_ids"], shift_labels=labels, **inputs)
+    out = agreed_forward(me.topology, me.engine, mb["input_ids"], shift_labels=labels, **inputs)
     entropy = getattr(out, "entropy", None)
     return (out.log_probs.reshape(labels.shape),
             None if entropy is None else entropy.reshape(labels.shape))

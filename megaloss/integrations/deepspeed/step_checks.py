@@ -24,8 +24,8 @@ import torch
 from ...parallel.comm import raise_on_every_rank
 from ...parallel.topology import Topology
 
-__all__ = ["agreed_checks", "check_count", "check_lm_micro_batch", "check_policy_micro_batch",
-           "check_dpo_micro_batch"]
+__all__ = ["agreed_checks", "agreed_forward", "check_count", "check_lm_micro_batch",
+           "check_policy_micro_batch", "check_dpo_micro_batch"]
 
 T = TypeVar("T")
 
@@ -51,6 +51,33 @@ def agreed_checks(checks: Callable[[], T], topology: Topology) -> T:
         error = err
     raise_on_every_rank(error, topology.dp_sp_group, topology.tp_group)
     return result
+
+
+def agreed_forward(topology: Topology, forward: Callable[..., T], *args: Any,
+                   **kwargs: Any) -> T:
+    """``forward(*args, **kwargs)`` (the engine's forward through its loss), with the loss's own
+    input checks agreed on over the topology's ``dp x sp`` group before the backward that
+    follows.
+
+    The loss checks what only its forward can see (a label outside the vocabulary, NaN or inf
+    in the hidden states of a diverged replica) and agrees on it over its TP group itself; a
+    replica raising alone would leave the other DP (or SP) ranks in the backward's gradient
+    reduction. Its forward collectives are done by then (ZeRO-3 gathers a module's parameters
+    before its forward; the loss comes last). One all-gather of an int64 flag over ``dp x sp``
+    per micro-batch (none when that group is trivial).
+
+    Raises:
+        ValueError / TypeError: on every rank alike when the forward raised one on any: the
+            first failed rank's error, ``(raised on rank(s) [...])`` appended.
+    """
+    error: Optional[Exception] = None
+    result = None
+    try:
+        result = forward(*args, **kwargs)
+    except (ValueError, TypeError) as err:
+        error = err
+    raise_on_every_rank(error, topology.dp_sp_group)
+    return result  # type: ignore[return-value]
 
 
 def check_count(micro_batches: Sequence[Mapping[str, Any]], gas: int) -> None:

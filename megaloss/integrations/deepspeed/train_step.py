@@ -48,7 +48,7 @@ from ...parallel.param_tags import is_tensor_parallel
 from ...parallel.topology import Topology
 from .engine import MegalossEngine
 from .monitor import write_metrics
-from .step_checks import agreed_checks, check_count, check_lm_micro_batch
+from .step_checks import agreed_checks, agreed_forward, check_count, check_lm_micro_batch
 
 __all__ = ["StepMetrics", "EvalResult", "train_step", "evaluate", "peak_memory_mib"]
 
@@ -230,7 +230,9 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
             to :func:`megaloss.integrations.hf.ulysses.enable_ulysses_attention` (it would see
             only this rank's slice). The
             micro-batch checks are agreed on by every rank before the step's first collective
-            (:mod:`.step_checks`): the same error on every rank, naming the failed ranks.
+            (:mod:`.step_checks`): the same error on every rank, naming the failed ranks. So
+            are the loss's own checks in each forward (a label outside the vocabulary, NaN or
+            inf hidden states: :func:`.step_checks.agreed_forward`), before its backward.
         TypeError: non-integer ``input_ids`` / targets / top-k ids, non-floating top-k
             log-probs (agreed on likewise).
     """
@@ -255,8 +257,9 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
     own_norm = None
     for i, mb in enumerate(mbs):
         inputs = _model_inputs(mb, me.topology)
-        out = engine(inputs.pop("input_ids"), shift_labels=step.local_labels(i),
-                     loss_weights=step.weights(i), **inputs)
+        out = agreed_forward(me.topology, engine, inputs.pop("input_ids"),
+                             shift_labels=step.local_labels(i), loss_weights=step.weights(i),
+                             **inputs)
         if isinstance(out, DistillationOutput):
             sums = _distillation_sums(out)
             kd_local = sums if kd_local is None else kd_local + sums

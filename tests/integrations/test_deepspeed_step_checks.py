@@ -149,7 +149,7 @@ def _reference(policy: bool, dp_ranks) -> float:
     lp = torch.log_softmax(model.hidden(ids) @ model.lm_head.T, -1)
     lp = lp.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * (mask != 0)
     out = megaloss.policy_loss(lp, None, adv, mask, loss_type="grpo")
-    return float(out)
+    return float(out.detach())
 
 
 EXPECTED = {  # case: (exception type, what the message must name)

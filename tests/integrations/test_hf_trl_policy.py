@@ -165,7 +165,7 @@ def _one_micro_batch(cls, compute, args, lengths):
     loss = compute(trainer, None, trainer._current)
     loss.backward()
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    return float(loss), lp.grad, ent.grad, metrics
+    return float(loss.detach()), lp.grad, ent.grad, metrics
 
 
 def _masked_args(loss_type):

@@ -130,3 +130,9 @@ def test_deepspeeds_autotp_with_a_vocab_parallel_lm_head_is_accepted():
         load_megaloss_config({"tensor_parallel": tp, "megaloss": {"tensor_parallel_size": 2}})
     with pytest.raises(ValueError, match="sequence parallelism"):
         load_megaloss_config({"tensor_parallel": tp, "sequence_parallel_size": 2})
+    # a loss section AutoTP's path would not train is refused, never silently replaced by CE
+    for name, section in (("distillation", {"alpha": 0.5}), ("policy", {"loss_type": "grpo"}),
+                          ("dpo", {"beta": 0.1})):
+        with pytest.raises(ValueError, match=rf"megaloss\.{name}: under AutoTP megaloss trains "
+                                             "the causal-LM cross-entropy"):
+            load_megaloss_config({"tensor_parallel": tp, "megaloss": {name: section}})

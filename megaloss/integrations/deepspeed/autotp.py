@@ -125,9 +125,7 @@ def autotp_vocab_parallel_options(head: nn.Module, tp_group: GroupLike, *,
         raise ValueError(f"tp_group has {group_size(tp_group)} ranks, the lm_head is split over "
                          f"{head.tp_world_size}")
     start, stop = int(head.vocab_start_index), int(head.vocab_end_index)
-    rows = head.weight.shape[0]
-    # ZeRO-3 keeps an empty placeholder outside the module's forward; its real shape is ds_shape
-    rows = getattr(head.weight, "ds_shape", (rows,))[0]
+    rows = head.weight.shape[0]  # ZeRO-3 (an empty placeholder here) is refused by the config
     if rows != stop - start:
         raise ValueError(f"the lm_head shard has {rows} rows, its range [{start}, {stop}) "
                          f"{stop - start}")

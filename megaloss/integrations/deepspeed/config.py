@@ -555,6 +555,13 @@ def _check_autotp(ds_config: Mapping[str, Any], tp_section: Mapping[str, Any], a
             f"{where} with ZeRO-3: DeepSpeed accepts it, but ZeRO-3 gathers the lm_head's shard "
             "only inside the head's own forward, which megaloss's loss does not call (it reads "
             "the weight from the hidden states' side, without logits); use ZeRO 0, 1 or 2")
+    others = [name for name in ("distillation", "policy", "dpo") if name in ml.model_fields_set]
+    if others:
+        raise ValueError(
+            f"{where} with {SECTION}.{others[0]}: under AutoTP megaloss trains the causal-LM "
+            "cross-entropy on the lm_head's shard (the 'ce' section) only, so that section "
+            f"would be ignored; for {others[0]} use megaloss's own tensor parallelism "
+            f"({SECTION}.tensor_parallel_size, without tensor_parallel)")
     if ml.sequence_parallel_size > 1:
         raise ValueError(
             f"{where} with sequence_parallel_size={ml.sequence_parallel_size}: megaloss's loss "

@@ -70,8 +70,8 @@ AutoTP's vocab-parallel head without gathering its logits; here the model is wra
 ``nn.Linear`` lm_head is what AutoTP shards into a ``VocabParallelLinear``; megaloss's CE then
 runs on that shard), the calibration's all-reduce runs over the engine's data-parallel group
 (AutoTP's, without the TP peers, which hold the same batch), and the engine scale is measured
-on a probe engine of the same ds_config, as above. Tied embeddings are refused (as by
-``AutoTPCausalLMWithLoss``).
+on a probe engine of the same ds_config, as above. A tied input embedding stays tied: AutoTP
+makes it a ``VocabParallelEmbedding`` on the head's own shard (see ``AutoTPCausalLMWithLoss``).
 
 PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``), two ways in:
 

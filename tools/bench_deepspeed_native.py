@@ -22,7 +22,9 @@ Tasks (one row per method; inputs a function of ``--seed`` alone, identical on e
 per-token ``a, c`` uniform in [0.5, 1.5)); each runs forward + backward:
 
 * ``ce``: mean CE. ``megaloss`` (``linear_cross_entropy``), ``deepspeed``
-  (``vocab_parallel_linear_cross_entropy``), at TP 1 also ``eager`` (full logits,
+  (``vocab_parallel_linear_cross_entropy``), ``ds_autotp`` (``deepspeed/sequence/
+  cross_entropy.py``'s ``vocab_parallel_cross_entropy`` on the head's vocab-sharded logits: the
+  loss AutoTP installs with ``vocab_parallel_lm_head``), at TP 1 also ``eager`` (full logits,
   ``F.cross_entropy``) and ``ds_chunked_lm`` (``ChunkedCausalLMLoss``, torch backend);
 * ``lp``: ``mean(a * log_probs + c * entropy)``: ``megaloss`` (``linear_log_probs(...,
   return_entropy=True)``) vs ``deepspeed`` (``vocab_parallel_logprobs`` +
@@ -76,6 +78,8 @@ TASKS = ("ce", "lp", "kd_fwd", "kd_rev")
 CASES = (
     ("ce", "megaloss", "megaloss.linear_cross_entropy", False),
     ("ce", "deepspeed", "vocab_parallel_linear_cross_entropy", False),
+    ("ce", "ds_autotp", "vocab_parallel_cross_entropy(head logits): AutoTP's installed loss",
+     False),
     ("ce", "eager", "F.cross_entropy(full logits)", True),
     ("ce", "ds_chunked_lm", "ChunkedCausalLMLoss(backend='torch'; Triton: CUDA only)", True),
     ("lp", "megaloss", "megaloss.linear_log_probs(return_entropy=True)", False),
@@ -117,6 +121,7 @@ def _loss_fns(tp: int, vocab: int, chunk: int, ds_chunk=None) -> Dict[str, Any]:
     import torch.distributed as dist
     import torch.nn.functional as F
     from deepspeed.runtime.chunked_cross_entropy import ChunkedCausalLMLoss
+    from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
     from deepspeed.sequence.linear_cross_entropy import vocab_parallel_linear_cross_entropy
     from deepspeed.sequence.vocab_parallel_ops import (
         vocab_parallel_entropy,
@@ -164,6 +169,11 @@ def _loss_fns(tp: int, vocab: int, chunk: int, ds_chunk=None) -> Dict[str, Any]:
                                                    vocab_start_index=start,
                                                    vocab_end_index=stop, chunk_size=ds_chunk)
 
+    def ce_autotp(h, w, th, tw, y, a, c):  # on the logits of AutoTP's VocabParallelLinear
+        return vocab_parallel_cross_entropy(head(h, w), y, tp_group=group,
+                                            vocab_start_index=start, vocab_end_index=stop,
+                                            global_vocab_size=vocab)
+
     def ce_eager(h, w, th, tw, y, a, c):
         return F.cross_entropy(F.linear(h, w), y)
 
@@ -194,7 +204,8 @@ def _loss_fns(tp: int, vocab: int, chunk: int, ds_chunk=None) -> Dict[str, Any]:
                                          tp_group=group).mean()
         return fn
 
-    return {"ce/megaloss": ce_mega, "ce/deepspeed": ce_ds, "ce/eager": ce_eager,
+    return {"ce/megaloss": ce_mega, "ce/deepspeed": ce_ds, "ce/ds_autotp": ce_autotp,
+            "ce/eager": ce_eager,
             "ce/ds_chunked_lm": ce_chunked, "lp/megaloss": lp_mega, "lp/deepspeed": lp_ds,
             "kd_fwd/megaloss": kd_mega("forward_kl"), "kd_fwd/deepspeed": kd_ds(False),
             "kd_rev/megaloss": kd_mega("reverse_kl"), "kd_rev/deepspeed": kd_ds(True)}

@@ -34,7 +34,7 @@ def test_bench_deepspeed_native_tiny(tmp_path, monkeypatch):
         rows = list(reader)
     want = [(tp, k) for tp in (1, 2) for k in _cases(tp)]
     assert [(int(r["tp"]), f"{r['task']}/{r['method']}") for r in rows] == want
-    assert {k.split("/")[1] for _, k in want} >= {"megaloss", "deepspeed", "eager",
+    assert {k.split("/")[1] for _, k in want} >= {"megaloss", "deepspeed", "ds_autotp", "eager",
                                                   "ds_chunked_lm"}
     for r in rows:
         assert r["error"] == "", r

@@ -8,10 +8,10 @@ from megaloss.ops.chunk_driver import MIN_AUTO_CHUNK, auto_chunk_size
 
 
 @pytest.mark.parametrize("n,v,h,expected", [
-    (4096, 32000, 1024, 128),      # ceil(V / H) = 32 tokens of hidden per logits row
-    (16384, 32000, 1024, 512),
-    (16384, 16000, 1024, 1024),    # TP 2's shard: half the rows, twice the tokens
-    (16384, 128256, 4096, 512),    # a Llama-3 head
+    (4096, 32000, 1024, MIN_AUTO_CHUNK),  # ceil(V / H) = 32: 128 tokens, under the floor
+    (65536, 32000, 1024, 2048),
+    (65536, 16000, 1024, 4096),    # TP 2's shard: half the rows, twice the tokens
+    (65536, 128256, 4096, 2048),   # a Llama-3 head
     (100, 32000, 1024, MIN_AUTO_CHUNK),  # the floor
     (0, 10, 4, MIN_AUTO_CHUNK),
     (5000, 10, 64, 8192),          # a small vocabulary: one chunk
@@ -28,7 +28,7 @@ def test_the_default_is_the_auto_chunk_and_gives_the_explicit_result():
     assert megaloss.LogProbsOptions().chunk_size is None
     assert megaloss.DistillationOptions().chunk_size is None
     g = torch.Generator().manual_seed(0)
-    n, h, v = 300, 8, 40  # auto: max(128, next_pow2(ceil(300 / 5))) = 128 -> 3 chunks
+    n, h, v = 1200, 8, 40  # auto: max(512, next_pow2(ceil(1200 / 5))) = 512 -> 3 chunks
     hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
     weight = torch.randn(v, h, generator=g, dtype=torch.float64)
     labels = torch.randint(0, v, (n,), generator=g)

@@ -43,14 +43,7 @@ def agreed_checks(checks: Callable[[], T], topology: Topology) -> T:
             failed rank's error, ``(raised on rank(s) [...])`` appended (global ranks). On an
             engine of one rank, the error as it is.
     """
-    error: Optional[Exception] = None
-    result = None
-    try:
-        result = checks()
-    except (ValueError, TypeError) as err:
-        error = err
-    raise_on_every_rank(error, topology.dp_sp_group, topology.tp_group)
-    return result
+    return _agreed((topology.dp_sp_group, topology.tp_group), checks)
 
 
 def agreed_forward(topology: Topology, forward: Callable[..., T], *args: Any,
@@ -70,13 +63,19 @@ def agreed_forward(topology: Topology, forward: Callable[..., T], *args: Any,
         ValueError / TypeError: on every rank alike when the forward raised one on any: the
             first failed rank's error, ``(raised on rank(s) [...])`` appended.
     """
+    return _agreed((topology.dp_sp_group,), forward, *args, **kwargs)
+
+
+def _agreed(groups: Sequence[Any], fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on this rank, its ``ValueError`` / ``TypeError`` (or success)
+    agreed on over ``groups`` in turn (:func:`megaloss.parallel.comm.raise_on_every_rank`)."""
     error: Optional[Exception] = None
     result = None
     try:
-        result = forward(*args, **kwargs)
+        result = fn(*args, **kwargs)
     except (ValueError, TypeError) as err:
         error = err
-    raise_on_every_rank(error, topology.dp_sp_group)
+    raise_on_every_rank(error, *groups)
     return result  # type: ignore[return-value]
 
 

@@ -36,8 +36,8 @@ import subprocess
 import sys
 from typing import Any, Dict, Iterable, Optional, Sequence
 
-__all__ = ["MALLOC_ENV", "MemoryProbe", "trim_memory", "median", "run_worker", "format_table",
-           "write_csv", "mib", "worker_env", "require_positive", "vocab_shard"]
+__all__ = ["MALLOC_ENV", "MemoryProbe", "trim_memory", "median", "budget_spent", "run_worker",
+           "format_table", "write_csv", "mib", "worker_env", "require_positive", "vocab_shard"]
 
 # Fixed glibc malloc behaviour in every worker process (see the module docstring).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
@@ -148,6 +148,20 @@ class MemoryProbe:
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else math.nan
+
+
+def budget_spent(spent: float, budget: float) -> bool:
+    """Whether timing rounds stop: ``spent >= budget`` seconds, on the slowest rank when this
+    process is a rank of a ``torch.distributed`` world of several (one MAX all-reduce: every rank
+    must take the same decision, else one waits for ever in the next round's first collective
+    for a rank that stopped)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        import torch
+        total = torch.tensor([float(spent)], dtype=torch.float64)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        spent = float(total)
+    return spent >= budget
 
 
 def run_worker(script: str, spec: Dict[str, Any], threads: int, timeout: float) -> Dict[str, Any]:

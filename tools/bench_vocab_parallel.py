@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import (  # noqa: E402
     MALLOC_ENV,
     MemoryProbe,
+    budget_spent,
     format_table,
     median,
     mib,
@@ -175,17 +176,12 @@ def _rank_bench(rank: int, tp: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     del loss
 
     times: List[float] = []
-    spent = torch.zeros(1)
     for _ in range(max(1, spec["repeats"])):
         dist.barrier()
         t0 = time.perf_counter()
         loss_fn(h, w, y, vocab).backward()
         times.append(time.perf_counter() - t0)
-        # Every rank must take the same stop decision (else one waits in a collective forever).
-        spent += times[-1]
-        total = spent.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.MAX)
-        if float(total) >= spec["budget"]:
+        if budget_spent(sum(times), spec["budget"]):
             break
 
     fwd_b, fwd_c = counter.total("fwd")

@@ -184,8 +184,8 @@ def linear_cross_entropy(
     kernel = CrossEntropyKernel(flat_labels, opts, layout.vocab_slice(), ce_weight)
     loss, lse, correct = chunked_head(
         kernel, hidden, layout.rows(weight), layout.rows(bias), coef=coef,
-        reduction="none" if opts.reduction == "none" else "sum", chunk_size=opts.chunk_size,
-        accum_dtype=opts.accum_dtype)
+        reduction="none" if opts.reduction == "none" else "sum",
+        chunk_size=layout.chunk_size(opts.chunk_size, hidden), accum_dtype=opts.accum_dtype)
     lse = lse.detach()
     z = opts.z_loss * lse * lse * coef.to(lse.dtype)
     if class_of_label is not None:

@@ -286,8 +286,8 @@ def linear_distillation_loss(
     kernel = DistillationKernel(teacher, flat_labels, opts, layout.vocab_slice())
     loss, divergence, ce, match = chunked_head(
         kernel, hidden, layout.rows(weight), layout.rows(bias), coef=coef,
-        reduction="none" if opts.reduction == "none" else "sum", chunk_size=opts.chunk_size,
-        accum_dtype=opts.accum_dtype)
+        reduction="none" if opts.reduction == "none" else "sum",
+        chunk_size=layout.chunk_size(opts.chunk_size, hidden), accum_dtype=opts.accum_dtype)
     if not return_stats:
         return loss.view(labels.shape) if opts.reduction == "none" and not layout.gathered \
             else loss

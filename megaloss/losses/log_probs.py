@@ -135,8 +135,8 @@ def linear_log_probs(
     hidden = layout.hidden(hidden_states.reshape(-1, hidden_states.shape[-1]))
     kernel = LogProbsKernel(flat_labels, opts, layout.vocab_slice())
     log_probs, entropy, lse, _, greedy = chunked_head(
-        kernel, hidden, layout.rows(weight), layout.rows(bias), chunk_size=opts.chunk_size,
-        accum_dtype=opts.accum_dtype)
+        kernel, hidden, layout.rows(weight), layout.rows(bias),
+        chunk_size=layout.chunk_size(opts.chunk_size, hidden), accum_dtype=opts.accum_dtype)
     shape = flat_labels.shape if layout.gathered else labels.shape
     return LogProbsOutput(log_probs.view(shape),
                           entropy.view(shape) if opts.return_entropy else None,

@@ -36,6 +36,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from ..ops.chunk_driver import auto_chunk_size
 from ..ops.chunk_kernel import VocabSlice
 from ..ops.options import OptionsBase
 from ..ops.validation import label_range_error
@@ -180,6 +181,17 @@ class VocabLayout:
     stop: Optional[int] = None
     group: GroupLike = None
     gathered: bool = False
+    shard_rows: Optional[int] = None  # the largest rank's real rows: one figure on every rank
+
+    def chunk_size(self, chunk_size: Optional[int], hidden: torch.Tensor) -> int:
+        """The tokens per chunk of this call on every rank alike: ``chunk_size``, or
+        :func:`~megaloss.ops.chunk_driver.auto_chunk_size` of the largest shard. Not of this
+        rank's own rows, which differ by the padding or an uneven split: ranks with different
+        chunk counts would mismatch the per-chunk all-reduces of the log-sum-exp."""
+        if chunk_size is not None:
+            return chunk_size
+        rows = self.vocab_size if self.shard_rows is None else self.shard_rows
+        return auto_chunk_size(hidden.shape[0], rows, hidden.shape[-1])
 
     @property
     def parallel(self) -> bool:
@@ -310,7 +322,9 @@ def vocab_layout(parallel: Optional[VocabParallelOptions], weight, hidden_states
                          f"[0, {vocab_size}) in rank order, got "
                          f"{list(zip(starts, stops))} (rank order)")
     if explicit is None:
-        start, stop, _ = vocab_shard_range(vocab_size, tp, rank)
+        start, stop, shard_rows = vocab_shard_range(vocab_size, tp, rank)
     else:
         start, stop = explicit
-    return VocabLayout(vocab_size, start, stop, group, parallel.sequence_parallel and tp > 1)
+        shard_rows = max(b - a for a, b in zip(starts, stops))
+    return VocabLayout(vocab_size, start, stop, group, parallel.sequence_parallel and tp > 1,
+                       shard_rows)

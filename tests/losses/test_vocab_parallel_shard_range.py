@@ -75,3 +75,50 @@ def test_shard_range_needs_vocab_size_and_an_ordered_range():
             VocabParallelOptions(None, 37, shard_range=bad)
     with pytest.raises(ValueError, match="shard_range must be"):
         VocabParallelOptions(None, shard_range=(0, 3))
+
+
+def _default_chunk_worker(rank, world):
+    """The default chunk (``chunk_size=None``) where the ranks' real rows differ (19 + 18 of 37,
+    the padded split and the same ``shard_range``): at H 18 and 3000 tokens a rank's own rows
+    gave it 2048-token chunks and its peer 4096, so their per-chunk all-reduces mismatched
+    (gloo: "Connection reset by peer")."""
+    import torch.nn.functional as F
+
+    import megaloss
+    from megaloss import VocabParallelOptions
+
+    n, hidden = 3000, 18
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(n, hidden, generator=g, dtype=torch.float64)
+    w = torch.randn(VOCAB, hidden, generator=g, dtype=torch.float64)
+    tw = torch.randn(VOCAB, hidden, generator=g, dtype=torch.float64)
+    y = torch.randint(0, VOCAB, (n,), generator=g)
+    logits, teacher = h @ w.T, h @ tw.T
+    ref = {"ce": F.cross_entropy(logits, y),
+           "lp": torch.log_softmax(logits, -1).gather(-1, y[:, None])[:, 0],
+           "kd": F.kl_div(torch.log_softmax(logits, -1), torch.log_softmax(teacher, -1),
+                          log_target=True, reduction="none").sum(-1).mean()}
+    start, stop = (0, 19) if rank == 0 else (19, 37)
+    padded = torch.zeros(19, hidden, dtype=torch.float64)
+    padded[:stop - start] = w[start:stop]
+    tpadded = torch.zeros(19, hidden, dtype=torch.float64)
+    tpadded[:stop - start] = tw[start:stop]
+    errors = {}
+    for name, weights, opts in (
+            ("padded", (padded, tpadded), VocabParallelOptions(None, VOCAB)),
+            ("shard_range", (w[start:stop], tw[start:stop]),
+             VocabParallelOptions(None, VOCAB, shard_range=(start, stop)))):
+        ce = megaloss.linear_cross_entropy(h, weights[0], y, vocab_parallel_options=opts)
+        lp = megaloss.linear_log_probs(h, weights[0], y, vocab_parallel_options=opts).log_probs
+        kd = megaloss.linear_distillation_loss(
+            h, weights[0], y, teacher_hidden_states=h, teacher_weight=weights[1],
+            kind="forward_kl", alpha=0.0, vocab_parallel_options=opts)
+        errors[name] = [float((a - ref[k]).abs().max() / ref[k].abs().max())
+                        for k, a in (("ce", ce), ("lp", lp), ("kd", kd))]
+    return errors
+
+
+def test_the_default_chunk_is_the_same_on_ranks_with_different_rows():
+    for rank, errors in enumerate(run_distributed(_default_chunk_worker, 2, timeout=180)):
+        for name, errs in errors.items():
+            assert max(errs) < 1e-12, (rank, name, errs)

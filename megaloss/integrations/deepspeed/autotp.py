@@ -161,12 +161,26 @@ def autotp_causal_lm_loss(model: Any, input_ids: torch.Tensor,
         ValueError: see :func:`autotp_lm_head`, :func:`autotp_vocab_parallel_options` and
             :func:`megaloss.linear_cross_entropy`.
     """
-    from ..hf.causal_lm import shifted_targets
-
     module = _module(model)
+    head, parallel = _head_and_options(module, tp_group)
+    return _loss_on_head(module, head, parallel, input_ids, labels, shift_labels, options,
+                         attention_mask, position_ids, loss_weights, return_stats)
+
+
+def _head_and_options(module: nn.Module, tp_group: GroupLike) -> tuple:
+    """The ``VocabParallelLinear`` lm_head of an AutoTP-sharded ``module`` and its
+    :class:`VocabParallelOptions` over ``tp_group`` (DeepSpeed's group when ``None``)."""
     head = autotp_lm_head(module)
     if tp_group is None:
         tp_group = autotp_topology().tp_group
+    return head, autotp_vocab_parallel_options(head, tp_group)
+
+
+def _loss_on_head(module, head, parallel, input_ids, labels, shift_labels, options,
+                  attention_mask, position_ids, loss_weights, return_stats):
+    """:func:`autotp_causal_lm_loss` once the head and its options are known."""
+    from ..hf.causal_lm import shifted_targets
+
     options = CrossEntropyOptions() if options is None else options
     targets = shifted_targets(input_ids, labels, shift_labels, options.ignore_index)
     out = module.base_model(input_ids=input_ids, attention_mask=attention_mask,
@@ -176,8 +190,7 @@ def autotp_causal_lm_loss(model: Any, input_ids: torch.Tensor,
     return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,
                                 targets.reshape(-1), bias=head.bias, loss_weights=weights,
                                 options=options, return_stats=return_stats,
-                                vocab_parallel_options=autotp_vocab_parallel_options(head,
-                                                                                     tp_group))
+                                vocab_parallel_options=parallel)
 
 
 class AutoTPCausalLMWithLoss(nn.Module):
@@ -250,7 +263,10 @@ class AutoTPCausalLMWithLoss(nn.Module):
                 position_ids: Optional[torch.Tensor] = None,
                 loss_weights: Optional[torch.Tensor] = None):
         """See :meth:`megaloss.integrations.hf.CausalLMWithLoss.forward`."""
-        return autotp_causal_lm_loss(self, input_ids, labels, shift_labels=shift_labels,
-                                     options=self.options, attention_mask=attention_mask,
-                                     position_ids=position_ids, loss_weights=loss_weights,
-                                     return_stats=True)
+        # AutoTP's head exists once deepspeed.initialize has run and is not re-sharded after:
+        # found on the first forward (a walk over every module), kept out of the module tree
+        if "_autotp_head" not in self.__dict__:
+            self.__dict__["_autotp_head"] = _head_and_options(self, None)
+        head, parallel = self.__dict__["_autotp_head"]
+        return _loss_on_head(self, head, parallel, input_ids, labels, shift_labels, self.options,
+                             attention_mask, position_ids, loss_weights, True)

@@ -231,14 +231,13 @@ class AutoTPCausalLMWithLoss(nn.Module):
 
     def __init__(self, model: nn.Module, *, options: Optional[CrossEntropyOptions] = None) -> None:
         from ..hf.causal_lm import linear_lm_head, wrapper_options
-        from ..hf.head_config import config_logit_softcapping, resolve_softcapping
+        from ..hf.head_config import model_softcapping
 
         super().__init__()
         linear_lm_head(model)  # raises TypeError without an nn.Linear lm_head
         options = wrapper_options(options, CrossEntropyOptions)
-        cap = resolve_softcapping(options.logit_softcapping, config_logit_softcapping(model),
-                                  "logit_softcapping")  # the model's own final soft-cap (Gemma 2)
-        self.options = options.replace(logit_softcapping=cap)
+        # the model's own final soft-cap (Gemma 2)
+        self.options = options.replace(logit_softcapping=model_softcapping(options, model))
         self.base_model_prefix = getattr(model, "base_model_prefix", "model")
         if model.base_model is model:
             raise TypeError(f"{type(model).__name__} has no base model (a *ForCausalLM holds its "

@@ -47,7 +47,7 @@ from ...ops.labels import causal_shift
 from ...ops.options import CrossEntropyOptions
 from ...ops.validation import is_dtensor
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_size
-from .head_config import config_logit_softcapping, resolve_softcapping
+from .head_config import model_softcapping
 
 __all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "HF_MODEL_API", "causal_shift"]
 
@@ -207,9 +207,7 @@ class HeadWrapper(nn.Module):
         ``local_head(lm_head)`` (TP 1) or ``parallel_head(hidden_size, vocab_size, tp_group=,
         bias=, dtype=, device=)`` loaded with the full weight's rows (TP > 1); both may read
         ``self.options``."""
-        cap = resolve_softcapping(options.logit_softcapping, config_logit_softcapping(model),
-                                  "logit_softcapping")
-        self.options = options.replace(logit_softcapping=cap)
+        self.options = options.replace(logit_softcapping=model_softcapping(options, model))
         self.ignore_index = self.options.ignore_index
         self.tp_size = group_size(tp_group)
         vocab_size, hidden_size = lm_head.weight.shape

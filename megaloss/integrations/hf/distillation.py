@@ -30,7 +30,7 @@ from ...ops.options import CrossEntropyOptions, DistillationOptions
 from ...ops.validation import is_dtensor
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
 from .causal_lm import linear_lm_head, shifted_targets, wrapper_options
-from .head_config import config_logit_softcapping, resolve_softcapping
+from .head_config import model_softcapping
 
 __all__ = ["CausalLMWithDistillation", "LinearDistillationHead"]
 
@@ -137,9 +137,7 @@ class CausalLMWithDistillation(nn.Module):
         super().__init__()
         lm_head = linear_lm_head(model)
         options = wrapper_options(options, DistillationOptions)
-        caps = {"logit_softcapping": resolve_softcapping(
-            options.logit_softcapping, config_logit_softcapping(model, "student"),
-            "logit_softcapping", "student")}
+        caps = {"logit_softcapping": model_softcapping(options, model, role="student")}
         vocab_size, hidden_size = lm_head.weight.shape
         if teacher is not None:
             t_head = teacher.get_output_embeddings()
@@ -147,9 +145,8 @@ class CausalLMWithDistillation(nn.Module):
                 raise ValueError(f"teacher must be a *ForCausalLM with an nn.Linear lm_head of "
                                  f"{vocab_size} rows (the student's vocabulary)")
             # the teacher's own cap, not the student's: they may be different models
-            caps["teacher_logit_softcapping"] = resolve_softcapping(
-                options.teacher_logit_softcapping, config_logit_softcapping(teacher, "teacher"),
-                "teacher_logit_softcapping", "teacher")
+            caps["teacher_logit_softcapping"] = model_softcapping(
+                options, teacher, "teacher_logit_softcapping", "teacher")
         self.options = options.replace(**caps)
         if teacher is not None:
             _refuse_sharded_teacher(teacher)

@@ -29,7 +29,8 @@ from __future__ import annotations
 from numbers import Real
 from typing import Any, List, Optional
 
-__all__ = ["SOFTCAP_FIELDS", "SCALE_FIELDS", "config_logit_softcapping", "resolve_softcapping"]
+__all__ = ["SOFTCAP_FIELDS", "SCALE_FIELDS", "config_logit_softcapping", "resolve_softcapping",
+           "model_softcapping"]
 
 SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
 
@@ -129,3 +130,16 @@ def resolve_softcapping(given: Optional[float], model_cap: Optional[float], opti
     raise ValueError(f"options {option}={given} differs from the {role}'s own final soft-cap "
                      f"{model_cap} (from its config): leave {option} None to take the config's, "
                      f"or give the same value")
+
+
+def model_softcapping(options: Any, model: Any, option: str = "logit_softcapping",
+                      role: str = "model") -> Optional[float]:
+    """The soft-cap a wrapper's loss uses for ``model``: :func:`resolve_softcapping` of the
+    options' field ``option`` and :func:`config_logit_softcapping` of ``model`` (errors named
+    after ``role``).
+
+    Raises:
+        ValueError: see both.
+    """
+    return resolve_softcapping(getattr(options, option), config_logit_softcapping(model, role),
+                               option, role)

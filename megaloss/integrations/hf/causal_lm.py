@@ -103,6 +103,12 @@ def linear_lm_head(model: nn.Module) -> nn.Linear:
     return lm_head
 
 
+def first_dtensor_parameter(model: nn.Module) -> Optional[str]:
+    """The name of ``model``'s first DTensor parameter (FSDP2's or DTensor TP's shard), or
+    ``None``."""
+    return next((n for n, p in model.named_parameters() if is_dtensor(p)), None)
+
+
 def refuse_fully_sharded(model: nn.Module, what: str) -> None:
     """Refuse a ``model`` already under FSDP2's ``fully_shard`` (a DTensor parameter): a loss
     wrapper calls ``model.base_model`` and its new head directly, so the hooks of a
@@ -112,7 +118,7 @@ def refuse_fully_sharded(model: nn.Module, what: str) -> None:
     Raises:
         ValueError: a parameter of ``model`` is a DTensor.
     """
-    name = next((n for n, p in model.named_parameters() if is_dtensor(p)), None)
+    name = first_dtensor_parameter(model)
     if name is not None:
         raise ValueError(
             f"{what} is already sharded by FSDP2's fully_shard ({name} is a DTensor): wrap it "

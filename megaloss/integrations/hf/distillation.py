@@ -27,9 +27,8 @@ from ...losses.distillation import DistillationOutput, linear_distillation_loss
 from ...losses.vocab_parallel import vocab_shard_range
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.options import CrossEntropyOptions, DistillationOptions
-from ...ops.validation import is_dtensor
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
-from .causal_lm import linear_lm_head, shifted_targets, wrapper_options
+from .causal_lm import first_dtensor_parameter, linear_lm_head, shifted_targets, wrapper_options
 from .head_config import model_softcapping
 
 __all__ = ["CausalLMWithDistillation", "LinearDistillationHead"]
@@ -91,7 +90,7 @@ def _refuse_sharded_teacher(teacher: nn.Module) -> None:
     Raises:
         ValueError: a parameter of ``teacher`` is a DTensor.
     """
-    name = next((n for n, p in teacher.named_parameters() if is_dtensor(p)), None)
+    name = first_dtensor_parameter(teacher)
     if name is not None:
         raise ValueError(
             f"teacher is sharded by FSDP2's fully_shard ({name} is a DTensor): the wrapper runs "

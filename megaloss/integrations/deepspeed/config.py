@@ -256,7 +256,20 @@ MNRConfig = create_model(
     **_config_fields(MNROptions))
 
 
-class _PolicySection(_OptionsSection):
+class _CheckedWhole(_OptionsSection):
+    """A section whose options depend on each other: after its keys, the dataclass checks the
+    section as a whole (its ``ValueError`` / ``TypeError`` becomes the section's error)."""
+
+    @model_validator(mode="after")
+    def _validated_whole(self) -> "_CheckedWhole":
+        try:
+            self._options_cls(**self._option_fields())
+        except (ValueError, TypeError) as err:
+            raise PydanticCustomError("megaloss_option", str(err)) from None
+        return self
+
+
+class _PolicySection(_CheckedWhole):
     _options_cls: ClassVar[type] = PolicyLossOptions
 
     # The policy options depend on each other (dr_grpo needs max_completion_length, delta is
@@ -265,14 +278,6 @@ class _PolicySection(_OptionsSection):
     @classmethod
     def _validated_by_the_dataclass(cls, value: Any, info: ValidationInfo) -> Any:
         return value
-
-    @model_validator(mode="after")
-    def _validated_whole(self) -> "_PolicySection":
-        try:
-            self.options()
-        except (ValueError, TypeError) as err:
-            raise PydanticCustomError("megaloss_option", str(err)) from None
-        return self
 
     def options(self) -> PolicyLossOptions:
         """The :class:`~megaloss.ops.options.PolicyLossOptions` of the loss."""
@@ -297,7 +302,7 @@ PolicyConfig = create_model(
     **_config_fields(PolicyLossOptions))
 
 
-class _DPOSection(_OptionsSection):
+class _DPOSection(_CheckedWhole):
     _options_cls: ClassVar[type] = DPOOptions
 
     # label_smoothing's range depends on loss_type (robust: [0, 0.5); exo_pair: (0, 1)): each key
@@ -312,14 +317,6 @@ class _DPOSection(_OptionsSection):
                     "megaloss_option", f"loss_type must be one of {DPO_LOSS_TYPES}, got {value!r}")
             return value
         return super()._validated_by_the_dataclass(value, info)
-
-    @model_validator(mode="after")
-    def _validated_whole(self) -> "_DPOSection":
-        try:
-            self.options()
-        except (ValueError, TypeError) as err:
-            raise PydanticCustomError("megaloss_option", str(err)) from None
-        return self
 
     def options(self) -> DPOOptions:
         """The :class:`~megaloss.ops.options.DPOOptions` of the loss."""

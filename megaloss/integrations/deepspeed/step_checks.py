@@ -29,6 +29,7 @@ __all__ = ["agreed_checks", "agreed_forward", "check_count", "check_lm_micro_bat
 
 T = TypeVar("T")
 
+# the top-k teacher's keys of an LM micro-batch (train_step reads them too)
 TOPK_KEYS = ("teacher_topk_ids", "teacher_topk_log_probs")
 
 
@@ -119,12 +120,12 @@ def _rows(i: int, mb: Mapping[str, Any]) -> tuple:
     return tuple(ids.shape)
 
 
-def check_lm_micro_batch(i: int, mb: Mapping[str, Any], *, sp_size: int = 1) -> None:
+def check_lm_micro_batch(i: int, mb: Mapping[str, Any]) -> None:
     """What :func:`~.train_step.train_step` reads from ``micro_batches[i]``: integer
     ``input_ids``; ``shift_labels`` or ``labels``, integer, of its shape; ``position_ids`` (the
     calibration's sample boundaries) of that shape; the top-k teacher's two ``[..., k]``
     tensors together, over ``input_ids``' shape (under sequence parallelism too: each SP rank
-    takes its slice along the sequence; ``sp_size`` is kept for the callers)."""
+    takes its slice along the sequence)."""
     where = f"micro_batches[{i}]"
     ids = _integer(f"{where}['input_ids']", mb.get("input_ids"))
     shape = tuple(ids.shape)

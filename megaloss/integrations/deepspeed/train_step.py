@@ -48,7 +48,13 @@ from ...parallel.param_tags import is_tensor_parallel
 from ...parallel.topology import Topology
 from .engine import MegalossEngine
 from .monitor import write_metrics
-from .step_checks import agreed_checks, agreed_forward, check_count, check_lm_micro_batch
+from .step_checks import (
+    TOPK_KEYS,
+    agreed_checks,
+    agreed_forward,
+    check_count,
+    check_lm_micro_batch,
+)
 
 __all__ = ["StepMetrics", "EvalResult", "train_step", "evaluate", "peak_memory_mib"]
 
@@ -149,7 +155,7 @@ def _model_inputs(mb: Mapping[str, Any], topology: Topology) -> Dict[str, Any]:
     the calibration cuts the labels, with the *global* ``position_ids`` Ulysses needs; the
     attention mask is dropped (Ulysses attends causally over the gathered sequence)."""
     out = {"input_ids": mb["input_ids"]}
-    out.update({k: mb[k] for k in ("attention_mask", "position_ids") + _TOPK_KEYS
+    out.update({k: mb[k] for k in ("attention_mask", "position_ids") + TOPK_KEYS
                 if mb.get(k) is not None})
     if topology.sp_size == 1:
         return out
@@ -160,7 +166,7 @@ def _model_inputs(mb: Mapping[str, Any], topology: Topology) -> Dict[str, Any]:
     sp, rank = topology.sp_size, topology.sp_rank
     sliced = {"input_ids": split_for_sequence_parallel(ids, rank, sp, 0),
               "position_ids": split_for_sequence_parallel(pos, rank, sp, 0)}
-    for k in _TOPK_KEYS:  # [B, T, k]: the slice along T, padded with a copy of the last place
+    for k in TOPK_KEYS:  # [B, T, k]: the slice along T, padded with a copy of the last place
         if k in out:
             sliced[k] = _edge_split(out[k], rank, sp)
     return sliced
@@ -191,7 +197,6 @@ def _check_sp_teacher(me: MegalossEngine) -> None:
                          "would see only this rank's slice)")
 
 
-_TOPK_KEYS = ("teacher_topk_ids", "teacher_topk_log_probs")
 
 
 def _distillation_sums(out: DistillationOutput) -> torch.Tensor:
@@ -243,7 +248,7 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
         check_count(micro_batches, gas)
         _check_sp_teacher(me)
         for i, mb in enumerate(micro_batches):
-            check_lm_micro_batch(i, mb, sp_size=me.topology.sp_size)
+            check_lm_micro_batch(i, mb)
 
     agreed_checks(checks, me.topology)
     t0 = time.perf_counter()

@@ -191,7 +191,7 @@ class MegalossDPOMixin:
             if model is not None:  # before TRL prepares them (DeepSpeed hooks the new head)
                 _install(model)
         super().__init__(*args, **kwargs)
-        self._megaloss_losses = dpo_options_from_dpo_args(self.args)
+        dpo_options_from_dpo_args(self.args)  # refused now, not at the first loss
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError("MegalossDPOMixin does not add the MoE auxiliary loss "
                              "(DPOConfig.router_aux_loss_coef / the model's router_aux_loss_coef "

@@ -71,8 +71,8 @@ import torch.nn.functional as F
 
 from ..calibration.calibrator import StepCalibration
 from ..ops.options import DPOOptions, resolve_options
-from ..parallel.comm import all_reduce_sum_
 from ..parallel.groups import GroupLike
+from ._preference import check_weights, means, preference_weights, reduce_metrics
 
 __all__ = ["DPOOptions", "DPOOutput", "dpo_loss", "dpo_pair_weights", "dpo_metrics",
            "sequence_log_probs", "DPO_METRICS"]
@@ -123,11 +123,7 @@ def dpo_pair_weights(step: StepCalibration, i: int, *, ignore_index: int = -100)
     Raises:
         IndexError: ``i`` out of range.
     """
-    labels = step.local_labels(i)
-    valid = (labels != ignore_index).reshape(labels.shape[0], -1).any(-1).to(torch.float64)
-    pairs = step.num_samples
-    pairs = torch.where(pairs > 0, pairs, torch.ones_like(pairs))
-    return (valid / pairs).to(step.weights(i).dtype)
+    return preference_weights(step, i, ignore_index=ignore_index).pair_weights
 
 
 def _vector(name: str, x: torch.Tensor, n: Optional[int]) -> int:
@@ -244,13 +240,8 @@ def dpo_loss(
             per_pair = -F.logsigmoid(opts.beta * delta)
     else:
         per_pair = _pair_loss(opts, chosen_ratio, rejected_ratio)
-    if pair_weights is None:
-        pair_weights = torch.full((n,), 1.0 / max(n, 1), dtype=per_pair.dtype,
-                                  device=per_pair.device)
-    elif not isinstance(pair_weights, torch.Tensor) or pair_weights.shape != (n,):
-        raise ValueError(f"pair_weights must be a [{n}] tensor, got "
-                         f"{getattr(pair_weights, 'shape', pair_weights)}")
-    loss = (per_pair * pair_weights.to(per_pair.dtype)).sum()
+    pair_weights = check_weights("pair_weights", pair_weights, n, per_pair)
+    loss = (per_pair * pair_weights).sum()
     with torch.no_grad():
         counted = (pair_weights > 0).to(torch.float64)
         rc = opts.beta * chosen_ratio.detach().to(torch.float64)
@@ -271,11 +262,5 @@ def dpo_metrics(stats: Union[torch.Tensor, Sequence[torch.Tensor]], *,
     Raises:
         ValueError: ``stats`` are not :attr:`DPOOutput.stats` tensors.
     """
-    if isinstance(stats, torch.Tensor):
-        stats = [stats]
-    stats = list(stats)
-    if not stats or any(s.shape != (_NUM_STATS,) for s in stats):
-        raise ValueError(f"stats must be one or more DPOOutput.stats tensors [{_NUM_STATS}]")
-    total = all_reduce_sum_(torch.stack(stats).sum(0).to(torch.float64), group).tolist()
-    pairs = total[-1]
-    return {name: (total[k] / pairs if pairs > 0 else 0.0) for k, name in enumerate(DPO_METRICS)}
+    total = reduce_metrics(stats, _NUM_STATS, "DPOOutput", group)
+    return means(DPO_METRICS, total, total[-1])

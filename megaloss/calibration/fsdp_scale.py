@@ -30,7 +30,6 @@ from .engine_scale import EngineScale, EngineScaleError, ProbeModule, measure_gr
 __all__ = ["probe_fsdp", "FSDP_ACCUMULATION"]
 
 FSDP_ACCUMULATION = ("no_sync", "reduce_scatter", "sync")
-_UNSET: Any = object()
 
 
 def _probe_dtype(reduce_dtype: torch.dtype) -> torch.dtype:
@@ -142,8 +141,8 @@ def _probe_one(setting: Dict[str, Any], gas: int, accumulation: str) -> EngineSc
 
 def probe_fsdp(module_or_mesh: Any, *, gas: int = 1, accumulation: str = "no_sync",
                reduce_dtype: Optional[torch.dtype] = None,
-               gradient_divide_factor: Optional[float] = _UNSET,
-               force_sum_reduction_for_comms: bool = _UNSET) -> EngineScale:
+               gradient_divide_factor: Optional[float] = None,
+               force_sum_reduction_for_comms: Optional[bool] = None) -> EngineScale:
     """Factor of FSDP2 (``fully_shard``) gradients, measured by a backward through a probe.
 
     A 4-element probe parameter is ``fully_shard``-ed on the same mesh, with the same reduction
@@ -211,18 +210,16 @@ def probe_fsdp(module_or_mesh: Any, *, gas: int = 1, accumulation: str = "no_syn
     given = {k: v for k, v in (("reduce_dtype", reduce_dtype),
                                ("gradient_divide_factor", gradient_divide_factor),
                                ("force_sum_reduction_for_comms", force_sum_reduction_for_comms))
-             if v is not None and v is not _UNSET}
+             if v is not None}
     if isinstance(module_or_mesh, DeviceMesh):
         if module_or_mesh.ndim not in (1, 2):
             raise ValueError(f"the mesh must be 1-D (FSDP) or 2-D (HSDP), got "
                              f"{module_or_mesh.ndim}-D")
-        factor = None if gradient_divide_factor is _UNSET else gradient_divide_factor
+        factor = gradient_divide_factor
         settings = [dict(mesh=module_or_mesh,
                          reduce_dtype=torch.float32 if reduce_dtype is None else reduce_dtype,
                          gradient_divide_factor=None if factor is None else float(factor),
-                         force_sum_reduction_for_comms=bool(
-                             force_sum_reduction_for_comms is not _UNSET
-                             and force_sum_reduction_for_comms))]
+                         force_sum_reduction_for_comms=bool(force_sum_reduction_for_comms))]
     elif isinstance(module_or_mesh, nn.Module):
         if given:
             raise ValueError(f"{sorted(given)} are read from the fully_shard-ed module; pass "

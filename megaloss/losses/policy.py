@@ -163,8 +163,12 @@ def policy_loss_reduction(loss_type: str, loss_agg_mode: Optional[str] = None) -
     Raises:
         ValueError: unknown ``loss_type`` or ``loss_agg_mode``.
     """
-    opts = PolicyLossOptions(loss_type=loss_type, max_completion_length=1,
-                             loss_agg_mode=loss_agg_mode)  # validates the names
+    return _reduction(PolicyLossOptions(loss_type=loss_type, max_completion_length=1,
+                                        loss_agg_mode=loss_agg_mode))  # validates the names
+
+
+def _reduction(opts: PolicyLossOptions) -> str:
+    """:func:`policy_loss_reduction` of options already validated."""
     return "sample" if _normaliser(opts) == "sample" else "token"
 
 
@@ -182,8 +186,7 @@ def policy_calibrator(options: PolicyLossOptions, topology: Optional[Topology] =
     """
     if not isinstance(options, PolicyLossOptions):
         raise TypeError(f"options must be a PolicyLossOptions, got {type(options).__name__}")
-    return LossCalibrator(topology, loss_reduction=policy_loss_reduction(options.loss_type,
-                                                                         options.loss_agg_mode),
+    return LossCalibrator(topology, loss_reduction=_reduction(options),
                           engine_scale=engine_scale, weight_dtype=weight_dtype,
                           count_empty_samples=options.count_empty_rows)
 
@@ -500,7 +503,7 @@ def _local_weights(valid: torch.Tensor, opts: PolicyLossOptions,
                    dtype: torch.dtype) -> PolicyLossWeights:
     wdtype = torch.float64 if dtype == torch.float64 else torch.float32
     labels = completion_labels(valid)
-    lw = compute_loss_weights([labels], policy_loss_reduction(opts.loss_type, opts.loss_agg_mode),
+    lw = compute_loss_weights([labels], _reduction(opts),
                               group=SINGLE_RANK, dtype=wdtype,
                               count_empty_samples=opts.count_empty_rows)
     return _weights(valid, lw.weights[0], lw.num_tokens, lw.num_samples, opts, wdtype)

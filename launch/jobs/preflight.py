@@ -38,12 +38,12 @@ class Refusal(Exception):
     """An input the job cannot run on; ``str()`` is the one-line message."""
 
 
-def check_text_file(path: Path, what: str) -> None:
-    """Refuse a file that is empty or not UTF-8 text, naming it and why.
+def check_text_file(path: Path, what: str) -> str:
+    """The text of a file, refused, naming it and why, when it is not UTF-8 text.
 
     Raises:
-        Refusal: the file is empty (or whitespace only), holds a NUL byte in its first 64 KiB
-            (a binary), or is not valid UTF-8 (the byte offset of the first bad byte).
+        Refusal: the file cannot be read, holds a NUL byte in its first 64 KiB (a binary), or is
+            not valid UTF-8 (the byte offset of the first bad byte).
     """
     try:
         data = path.read_bytes()
@@ -58,8 +58,7 @@ def check_text_file(path: Path, what: str) -> None:
     except UnicodeDecodeError as e:
         raise Refusal(f"{what} {path} is not UTF-8 text (byte {data[e.start]:#04x} at offset "
                       f"{e.start}); convert it (iconv -t utf-8) or leave it out") from None
-    if not text.strip():
-        raise Refusal(f"{what} file {path} is empty")
+    return text
 
 
 def _named_files(what: str, sources: Iterable[str], finder) -> List[Path]:
@@ -83,26 +82,31 @@ def check_data(job: str, args: argparse.Namespace) -> None:
     else:
         from .code_search import source_files as finder
     named = {}
+    texts = {}  # resolved path -> text, each named file read once
     for name in ("train_data", "eval_data"):
         sources = getattr(args, name, None)
         if sources:
             named[name] = _named_files(f"--{name}", sources, finder)
-            # a file found in a named folder may be empty (an __init__.py); a named one may not
+            # a file found in a named folder may be empty (an __init__.py), as the jobs take it
+            # (text_data.check_texts); a named one may not
             given = {Path(s).resolve() for s in sources if Path(s).is_file()}
             for f in named[name]:
-                try:
-                    check_text_file(f, f"--{name}")
-                except Refusal:
-                    if f.resolve() in given or f.stat().st_size > 0:
-                        raise
+                text = check_text_file(f, f"--{name}")
+                if f.resolve() in given and not text.strip():
+                    raise Refusal(f"--{name} file {f} is empty")
+                texts[f.resolve()] = text
     if not named:
         return  # the built-in data
     if job in LM_JOBS:
+        def read(files):  # the named files' texts as read above, others (the stdlib's) now
+            return [texts[Path(f).resolve()] if Path(f).resolve() in texts
+                    else read_texts([f])[0] for f in files]
+
         try:
             train, held = split_files(args)
             for files, what in ((train, "--train_data"),
                                 (held, "--eval_data" if args.eval_data else "held-out")):
-                check_texts(files, read_texts(files), what)
+                check_texts(files, read(files), what)
         except SystemExit as e:
             raise Refusal(str(e)) from None
     elif job in EMBEDDING_JOBS:

@@ -88,6 +88,24 @@ def test_a_folder_without_text_files(tmp_path, capsys, monkeypatch):
     assert "Traceback" not in line and "ValueError" not in line
 
 
+def test_a_folder_is_taken_as_the_job_takes_it(tmp_path, capsys, monkeypatch):
+    """A whitespace-only file inside a named folder passes, as in the job's own check
+    (``text_data.check_texts``: the pre-flight refused it as empty); a folder of nothing else
+    does not."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "__init__.py").write_text("\n")
+    _text(tmp_path / "data" / "mod.py")
+    held = _text(tmp_path / "held.py")
+    monkeypatch.setenv("MEGALOSS_PROG", PROG)
+    monkeypatch.setenv("MEGALOSS_WORLD_SIZE", "2")
+    check_args.main(["train_lm", "--train_data", str(tmp_path / "data"),
+                     "--eval_data", str(held)])
+    (tmp_path / "data" / "mod.py").write_text("  \n")
+    _one_line(capsys, monkeypatch, ["--train_data", str(tmp_path / "data"),
+                                    "--eval_data", str(held)],
+              ["--train_data: all 2 files are empty"])
+
+
 def test_a_split_that_leaves_nothing_held_out(tmp_path, capsys, monkeypatch):
     good = _text(tmp_path / "good.py")
     _one_line(capsys, monkeypatch, ["--train_data", str(good)],

@@ -181,8 +181,9 @@ def teacher_cache_folder(args: argparse.Namespace, ds_config: Dict[str, Any], wo
 
 
 def _latest(folder: Path) -> Optional[str]:
-    path = folder / "checkpoints" / "latest"
-    return path.read_text().strip() if path.is_file() else None
+    from megaloss.integrations.deepspeed.checkpoint import latest_tag
+
+    return latest_tag(folder / "checkpoints")
 
 
 def store_cached_teacher(phase_dir: Path, cache: Path) -> Optional[Path]:

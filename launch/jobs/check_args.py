@@ -15,10 +15,9 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .preflight import Refusal, preflight
+from .preflight import EMBEDDING_JOBS, LM_JOBS, Refusal, preflight
 
-JOBS = ("train_lm", "train_embed", "train_lm_hf", "train_embed_hf", "distill_lm", "train_grpo",
-        "train_lm_fsdp", "train_dpo")
+JOBS = LM_JOBS + EMBEDDING_JOBS  # the data checks of each kind are the pre-flight's
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

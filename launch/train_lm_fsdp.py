@@ -70,6 +70,8 @@ from launch.jobs.runs import (
 )
 from launch.jobs.summaries import lm_summary_rows, write_lm_outputs
 from launch.jobs.text_data import StepBatches
+from megaloss.integrations.deepspeed.train_step import peak_memory_mib
+from megaloss.parallel import all_reduce_sum_
 
 quiet_job_environment()
 
@@ -182,17 +184,6 @@ def start_fsdp_process(output_dir: str):
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def peak_memory_mib(device: torch.device) -> float:
-    """This process's peak memory: the CUDA allocator's, else the peak resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-    import sys
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
-
-
 def gather_per_rank(value: float) -> List[float]:
     """``value`` of every rank, in rank order (collective)."""
     import torch.distributed as dist
@@ -200,13 +191,6 @@ def gather_per_rank(value: float) -> List[float]:
     out: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
-
-
-def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    import torch.distributed as dist
-
-    dist.all_reduce(t, group=group)
-    return t
 
 
 # model ------------------------------------------------------------------------------------------
@@ -284,7 +268,7 @@ def grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float, tp: int = 1
             for size, placement in zip(mesh.shape, g.placements):
                 copies *= size if isinstance(placement, Replicate) else 1
             total += g.to_local().detach().to(torch.float64).pow(2).sum() / copies
-        norm = float(all_reduce_sum(total).sqrt())
+        norm = float(all_reduce_sum_(total).sqrt())
         if max_norm > 0 and norm > max_norm:
             coef = max_norm / (norm + 1e-6)
             with torch.no_grad():
@@ -325,7 +309,7 @@ def train_step(wrapper, opt, calib, micro_batches, args, step: int,
     opt.step()
     opt.zero_grad(set_to_none=True)
     loss = float(calibration.global_loss())
-    z = float(all_reduce_sum(z_local, calib.topology.dp_sp_group))  # TP ranks: same tokens
+    z = float(all_reduce_sum_(z_local, calib.topology.dp_sp_group))  # TP ranks: same tokens
     elapsed = time.perf_counter() - t0
     tokens = float(calibration.num_tokens)
     return {"step": step, "loss": loss, "z_loss": z, "num_tokens": tokens, "lr": lr,
@@ -345,7 +329,7 @@ def evaluate(wrapper, batches, device: torch.device, group=None) -> Dict[str, fl
         out = wrapper(ids, shift_labels=mb["shift_labels"].to(device))
         sums[0] += (out.loss - out.z_loss).to(torch.float64)
         sums[1] += out.num_valid_tokens.to(torch.float64)
-    all_reduce_sum(sums, group)
+    all_reduce_sum_(sums, group)
     wrapper.train(was_training)
     n = float(sums[1])
     loss = float(sums[0]) / n if n > 0 else 0.0

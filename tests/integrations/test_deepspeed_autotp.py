@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megaloss.testing import run_distributed
+from tests.helpers.autotp import gathered, relative_error
 
 pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow,
               pytest.mark.deepspeed_pool]  # shared ranks: see conftest.py
@@ -76,20 +77,6 @@ def _reference(vocab, tied, state, ids, labels):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms
 
 
-def _gathered(module, name, p, group):
-    """The full parameter from the TP shards (AutoTP's split dim: 1 for the row-parallel
-    ``LinearAllreduce``, 0 for the other sharded layers)."""
-    import torch.distributed as dist
-    from deepspeed.module_inject.layers import LinearAllreduce
-
-    if not getattr(p, "tensor_model_parallel", False):
-        return p.detach().clone()
-    owner = module.get_submodule(name.rsplit(".", 1)[0])
-    parts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, p.detach().clone(), group=group)
-    return torch.cat(parts, dim=1 if isinstance(owner, LinearAllreduce) else 0)
-
-
 def _train(stage, vocab, grain, tied, state, ids, labels):
     import deepspeed
 
@@ -120,7 +107,7 @@ def _train(stage, vocab, grain, tied, state, ids, labels):
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
-    params = {n: _gathered(engine.module, n, p, topo.tp_group)
+    params = {n: gathered(engine.module, n, p, topo.tp_group)
               for n, p in engine.module.named_parameters(remove_duplicate=False)}
     engine.destroy()
     return layout, params, losses
@@ -138,10 +125,6 @@ def _worker(rank, world):
         out[stage, vocab, grain, tied] = reference, _train(stage, vocab, grain, tied, state, ids,
                                                            labels)
     return out
-
-
-def _rel(a, b):
-    return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
 
 
 @pytest.mark.timeout(400)
@@ -164,7 +147,8 @@ def test_autotp_vocab_parallel_head_matches_single_process_float64_training():
                     failures.append(f"{where}: step {s} loss {losses[s]} != {ref_losses[s]}")
             assert set(params) == set(ref_params), (where, sorted(params))
             for name, ref in ref_params.items():
-                rel = _rel(params[name], ref) if params[name].shape == ref.shape else float("inf")
+                rel = (relative_error(params[name], ref) if params[name].shape == ref.shape
+                       else float("inf"))
                 worst = max(worst, rel)
                 if rel > REL_TOL:
                     failures.append(f"{where}: {name} relative error {rel:.2e}")

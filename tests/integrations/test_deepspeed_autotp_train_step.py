@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from megaloss.testing import run_distributed
+from tests.helpers.autotp import gathered, relative_error
 
 pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow,
               pytest.mark.deepspeed_pool]  # shared ranks: see conftest.py
@@ -97,19 +98,6 @@ def _reference(state, steps, loss_reduction, tied=False):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms
 
 
-def _gathered(module, name, p, group):
-    """The full parameter from AutoTP's shards (split dim 1 for ``LinearAllreduce``, else 0)."""
-    import torch.distributed as dist
-    from deepspeed.module_inject.layers import LinearAllreduce
-
-    if not getattr(p, "tensor_model_parallel", False):
-        return p.detach().clone()
-    owner = module.get_submodule(name.rsplit(".", 1)[0])
-    parts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, p.detach().clone(), group=group)
-    return torch.cat(parts, dim=1 if isinstance(owner, LinearAllreduce) else 0)
-
-
 def _train(stage, loss_reduction, state, steps, tied=False):
     from megaloss.integrations.deepspeed import autotp_lm_head, initialize, train_step
 
@@ -127,7 +115,7 @@ def _train(stage, loss_reduction, state, steps, tied=False):
               me.engine_scale.gradient_factor, me.engine_scale.group_size)
     losses = [train_step(me, mbs, log=False).loss for mbs in steps]
     module = me.engine.module  # the wrapper: the *ForCausalLM's children and parameter names
-    params = {n: _gathered(module, n, p, topo.tp_group)
+    params = {n: gathered(module, n, p, topo.tp_group)
               for n, p in module.named_parameters(remove_duplicate=False)}
     me.engine.destroy()
     return layout, params, losses
@@ -156,10 +144,6 @@ def _worker(rank, world):
     return out
 
 
-def _rel(a, b):
-    return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
-
-
 @pytest.mark.timeout(560)
 def test_initialize_and_train_step_under_autotp_match_float64_global_batch_training():
     results = run_distributed(_worker, 2, timeout=540)
@@ -183,7 +167,7 @@ def test_initialize_and_train_step_under_autotp_match_float64_global_batch_train
                     failures.append(f"{where}: step {s} loss {losses[s]} != {ref_losses[s]}")
             assert set(params) == set(ref_params), (where, sorted(params))
             for name, ref in ref_params.items():
-                rel = (_rel(params[name], ref) if params[name].shape == ref.shape
+                rel = (relative_error(params[name], ref) if params[name].shape == ref.shape
                        else float("inf"))
                 worst = max(worst, rel)
                 if rel > REL_TOL:

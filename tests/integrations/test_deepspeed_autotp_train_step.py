@@ -11,9 +11,15 @@ and 2, ``gradient_accumulation_steps`` 2, the calibrations ``token`` / ``sample`
 the micro-batches have uneven valid tokens and step 1's second one has none. A few SGD steps;
 the reference: the same initial state dict in float64, full logits, per-sample weights
 ``u / D`` (``megaloss/calibration/weights.py``) over both micro-batches, gradients clipped to
-global norm 1.5: active on steps 1 and 2 only, so a wrong gradient scale shows in step 0's
-update (clipping on every step would hide it). Each step's loss and every parameter after the
-steps (the shards gathered along AutoTP's split dim) within 1e-5 relative.
+global norm 1.5: active on steps 1 and 2 only (1.1, step 1 only, at DP 2), so a wrong gradient
+scale shows in step 0's update (clipping on every step would hide it). Each step's loss and
+every parameter after the steps (the shards gathered along AutoTP's split dim) within 1e-5
+relative.
+
+The same on 4 ranks, DP 2 x TP 2 (AutoTP's groups: TP {0, 1} and {2, 3}, DP {0, 2} and
+{1, 3}): each DP rank trains its half of every micro-batch's rows (uneven valid tokens across
+the DP ranks; step 1's second micro-batch is empty on DP rank 1 only), ZeRO 1 under the three
+calibrations and ZeRO 0 tied; the reference is the same float64 training on all the rows.
 """
 import math
 
@@ -26,10 +32,14 @@ from tests.helpers.autotp import gathered, relative_error
 pytestmark = [pytest.mark.distributed, pytest.mark.deepspeed, pytest.mark.slow,
               pytest.mark.deepspeed_pool]  # shared ranks: see conftest.py
 
-VOCAB, HIDDEN, SEQ, ROWS, GAS, STEPS, LR, CLIP = 37, 16, 8, 2, 2, 3, 0.5, 1.5
-STAGES, REDUCTIONS = (0, 2), ("token", "sample", "square")
-# tied input / output embeddings: AutoTP's VocabParallelEmbedding on the head's own shard
-TIED = ((2, "sample"),)
+VOCAB, HIDDEN, SEQ, ROWS, GAS, STEPS, LR = 37, 16, 8, 2, 2, 3, 0.5
+# gradient clipping per DP size: it clips some steps and not step 0 (asserted)
+CLIP = {1: 1.5, 2: 1.1}
+# (dp, ZeRO stage, loss_reduction, tied): tied input / output embeddings are AutoTP's
+# VocabParallelEmbedding on the head's own shard
+CASES = {1: [(1, st, r, False) for st in (0, 2) for r in ("token", "sample", "square")]
+         + [(1, 2, "sample", True)],
+         2: [(2, 1, r, False) for r in ("token", "sample", "square")] + [(2, 0, "square", True)]}
 REL_TOL = 1e-5
 
 
@@ -48,26 +58,34 @@ def _llama(tied=False):
     return model
 
 
-def _data():
-    """``[step][micro]`` dicts of ``input_ids`` / unshifted ``labels``: uneven valid tokens per
-    row and micro-batch, step 1's micro-batch 1 all ignored."""
+def _data(dp=1):
+    """``[step][micro]`` dicts of ``input_ids`` / unshifted ``labels``, ``ROWS`` rows per DP
+    rank (DP rank ``d``'s are rows ``[d ROWS, (d + 1) ROWS)``): uneven valid tokens per row,
+    micro-batch and DP rank; step 1's micro-batch 1 all ignored on the last DP rank."""
     g = torch.Generator().manual_seed(1)
     steps = []
     for s in range(STEPS):
         mbs = []
         for m in range(GAS):
-            ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+            ids = torch.randint(0, VOCAB, (dp * ROWS, SEQ), generator=g)
             labels = ids.clone()
-            labels[0, :3 + m] = -100  # a prompt
-            labels[1, SEQ - 2 - s:] = -100  # a shorter answer
+            for d in range(dp):
+                labels[d * ROWS, :3 + m + d] = -100  # a prompt
+                labels[d * ROWS + 1, SEQ - 2 - s:] = -100  # a shorter answer
             if (s, m) == (1, 1):
-                labels[:] = -100
+                labels[(dp - 1) * ROWS:] = -100
             mbs.append({"input_ids": ids, "labels": labels})
         steps.append(mbs)
     return steps
 
 
-def _reference(state, steps, loss_reduction, tied=False):
+def _rows(steps, dp_rank):
+    """DP rank ``dp_rank``'s rows of every micro-batch."""
+    part = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)
+    return [[{k: v[part] for k, v in mb.items()} for mb in mbs] for mbs in steps]
+
+
+def _reference(state, steps, loss_reduction, tied=False, dp=1):
     import torch.nn.functional as F
 
     from megaloss.integrations.hf.causal_lm import shifted_targets
@@ -81,7 +99,7 @@ def _reference(state, steps, loss_reduction, tied=False):
         for mb in mbs:
             logits = model(input_ids=mb["input_ids"], use_cache=False).logits
             y = shifted_targets(mb["input_ids"], mb["labels"], None, -100)
-            for r in range(ROWS):
+            for r in range(y.shape[0]):
                 n = int((y[r] != -100).sum())
                 if n == 0:
                     continue
@@ -92,20 +110,20 @@ def _reference(state, steps, loss_reduction, tied=False):
         loss = sum(terms) / denom
         opt.zero_grad()
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP[dp])))
         opt.step()
         losses.append(float(loss.detach()))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms
 
 
-def _train(stage, loss_reduction, state, steps, tied=False):
+def _train(stage, loss_reduction, state, steps, tied=False, dp=1):
     from megaloss.integrations.deepspeed import autotp_lm_head, initialize, train_step
 
     model = _llama(tied)
     model.load_state_dict(state)
     cfg = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": GAS,
            "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
-           "zero_optimization": {"stage": stage}, "gradient_clipping": CLIP,
+           "zero_optimization": {"stage": stage}, "gradient_clipping": CLIP[dp],
            "tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True},
            "megaloss": {"ce": {"loss_reduction": loss_reduction}}}
     me = initialize(model, cfg, optimizer=lambda params: torch.optim.SGD(params, lr=LR))
@@ -113,7 +131,7 @@ def _train(stage, loss_reduction, state, steps, tied=False):
     topo = me.topology
     layout = (topo.tp_size, topo.dp_size, me.mpu, tuple(head.weight.shape),
               me.engine_scale.gradient_factor, me.engine_scale.group_size)
-    losses = [train_step(me, mbs, log=False).loss for mbs in steps]
+    losses = [train_step(me, mbs, log=False).loss for mbs in _rows(steps, topo.dp_rank)]
     module = me.engine.module  # the wrapper: the *ForCausalLM's children and parameter names
     params = {n: gathered(module, n, p, topo.tp_group)
               for n, p in module.named_parameters(remove_duplicate=False)}
@@ -128,39 +146,33 @@ def _worker(rank, world):
 
     configure_launched_process()
     deepspeed.init_distributed(dist_backend="gloo")
-    steps = _data()
-    state = {k: v.clone() for k, v in _llama().state_dict().items()}
+    dp = world // 2
+    steps = _data(dp)
     out = {}
-    for loss_reduction in REDUCTIONS:
-        reference = _reference(state, steps, loss_reduction) if rank == 0 else None
-        for stage in STAGES:
-            out[stage, loss_reduction] = reference, _train(stage, loss_reduction, state, steps)
-    for stage, loss_reduction in TIED:
-        tied_state = {k: v.clone() for k, v in _llama(tied=True).state_dict().items()}
-        reference = (_reference(tied_state, steps, loss_reduction, tied=True) if rank == 0
+    for case in CASES[dp]:
+        _, stage, loss_reduction, tied = case
+        state = {k: v.clone() for k, v in _llama(tied).state_dict().items()}
+        reference = (_reference(state, steps, loss_reduction, tied, dp) if rank == 0
                      else None)
-        out[stage, loss_reduction, "tied"] = reference, _train(stage, loss_reduction,
-                                                               tied_state, steps, tied=True)
+        out[case] = reference, _train(stage, loss_reduction, state, steps, tied, dp)
     return out
 
 
-@pytest.mark.timeout(560)
-def test_initialize_and_train_step_under_autotp_match_float64_global_batch_training():
-    results = run_distributed(_worker, 2, timeout=540)
+def _check(results, dp):
     failures, worst = [], 0.0
-    cases = [(st, r) for st in STAGES for r in REDUCTIONS] + [(*c, "tied") for c in TIED]
-    for case in cases:
-        stage, loss_reduction = case[:2]
+    for case in CASES[dp]:
+        _, stage, loss_reduction, tied = case
         ref_params, ref_losses, ref_norms = results[0][case][0]
         assert ref_losses[0] != ref_losses[-1], "the steps must change the model"
-        assert min(ref_norms) < CLIP < max(ref_norms), ("clip some steps", ref_norms)
-        for rank in range(2):
+        assert ref_norms[0] < CLIP[dp] < max(ref_norms), ("clip some steps", ref_norms)
+        for rank in range(2 * dp):
             layout, params, losses = results[rank][case][1]
-            where = f"rank {rank}, ZeRO {stage}, {loss_reduction}{', tied' * (len(case) > 2)}"
-            # TP 2 x DP 1, no megaloss mpu, AutoTP's 19 + 18 rows; the probe measured
-            # DeepSpeed's 1 / GAS over a DP group of 1 rank
-            assert layout == (2, 1, None, ((19, 18)[rank], HIDDEN), 1 / GAS, 1), (
-                where, layout)
+            where = (f"rank {rank}, DP {dp}, ZeRO {stage}, {loss_reduction}"
+                     f"{', tied' * tied}")
+            # TP 2 x DP dp, no megaloss mpu, AutoTP's 19 + 18 rows; the probe measured
+            # DeepSpeed's mean over GAS and the DP group
+            assert layout == (2, dp, None, ((19, 18)[rank % 2], HIDDEN), 1 / (GAS * dp),
+                              dp), (where, layout)
             for s in range(STEPS):
                 worst = max(worst, abs(losses[s] - ref_losses[s]) / abs(ref_losses[s]))
                 if not math.isclose(losses[s], ref_losses[s], rel_tol=REL_TOL):
@@ -174,6 +186,16 @@ def test_initialize_and_train_step_under_autotp_match_float64_global_batch_train
                     failures.append(f"{where}: {name} relative error {rel:.2e}")
     print(f"max relative error {worst:.2e}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(560)
+def test_initialize_and_train_step_under_autotp_match_float64_global_batch_training():
+    _check(run_distributed(_worker, 2, timeout=540), dp=1)
+
+
+@pytest.mark.timeout(560)
+def test_dp2_by_autotp2_matches_float64_global_batch_training():
+    _check(run_distributed(_worker, 4, timeout=540), dp=2)
 
 
 def test_autotp_initialize_refuses_a_topology_and_a_built_optimizer():

@@ -37,7 +37,8 @@ import sys
 from typing import Any, Dict, Iterable, Optional, Sequence
 
 __all__ = ["MALLOC_ENV", "MemoryProbe", "trim_memory", "median", "budget_spent", "run_worker",
-           "format_table", "write_csv", "mib", "worker_env", "require_positive", "vocab_shard"]
+           "format_table", "write_csv", "mib", "worker_env", "require_positive", "vocab_shard",
+           "peak_rss_bytes"]
 
 # Fixed glibc malloc behaviour in every worker process (see the module docstring).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
@@ -90,6 +91,13 @@ def _current_rss_bytes() -> Optional[int]:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def peak_rss_bytes() -> float:
+    """The process's peak resident set since it started (or since a :class:`MemoryProbe` reset
+    it): ``VmHWM``, else ``ru_maxrss``."""
+    kib = _read_status_kib("VmHWM")
+    return kib * 1024.0 if kib is not None else float(_ru_maxrss_bytes())
 
 
 def _reset_peak_rss() -> bool:

@@ -51,6 +51,7 @@ reference computed once in the parent.
 
     python3 tools/bench_deepspeed_native.py                     # N 4096, H 1024, V 32000, TP 1 2
     python3 tools/bench_deepspeed_native.py --sizes 256 --hidden 64 --vocab 1000 --tp 1 2 4
+    python3 tools/bench_deepspeed_native.py --sizes 16384 --tp 2 4 --tasks ce   # CE only
 """
 from __future__ import annotations
 
@@ -97,9 +98,10 @@ TABLE_COLUMNS = ["tp", "task", "method", "time_s", "extra_MiB", "time_ratio", "m
                  "loss_err", "grad_err", "function"]
 
 
-def _cases(tp: int) -> List[str]:
-    """``"task/method"`` keys run at ``tp``."""
-    return [f"{t}/{m}" for t, m, _, tp1_only in CASES if tp == 1 or not tp1_only]
+def _cases(tp: int, tasks=TASKS) -> List[str]:
+    """``"task/method"`` keys of ``tasks`` run at ``tp``."""
+    return [f"{t}/{m}" for t, m, _, tp1_only in CASES
+            if t in tasks and (tp == 1 or not tp1_only)]
 
 
 def _inputs(n: int, hidden: int, vocab: int, seed: int):
@@ -266,8 +268,8 @@ def _rank(rank: int, tp: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     return {"times": times}
 
 
-def reference(n: int, hidden: int, vocab: int, seed: int) -> Dict[str, Any]:
-    """float64 full-logits losses and their gradients wrt ``hidden``, per task."""
+def reference(n: int, hidden: int, vocab: int, seed: int, tasks=TASKS) -> Dict[str, Any]:
+    """float64 full-logits losses and their gradients wrt ``hidden``, per task of ``tasks``."""
     import torch
     import torch.nn.functional as F
     h, w, th, tw, y, a, c = (t.double() if t.is_floating_point() else t
@@ -275,8 +277,11 @@ def reference(n: int, hidden: int, vocab: int, seed: int) -> Dict[str, Any]:
     h.requires_grad_()
     out = {}
     logq = F.log_softmax(h @ w.t(), -1)  # student
-    with torch.no_grad():
-        logp = F.log_softmax(th @ tw.t(), -1)  # teacher
+    logp = None
+    if {"kd_fwd", "kd_rev"} & set(tasks):
+        with torch.no_grad():
+            logp = F.log_softmax(th @ tw.t(), -1)  # teacher
+    del th, tw
     losses = {
         "ce": lambda: -logq.gather(-1, y[:, None]).mean(),
         "lp": lambda: (a * logq.gather(-1, y[:, None])[:, 0]
@@ -285,6 +290,8 @@ def reference(n: int, hidden: int, vocab: int, seed: int) -> Dict[str, Any]:
         "kd_rev": lambda: (logq.exp() * (logq - logp)).sum(-1).mean(),
     }
     for task, fn in losses.items():
+        if task not in tasks:
+            continue
         loss = fn()
         (g,) = torch.autograd.grad(loss, h, retain_graph=True)
         out[task] = (float(loss.detach()), g)
@@ -299,7 +306,7 @@ def _tp_rows(args, tp: int, n: int, ref: Dict[str, Any]) -> List[Dict[str, Any]]
     spec = {"tokens": n, "hidden": args.hidden, "vocab": args.vocab,
             "chunk_size": args.chunk_size, "ds_chunk_size": args.ds_chunk_size,
             "seed": args.seed, "repeats": args.repeats, "time_budget": args.time_budget}
-    cases = _cases(tp)
+    cases = _cases(tp, args.tasks)
     memory: Dict[str, Any] = {}
     for k in cases:
         try:
@@ -356,6 +363,8 @@ def main(argv=None) -> int:
                    help="chunk_size of vocab_parallel_linear_cross_entropy (default: DeepSpeed's, "
                         "fp32 blocks about the size of hidden: ceil(N / ceil(V / TP / H)) tokens)")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes (default 1 2)")
+    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS),
+                   help="tasks to run (default all)")
     p.add_argument("--repeats", type=int, default=2, help="timed rounds (default 2)")
     p.add_argument("--time-budget", type=float, default=120.0,
                    help="stop repeating once a rank's timed runs took this long (default 120 s)")
@@ -380,7 +389,7 @@ def main(argv=None) -> int:
     rows: List[Dict[str, Any]] = []
     for n in args.sizes:
         t0 = time.perf_counter()
-        ref = reference(n, args.hidden, args.vocab, args.seed)
+        ref = reference(n, args.hidden, args.vocab, args.seed, args.tasks)
         for tp in args.tp:
             rows += _tp_rows(args, tp, n, ref)
             print(f"# N={n} TP={tp}: done ({time.perf_counter() - t0:.1f} s)", file=sys.stderr,

@@ -37,12 +37,27 @@ MEGALOSS_ERROR_FILE="$(mktemp "${TMPDIR:-/tmp}/megaloss-error.XXXXXX")"
 export MEGALOSS_ERROR_FILE
 # one thread per process unless OMP_NUM_THREADS says otherwise (torchrun's default too)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Stop requests (launch/jobs/signals.py). torchrun starts each rank in a session of its own, so
+# a signal to this script's process group (Ctrl-C, kill -- -PGID, timeout(1)) reaches this
+# script and torchrun, not the ranks:
+# - SIGINT: taken by torchrun, which sends it to its ranks; ignored here.
+# - SIGTERM (SLURM's scancel and time limit, timeout(1)): passed on to torchrun, which sends it
+#   to its ranks and waits for them (30 s); this script must not die of it before the ranks
+#   have saved. Repeats of the request are one request.
+# - SIGUSR1 (sbatch --signal=USR1@60): passed on to the ranks (torchrun ignores it: started with
+#   it ignored, it would die of it).
+# torchrun runs in the background so that the traps run at once.
 trap '' INT USR1
 set +e
-"${CMD[@]}"
+"${CMD[@]}" &
+child=$!
+trap 'kill -TERM "${child}" 2>/dev/null' TERM
+trap 'pkill -USR1 -P "${child}" 2>/dev/null' USR1
+wait "${child}"
 rc=$?
+while (( rc > 128 )) && kill -0 "${child}" 2>/dev/null; do wait "${child}"; rc=$?; done
 set -e
-trap - INT USR1
+trap - INT USR1 TERM
 cleanup() {
   rm -f "${MEGALOSS_ERROR_FILE}" "${MEGALOSS_ERROR_FILE}".rank* "${MEGALOSS_ERROR_FILE}".stopped* \
     "${MEGALOSS_ERROR_FILE}".left*

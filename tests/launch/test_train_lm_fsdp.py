@@ -5,9 +5,18 @@ stdlib text, micro-batch 4 x GAS 2 x DP 2, no warm-up.
 - The job: exit status 0, ``metrics.csv`` with one row per optimizer step, ``loss_curve.png``,
   ``summary.json`` (FSDP2 over 2 processes, the loss multiplier measured by ``probe_fsdp``: 2,
   FSDP2's mean over the ranks), and training works: held-out CE and the train loss fall.
-- Checkpoints: the run saves DCP checkpoints (``--save_every 3``); a second run resumed from
-  the step-3 checkpoint folder (``--resume PATH``, into another ``--output_dir``) reaches step 6
-  with the same losses, bitwise.
+- Checkpoints: the run saves DCP checkpoints (``--save_every 3``: steps 3, 6 and the last, 8).
+- Preemption, as a scheduler delivers it: a second run resumed from the step-3 checkpoint folder
+  (``--resume PATH``, into another ``--output_dir``) gets SIGTERM at every process of the script
+  (bash, torchrun, both ranks) once its first step is logged: it stops at the next step boundary
+  k (4 <= k < 8), saves ``step_k``, writes ``metrics.csv`` / ``summary.json`` (``"stopped":
+  {"signal": "SIGTERM", "step": k}``) / the plot for steps 1..k, and the script exits 75 with
+  the LM job's messages. A third run, ``--resume`` (latest) in that folder, reaches step 8 with
+  every metric of every step and the final evaluation equal to the uninterrupted run's, bitwise.
+- ``--eval_only --resume`` on that folder, as one plain process (``python -m
+  launch.train_lm_fsdp``: the 2-rank DCP checkpoint loaded on 1 rank) writes
+  ``eval_step8.json`` with the uninterrupted run's final held-out CE (rel 1e-6: fp32, the eval
+  batches summed in another grouping; measured 5e-8) over the same tokens.
 - FSDP2 x TP: 4 processes, ``--tensor_parallel_size 2`` (DP=2 x TP=2, the lm_head a
   ``ColwiseParallel`` DTensor, megaloss's vocab-parallel CE through
   ``VocabParallelOptions.from_dtensor``): the same global batches, so every step's loss and
@@ -24,18 +33,23 @@ stdlib text, micro-batch 4 x GAS 2 x DP 2, no warm-up.
 """
 import csv
 import json
+import os
+import shutil
+import signal
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from launch.jobs import check_args
-from tests.helpers.launch_helpers import REPO, script_env
+from tests.helpers.launch_helpers import REPO, script_env, wait_until
 
-STEPS = 6
-COMMON = ["--model_size", "tiny", "--seq_len", "32", "--vocab_size", "320",
-          "--max_train_bytes", "200000", "--eval_blocks", "16", "--eval_every", "3",
-          "--no_progress"]
+STEPS = 8
+DATA = ["--model_size", "tiny", "--seq_len", "32", "--vocab_size", "320",
+        "--max_train_bytes", "200000", "--eval_blocks", "16", "--eval_every", "3"]
+COMMON = [*DATA, "--no_progress"]
 FSDP = ["--micro_batch_size", "4", "--gradient_accumulation_steps", "2", "--lr", "1e-2",
         "--warmup_steps", "0", "--chunk_size", "48"]
 
@@ -49,6 +63,35 @@ def _run_script(*args: str, num_procs: int = 2,
     return proc
 
 
+def _run_and_sigterm(*args: str, after: str, timeout: float = 420) -> tuple:
+    """``bash launch/train_lm_fsdp.sh *args`` (2 processes, its own session), SIGTERM to every
+    process of the session once rank 0's progress line starting with ``after`` is out (the
+    progress is on: one line per step), then wait until all have exited. Returns ``(exit
+    status, output)``."""
+    proc = subprocess.Popen(["bash", str(REPO / "launch" / "train_lm_fsdp.sh"), *args],
+                            cwd=REPO, env=script_env(NUM_PROCS="2"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: any(ln.startswith(after) for ln in list(lines)), timeout,
+                   f"progress line {after!r}", alive=lambda: proc.poll() is None)
+        os.killpg(proc.pid, signal.SIGTERM)
+        reader.join(timeout)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None or reader.is_alive():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    return proc.returncode, "".join(lines)
+
+
 def _rows(out: Path) -> list:
     with open(out / "metrics.csv") as f:
         return list(csv.DictReader(f))
@@ -56,13 +99,27 @@ def _rows(out: Path) -> list:
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
-    """The job's run (checkpoints at steps 3 and 6), then one resumed from step 3 elsewhere."""
+    """The job's run (checkpoints at steps 3, 6, 8); one resumed from its step 3 elsewhere and
+    stopped by SIGTERM (the stopped folder copied to ``stopped``, its output and exit status
+    in ``stopped.json``), continued with ``--resume`` to step 8 and evaluated with
+    ``--eval_only``; the TP=2 run."""
     tmp = tmp_path_factory.mktemp("fsdp")
     cache = str(tmp / "cache")
     _run_script(*COMMON, *FSDP, "--steps", str(STEPS), "--save_every", "3",
                 "--output_dir", str(tmp / "out"), "--cache_dir", cache)
-    _run_script(*COMMON, *FSDP, "--steps", str(STEPS), "--output_dir", str(tmp / "resumed"),
-                "--resume", str(tmp / "out" / "checkpoints" / "step_3"), "--cache_dir", cache)
+    resumed = ["--steps", str(STEPS), "--output_dir", str(tmp / "resumed"), "--cache_dir", cache]
+    rc, output = _run_and_sigterm(*DATA, *FSDP, *resumed, "--resume",
+                                  str(tmp / "out" / "checkpoints" / "step_3"), after="train 4/")
+    if (tmp / "resumed").is_dir():
+        shutil.copytree(tmp / "resumed", tmp / "stopped")
+    (tmp / "stopped.json").write_text(json.dumps({"returncode": rc, "output": output}))
+    if rc == 75:
+        _run_script(*COMMON, *FSDP, *resumed, "--resume")
+        evaluated = subprocess.run(
+            [sys.executable, "-m", "launch.train_lm_fsdp", *COMMON, *FSDP, *resumed, "--resume",
+             "--eval_only"], cwd=REPO, env=script_env(), capture_output=True, text=True,
+            timeout=300)
+        assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
     _run_script(*COMMON, *FSDP, "--steps", str(STEPS), "--tensor_parallel_size", "2",
                 "--output_dir", str(tmp / "tp2"), "--cache_dir", cache, num_procs=4)
     return tmp
@@ -104,24 +161,70 @@ def test_train_lm_fsdp_trains_on_two_processes(fsdp):
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"]) - 0.05, rows
     assert [e for e in (r["eval_loss"] for r in rows) if e] != []  # --eval_every 3
     assert (out / "loss_curve.png").stat().st_size > 0
-    assert summary["checkpoints"]["saves"] == 2
-    for step in (3, 6):
+    assert summary["checkpoints"]["saves"] == 3
+    for step in (3, 6, STEPS):
         ckpt = out / "checkpoints" / f"step_{step}"
         assert (ckpt / "dcp" / ".metadata").is_file() and (ckpt / "tokenizer.json").is_file()
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step_6"
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS}"
+
+
+def _stopped(fsdp: Path) -> tuple:
+    """The SIGTERM-stopped run: ``(exit status, output, folder as it was when it stopped)``."""
+    record = json.loads((fsdp / "stopped.json").read_text())
+    return record["returncode"], record["output"], fsdp / "stopped"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_sigterm_to_every_process_saves_and_exits_75(fsdp):
+    rc, output, stopped = _stopped(fsdp)
+    assert rc == 75, output[-4000:]
+    summary = json.loads((stopped / "summary.json").read_text())
+    k = summary["stopped"]["step"]
+    assert summary["stopped"] == {"signal": "SIGTERM", "step": k} and 4 <= k < STEPS, summary
+    assert summary["steps"] == k and summary["resumed_at_step"] == 3
+    assert [int(r["step"]) for r in _rows(stopped)] == list(range(1, k + 1))
+    assert (stopped / "checkpoints" / "latest").read_text() == f"step_{k}"
+    assert (stopped / "checkpoints" / f"step_{k}" / "dcp" / ".metadata").is_file()
+    assert (stopped / "loss_curve.png").stat().st_size > 0
+    # the LM job's messages: each rank's stop request, the stop, the script's status line last
+    assert output.count("SIGTERM: stopping at the next step boundary") >= 2, output[-4000:]
+    assert f"stopped by SIGTERM after step {k}; continue with --resume" in output
+    assert output.rstrip().endswith("stopped on request after a checkpoint on every rank: exit "
+                                    "status 75 (continue with --resume)"), output[-2000:]
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_train_lm_fsdp_resumes_bitwise(fsdp):
+    """Resumed from step 3 of another folder, stopped by SIGTERM at k, resumed from k: every
+    metric of every step but the timings equals the uninterrupted run's."""
+    assert _stopped(fsdp)[0] == 75, _stopped(fsdp)[1][-4000:]
     plain, resumed = _rows(fsdp / "out"), _rows(fsdp / "resumed")
-    assert [r["step"] for r in resumed] == [r["step"] for r in plain]
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in plain]
+    exact = ("step", "loss", "z_loss", "num_tokens", "lr", "grad_norm", "samples", "eval_loss")
+    assert [[r[c] for c in exact] for r in resumed] == [[r[c] for c in exact] for r in plain]
     summary = json.loads((fsdp / "resumed" / "summary.json").read_text())
-    assert summary["resumed_at_step"] == 3
-    assert summary["eval_after"] == json.loads((fsdp / "out" / "summary.json").read_text())[
-        "eval_after"]
+    k = json.loads((fsdp / "stopped" / "summary.json").read_text())["stopped"]["step"]
+    assert summary["resumed_at_step"] == k and summary["stopped"] is None
+    plain_summary = json.loads((fsdp / "out" / "summary.json").read_text())
+    assert summary["eval_after"] == plain_summary["eval_after"]
+    assert summary["eval_before"] == plain_summary["eval_before"]
+    assert (fsdp / "resumed" / "checkpoints" / "latest").read_text() == f"step_{STEPS}"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_eval_only_reproduces_the_final_evaluation(fsdp):
+    assert _stopped(fsdp)[0] == 75, _stopped(fsdp)[1][-4000:]
+    report = json.loads((fsdp / "resumed" / f"eval_step{STEPS}.json").read_text())
+    final = json.loads((fsdp / "out" / "summary.json").read_text())["eval_after"]
+    assert report["step"] == STEPS
+    assert report["checkpoint"] == str(fsdp / "resumed" / "checkpoints" / f"step_{STEPS}")
+    assert report["eval"]["num_tokens"] == final["num_tokens"]
+    assert report["eval"]["loss"] == pytest.approx(final["loss"], rel=1e-6)
 
 
 @pytest.mark.slow

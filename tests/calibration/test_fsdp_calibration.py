@@ -7,9 +7,9 @@ steps of a global batch with uneven valid tokens per rank (an all-ignored row on
 last micro-batch); the loss of each step and every full parameter after the steps
 (``DTensor.full_tensor()``) equal a float64 single-process reference on the whole global batch
 (plain full logits, ``F.cross_entropy``; XTuner's token / sample / square definitions, each row
-one sample) within 1e-12 relative (``max(1, |reference|)``). Layouts: FSDP world 2 x GAS 1/2 x
-``reshard_after_forward`` True/False x the three reductions; FSDP world 4 and HSDP 2 x 2
-(``replicate x shard``) x GAS 1/2 x the three reductions, HSDP also with
+one sample) within 1e-12 relative (``max(1, |reference|)``). Layouts: FSDP world 2 and world 4
+x GAS 1/2 x ``reshard_after_forward`` True/False x the three reductions; HSDP 2 x 2
+(``replicate x shard``) x GAS 1/2 x the three reductions, also with
 ``set_requires_all_reduce(False)`` accumulation and ``set_gradient_divide_factor(2.0)``. A float32
 reduction (``MixedPrecisionPolicy(reduce_dtype=float32)``) is within 1e-6.
 
@@ -218,9 +218,11 @@ def _world4_worker(rank, world):
     out["hsdp-reduce-scatter"] = train(rank, world, mesh2, gas=2, reduction="sample",
                                        accumulation="reduce_scatter")
     out["hsdp-divide2"] = train(rank, world, mesh2, gas=2, reduction="square", divide_factor=2.0)
-    for reduction in REDUCTIONS:
-        out[("fsdp", world, False, 2, reduction)] = train(rank, world, mesh1, gas=2,
-                                                          reduction=reduction, reshard=False)
+    for reshard in (True, False):
+        for gas in (1, 2):
+            for reduction in REDUCTIONS:
+                out[("fsdp", world, reshard, gas, reduction)] = train(
+                    rank, world, mesh1, gas=gas, reduction=reduction, reshard=reshard)
     return out
 
 
@@ -275,7 +277,10 @@ def test_probe_fsdp_refusals(world2):
 
 
 def test_hsdp_2x2_and_fsdp_world4_equal_float64_reference(world4):
+    grid = {(reshard, gas, reduction) for reshard in (True, False) for gas in (1, 2)
+            for reduction in REDUCTIONS}
     for rank, res in enumerate(world4):
+        assert {k[2:] for k in res if isinstance(k, tuple) and k[0] == "fsdp"} == grid
         for key, r in res.items():
             _check_exact(r, (key, rank))
             want = 2.0 if key == "hsdp-divide2" else 4.0

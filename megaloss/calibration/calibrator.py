@@ -55,10 +55,12 @@ class StepCalibration:
 
     def __init__(self, loss_weights: LossWeights, local_labels: List[torch.Tensor],
                  topology: Topology, loss_multiplier: float, *,
-                 count_empty_samples: bool = False):
+                 count_empty_samples: bool = False,
+                 labels: Optional[List[torch.Tensor]] = None):
         self.loss_weights = loss_weights
         self.count_empty_samples = count_empty_samples
         self._labels = local_labels
+        self._full_labels = local_labels if labels is None else labels
         self._topology = topology
         self.loss_multiplier = float(loss_multiplier)
         self._logged: Optional[torch.Tensor] = None
@@ -79,6 +81,13 @@ class StepCalibration:
         (the labels as given when ``sp`` has size 1)."""
         self._check_index(i)
         return self._labels[i]
+
+    def full_labels(self, i: int) -> torch.Tensor:
+        """Labels of micro-batch ``i`` as given to :meth:`LossCalibrator.begin_step`: the
+        *whole* sequences, also when ``sp`` > 1 (what decides whether a sample has a valid token
+        on any SP rank)."""
+        self._check_index(i)
+        return self._full_labels[i]
 
     def loss_for_backward(self, local_weighted_sum: torch.Tensor) -> torch.Tensor:
         """The loss this rank backwards for one micro-batch.
@@ -215,7 +224,7 @@ class LossCalibrator:
         labels = [labels] if isinstance(labels, torch.Tensor) else list(labels)
         local = [self.sp_split(y, topo.sp_rank, topo.sp_size, self.ignore_index) for y in labels]
         return StepCalibration(lw, local, topo, self.engine_scale.loss_multiplier,
-                               count_empty_samples=self.count_empty_samples)
+                               count_empty_samples=self.count_empty_samples, labels=labels)
 
     def __repr__(self) -> str:
         return (f"LossCalibrator(loss_reduction={self.loss_reduction!r}, {self.topology!r}, "

@@ -42,19 +42,31 @@ def preference_weights(step: StepCalibration, i: int, *, convention: str = "glob
             ``1 / (T_i G dp)``); needs ``sp = 1``.
         ignore_index: the label of tokens outside the NLL term.
 
+    Under sequence parallelism (the step's topology has ``sp > 1``, the labels given to
+    ``begin_step`` the whole sequences) a row counts when it has a valid token on *any* SP rank
+    (read from :meth:`~megaloss.calibration.StepCalibration.full_labels`), and its weights are
+    on SP rank 0 alone (``pair_weights`` and ``nll_weight`` 0 on the others): the losses take
+    the pair terms and the NLL from sequence sums, which must then be the whole sequences'
+    (``sequence_log_probs(..., sp_group=...)``), so each pair and each NLL token counts once and
+    its gradient reaches every slice through that autograd all-reduce.
+
     Raises:
         ValueError: unknown ``convention``; ``"micro_batch"`` with sequence parallelism.
         IndexError: ``i`` out of range.
     """
     if convention not in WEIGHT_CONVENTIONS:
         raise ValueError(f"convention must be one of {WEIGHT_CONVENTIONS}, got {convention!r}")
+    topology = step._topology  # the step's own groups (StepCalibration keeps no public copy)
     labels = step.local_labels(i)
     valid = labels != ignore_index
-    rows = valid.reshape(labels.shape[0], -1).any(-1).to(torch.float64)
+    full = step.full_labels(i)
+    rows = (full != ignore_index).reshape(full.shape[0], -1).any(-1).to(torch.float64)
+    counted = 1.0
+    if topology.sp_size != 1 and topology.sp_rank != 0:
+        rows, counted = torch.zeros_like(rows), 0.0
     if convention == "global":
         pairs, tokens = step.num_samples, step.num_tokens
     else:
-        topology = step._topology  # the step's own groups (StepCalibration keeps no public copy)
         if topology.sp_size != 1:
             raise ValueError("convention='micro_batch' needs sp = 1 (a micro-batch's own mean "
                              "over an SP-split sequence would need a collective)")
@@ -65,7 +77,7 @@ def preference_weights(step: StepCalibration, i: int, *, convention: str = "glob
     pairs = torch.where(pairs > 0, pairs, one)
     tokens = torch.where(tokens > 0, tokens, one)
     dtype = step.weights(i).dtype
-    return PreferenceWeights((rows / pairs).to(dtype), (1.0 / tokens).to(dtype))
+    return PreferenceWeights((rows / pairs).to(dtype), (counted / tokens).to(dtype))
 
 
 def check_vector(name: str, x: torch.Tensor, n: Optional[int], first: str) -> int:

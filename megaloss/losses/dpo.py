@@ -55,7 +55,11 @@ depends on every other pair of the step, which no per-micro-batch weighting can 
 TRL takes the mean over each process's micro-batch; megaloss weights each pair by
 ``1 / N_pairs`` of the whole step (:func:`dpo_pair_weights`, from the calibrator's sample count:
 one all-reduce per step), so any DP x GAS split gives the single-device gradient. A pair counts
-when its chosen completion has at least one token (a padding row counts nothing).
+when its chosen completion has at least one token (a padding row counts nothing). Under
+DeepSpeed-Ulysses sequence parallelism each SP rank holds a slice of the tokens:
+``sequence_log_probs(..., sp_group=...)`` adds the slices' sums over the SP group (autograd
+all-reduce) and :func:`dpo_pair_weights` weights each pair on SP rank 0 only, so DP x SP x GAS
+gives the single-device loss and gradient too.
 
 Metrics (:func:`dpo_metrics`, TRL's names, means over the step's global pairs):
 ``rewards/chosen`` (``beta * r_c``), ``rewards/rejected``, ``rewards/accuracies``
@@ -71,7 +75,8 @@ import torch.nn.functional as F
 
 from ..calibration.calibrator import StepCalibration
 from ..ops.options import DPOOptions, resolve_options
-from ..parallel.groups import GroupLike
+from ..parallel.groups import SINGLE_RANK, GroupLike, group_size
+from ..parallel.mappings import all_reduce_sum_autograd
 from ._preference import check_weights, means, preference_weights, reduce_metrics
 
 __all__ = ["DPOOptions", "DPOOutput", "dpo_loss", "dpo_pair_weights", "dpo_metrics",
@@ -91,13 +96,32 @@ class DPOOutput(NamedTuple):
     stats: torch.Tensor
 
 
-def sequence_log_probs(log_probs: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+def sequence_log_probs(log_probs: torch.Tensor, completion_mask: torch.Tensor, *,
+                       sp_group: GroupLike = SINGLE_RANK, return_lengths: bool = False):
     """Each sequence's log-prob: ``[B, T]`` per-token log-probs summed over the completion
-    tokens (``completion_mask != 0``) -> ``[B]`` (differentiable; positions off the mask, even
-    non-finite ones, add nothing).
+    tokens (``completion_mask != 0``) -> ``[B]`` (differentiable, dtype of ``log_probs``;
+    positions off the mask, even non-finite ones, add nothing).
+
+    Args:
+        log_probs: ``[B, T]`` floating per-token log-probs (e.g.
+            ``megaloss.linear_log_probs(...).log_probs``).
+        completion_mask: ``[B, T]`` bool or 0/1.
+        sp_group: the sequence-parallel group (``Topology.sp_group``) when each of its ranks
+            holds a contiguous slice of the same sequences' tokens: the slice sums (and
+            lengths) are then added over the group by ONE autograd all-reduce
+            (:func:`megaloss.parallel.all_reduce_sum_autograd`, SUM forward and backward, as
+            :func:`megaloss.policy_loss` does for its sequence-level sums), so every rank holds
+            the whole sequences' values and the gradient of the sum of the ranks' losses
+            reaches each slice. Every rank of the group must call it. Default: no SP.
+        return_lengths: also return the ``[B]`` completion token counts (whole sequences under
+            SP), in ``log_probs``' dtype.
+
+    Returns:
+        ``[B]`` sums, or ``(sums, lengths)`` with ``return_lengths=True``.
 
     Raises:
         ValueError: shapes differ or are not ``[B, T]``.
+        TypeError: ``sp_group`` is not a group, None or SINGLE_RANK.
     """
     if not isinstance(log_probs, torch.Tensor) or log_probs.dim() != 2 \
             or not isinstance(completion_mask, torch.Tensor) \
@@ -106,12 +130,19 @@ def sequence_log_probs(log_probs: torch.Tensor, completion_mask: torch.Tensor) -
                          f"{getattr(log_probs, 'shape', None)} and "
                          f"{getattr(completion_mask, 'shape', None)}")
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
-    return torch.where(completion_mask != 0, log_probs, zero).sum(-1)
+    valid = completion_mask != 0
+    sums = torch.where(valid, log_probs, zero).sum(-1)
+    lengths = valid.sum(-1).to(log_probs.dtype)
+    if group_size(sp_group) > 1:
+        sums, lengths = all_reduce_sum_autograd(torch.stack([sums, lengths]), sp_group).unbind(0)
+        lengths = lengths.detach()
+    return (sums, lengths) if return_lengths else sums
 
 
 def dpo_pair_weights(step: StepCalibration, i: int, *, ignore_index: int = -100) -> torch.Tensor:
     """``[P]`` weights ``1 / N_pairs`` (global) of micro-batch ``i``'s pairs, 0 for pairs without
-    a chosen token (no collective).
+    a chosen token (no collective); under sequence parallelism nonzero on SP rank 0 only (each
+    pair counted once: :func:`megaloss.losses._preference.preference_weights`).
 
     Args:
         step: a :class:`~megaloss.calibration.LossCalibrator` step begun on the *chosen*

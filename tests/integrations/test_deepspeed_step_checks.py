@@ -2,7 +2,8 @@
 before the step's first collective, instead of the others waiting in it (the calibration's
 all-reduce, the engine's gradient reduction) for the rank that raised; a bad label that only the
 loss's forward finds on one DP rank, before the backward's gradient reduction. 2 gloo processes,
-tiny engines on CPU: ``train_step`` and ``policy_train_step`` / ``dpo_train_step`` at DP = 2 (the
+tiny engines on CPU: ``train_step`` and ``policy_train_step`` / ``dpo_train_step`` /
+``preference_train_step`` (KTO's KL rows given in part) at DP = 2 (the
 first group the flag travels over, ``dp x sp``), ``policy_train_step`` at TP = 2 (the second).
 
 Each bad case is followed by a good step on both ranks: its global loss must be the same on
@@ -94,7 +95,13 @@ def _worker(rank, world):
     import deepspeed
 
     from megaloss import PolicyLossOptions
-    from megaloss.integrations.deepspeed import dpo_train_step, policy_train_step, train_step
+    from megaloss.integrations.deepspeed import (
+        dpo_train_step,
+        policy_train_step,
+        preference_train_step,
+        train_step,
+    )
+    from megaloss.losses import KTOOptions
     deepspeed.init_distributed()
     out = {}
     policy = PolicyLossOptions(loss_type="grpo")
@@ -118,6 +125,9 @@ def _worker(rank, world):
     out["policy DP: completion_mask"] = _outcome(policy_train_step, me, bad, options=policy)
     bad = dict(good, ref_chosen_log_probs=torch.zeros(ROWS)) if rank == 1 else good
     out["dpo DP: ref_chosen_log_probs"] = _outcome(dpo_train_step, me, bad)
+    kto = dict(good, desirable=torch.tensor([True, False]), ref_log_probs=torch.zeros(ROWS))
+    bad = dict(kto, kl_input_ids=good["input_ids"]) if rank == 1 else kto
+    out["kto DP: KL keys"] = _outcome(preference_train_step, me, bad, options=KTOOptions())
     out["policy DP: good"] = _outcome(policy_train_step, me, good, options=policy)
     me.engine.destroy()
 
@@ -163,6 +173,8 @@ EXPECTED = {  # case: (exception type, what the message must name)
                                    "the shape of input_ids (2, 7), got (2, 6)"),
     "dpo DP: ref_chosen_log_probs": ("ValueError", "micro_batches[0]['ref_chosen_log_probs'] "
                                      "must have shape (1,), got (2,)"),
+    "kto DP: KL keys": ("ValueError", "micro_batches[0] has kl_input_ids but lacks "
+                        "kl_completion_mask, ref_kl_log_probs (KTO's KL rows need all three)"),
     "policy TP: advantages": ("ValueError", "micro_batches[0]['advantages'] must have shape "
                               "(2,) or (2, 7), got (1, 2)"),
 }

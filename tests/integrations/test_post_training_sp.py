@@ -1,7 +1,9 @@
 """The post-training losses under DeepSpeed-Ulysses sequence parallelism against one device on
 the global batch, float64: :func:`~megaloss.integrations.deepspeed.policy_train_step` (the
 GRPO family's token-level ``loss_type`` s, GSPO's sequence-level ratio, VESPO's summed
-log-ratio) and distillation in :func:`~megaloss.integrations.deepspeed.train_step` (a teacher
+log-ratio), :func:`~megaloss.integrations.deepspeed.dpo_train_step` (sequence log-prob sums
+and, for IPO, completion lengths added over the SP slices; each pair counted once) and
+distillation in :func:`~megaloss.integrations.deepspeed.train_step` (a teacher
 module of another head geometry than the student, and a stored top-k teacher), for DP x SP =
 2 x 1 and 1 x 2 (2 processes, one spawn) and 2 x 2 (4 processes), GAS 2, ZeRO-0.
 
@@ -10,11 +12,15 @@ A tiny Llama (sdpa) whose attention is DeepSpeed's ``UlyssesSPAttentionHF``
 SP = 2, so the slices are 5 + 4 tokens plus one padding place. The completion lengths are
 uneven over the SP slices: sequences whose completion lies wholly on SP rank 0 (empty on rank 1)
 or wholly on rank 1, one across the cut, a row without completion, and a micro-batch with no
-completion token on SP rank 1 at all. Old / reference log-probs are the reference's current
+completion token on SP rank 1 at all. DPO pairs rows p (chosen) and p + 4 (rejected): a pair
+wholly on SP rank 0 (a DP 2 x GAS 2 micro-batch without a token on SP rank 1), a chosen on
+rank 1 with its rejected on rank 0, a pair without chosen token (not counted), one across the
+cut. Old / reference log-probs are the reference's current
 ones plus noise, so the clipping bites.
 
 The reference: the same Llama on one process, plain causal attention over the whole rows, full
-logits (``log_softmax``), one :func:`megaloss.policy_loss` call on the whole global batch (or
+logits (``log_softmax``), one :func:`megaloss.policy_loss` / :func:`megaloss.dpo_loss` call on
+the whole global batch (or
 the distillation wrapper on the whole batch with the one-device calibration). Every step's
 logged loss and every parameter's gradient (read at the boundary, before the optimizer step,
 whose learning rate is 0) within 1e-12 (relative, Frobenius norm for the gradients).
@@ -60,6 +66,31 @@ def _cases():
     }
 
 
+ORPO_SECTION = {"beta": 0.3}  # the policy engine's ds_config "megaloss": {"orpo": {...}}
+
+
+def _dpo_cases():
+    """The preference losses of :func:`preference_train_step`; ``orpo (ds_config)`` trains with
+    ``options=None``: the ds_config's ``orpo`` section."""
+    from megaloss import DPOOptions
+    from megaloss.losses import CPOOptions, KTOOptions, ORPOOptions
+    return {"dpo sigmoid": DPOOptions(beta=0.1),
+            "dpo ipo": DPOOptions(loss_type="ipo", beta=0.1),
+            "orpo (ds_config)": ORPOOptions(**ORPO_SECTION),
+            "cpo": CPOOptions(loss_type="sigmoid", beta=0.2, label_smoothing=0.1,
+                              cpo_alpha=0.7),
+            "simpo": CPOOptions(loss_type="simpo", beta=2.0, simpo_gamma=0.4, cpo_alpha=0.0),
+            "kto": KTOOptions(beta=0.2, desirable_weight=1.3)}
+
+
+# KTO: every row one example, rows 0-4 desirable (row 2 has no completion: not counted); the KL
+# rows: other ids under the same mask
+KTO_DESIRABLE = torch.arange(ROWS) < 5
+
+
+PAIRS = ROWS // 2  # DPO: rows p (chosen) and p + PAIRS (rejected)
+
+
 def _config(heads=4, kv_heads=2, hidden=HIDDEN):
     from transformers import LlamaConfig
     return LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=32,
@@ -94,6 +125,11 @@ def _data():
         adv = torch.randn(ROWS, generator=g, dtype=torch.float64)
         noise = torch.randn(2, ROWS, SEQ, generator=g, dtype=torch.float64)
         cases[name] = (ids, adv, noise)
+    for name in _dpo_cases():
+        ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        noise = torch.randn(2, ROWS, generator=g, dtype=torch.float64)
+        kl_ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        cases[name] = (ids, kl_ids, noise)
     distill_ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
     return mask, cases, distill_ids
 
@@ -137,7 +173,61 @@ def _side(mask, cases):
             ids, _, noise = cases[name]
             lp = _full_log_probs(model, ids)[0]
             side[name] = (lp + 0.15 * noise[0], lp + 0.1 * noise[1])
+        for name in _dpo_cases():  # the reference's sequence sums: the policy's own plus noise
+            ids, kl_ids, noise = cases[name]
+            seq = _full_log_probs(model, ids)[0].masked_fill(mask == 0, 0.0).sum(-1)
+            kl_seq = _full_log_probs(model, kl_ids)[0].masked_fill(mask == 0, 0.0).sum(-1)
+            side[name] = (seq + 0.5 * noise[0], kl_seq - 0.3 * noise[1].abs())
     return side
+
+
+def _preference_reference(model, opts, mask, case, side):
+    """One preference case on one process, float64, the whole global batch: each pair (KTO:
+    example) with a chosen (KTO: any) completion token weighted 1 / their count, the NLL
+    tokens 1 / the chosen tokens, KTO's z0 the mean over the KL rows."""
+    from megaloss import SINGLE_RANK, DPOOptions, dpo_loss, dpo_metrics, sequence_log_probs
+    from megaloss.losses import (
+        CPOOptions,
+        ORPOOptions,
+        cpo_loss,
+        cpo_metrics,
+        kto_kl_baseline,
+        kto_loss,
+        kto_metrics,
+        orpo_loss,
+        orpo_metrics,
+    )
+    ids, kl_ids, _ = case
+    ref, ref_kl = side
+    model.zero_grad()
+    seq, n = sequence_log_probs(_full_log_probs(model, ids)[0], mask, return_lengths=True)
+    if not isinstance(opts, (DPOOptions, CPOOptions, ORPOOptions)):  # KTO
+        counted = mask.any(-1)
+        with torch.no_grad():
+            kl_seq = sequence_log_probs(_full_log_probs(model, kl_ids)[0], mask)
+        z0 = kto_kl_baseline(kl_seq, ref_kl, kl_lengths=mask.sum(-1), group=SINGLE_RANK)
+        res = kto_loss(seq, ref, KTO_DESIRABLE, kl=z0,
+                       sample_weights=counted.double() / counted.sum(), options=opts,
+                       return_stats=True)
+        metrics, tokens = kto_metrics(res.stats, group=SINGLE_RANK), mask.sum()
+    else:
+        counted = mask[:PAIRS].any(-1)
+        pair = dict(chosen_lengths=n[:PAIRS], rejected_lengths=n[PAIRS:],
+                    pair_weights=counted.double() / counted.sum(), options=opts,
+                    return_stats=True)
+        c, r, tokens = seq[:PAIRS], seq[PAIRS:], mask[:PAIRS].sum()
+        if isinstance(opts, DPOOptions):
+            res = dpo_loss(c, r, ref[:PAIRS], ref[PAIRS:], **pair)
+            metrics = dpo_metrics(res.stats, group=SINGLE_RANK)
+        elif isinstance(opts, CPOOptions):
+            res = cpo_loss(c, r, nll_weight=1.0 / float(tokens), **pair)
+            metrics = cpo_metrics(res.stats, group=SINGLE_RANK)
+        else:
+            res = orpo_loss(c, r, nll_weight=1.0 / float(tokens), **pair)
+            metrics = orpo_metrics(res.stats, group=SINGLE_RANK)
+    res.loss.backward()
+    counts = {"num_tokens": float(tokens), "num_sequences": float(counted.sum())}
+    return float(res.loss.detach()), _grads(model, wrapped=False), {**metrics, **counts}
 
 
 def _reference(mask, cases, distill_ids):
@@ -158,6 +248,8 @@ def _reference(mask, cases, distill_ids):
                   "num_sequences": float(ROWS if opts.count_empty_rows else mask.any(-1).sum())}
         out[name] = (float(res.loss.detach()), _grads(model, wrapped=False),
                      {**policy_metrics(res.stats, opts, group=SINGLE_RANK), **counts})
+    for name, opts in _dpo_cases().items():
+        out[name] = _preference_reference(model, opts, mask, cases[name], side[name])
     labels = _distill_labels(distill_ids, mask)
     for name, topk in (("distill teacher", False), ("distill top-k", True)):
         wrapper = CausalLMWithDistillation(_student(), None if topk else _teacher(),
@@ -192,11 +284,11 @@ def _capture_boundary_grads(engine, into):
     engine.step = step
 
 
-def _ds_config(micro, sp):
+def _ds_config(micro, sp, **sections):
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": GAS,
             "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
             "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 0},
-            "megaloss": {"sequence_parallel_size": sp}}
+            "megaloss": {"sequence_parallel_size": sp, **sections}}
 
 
 def _micro_batches(topo, micro, **tensors):
@@ -206,12 +298,38 @@ def _micro_batches(topo, micro, **tensors):
             for i in range(GAS)]
 
 
+def _preference_micro_batches(topo, opts, mask, case, side):
+    """This DP rank's GAS micro-batches of a preference case: pairs of piece j = i * dp +
+    dp_rank, their chosen rows then their rejected rows (KTO: rows of piece j, with their KL
+    rows)."""
+    from megaloss import DPOOptions
+    from megaloss.losses import KTOOptions
+    ids, kl_ids, _ = case
+    ref, ref_kl = side
+    if isinstance(opts, KTOOptions):
+        return _micro_batches(topo, ROWS // (GAS * topo.dp_size), input_ids=ids,
+                              completion_mask=mask, desirable=KTO_DESIRABLE, ref_log_probs=ref,
+                              kl_input_ids=kl_ids, kl_completion_mask=mask,
+                              ref_kl_log_probs=ref_kl)
+    mbs, pairs = [], PAIRS // (GAS * topo.dp_size)
+    for i in range(GAS):
+        j = i * topo.dp_size + topo.dp_rank
+        c = torch.arange(j * pairs, (j + 1) * pairs)
+        rows = torch.cat([c, c + PAIRS])
+        mb = {"input_ids": ids[rows], "completion_mask": mask[rows]}
+        if isinstance(opts, DPOOptions):
+            mb.update(ref_chosen_log_probs=ref[c], ref_rejected_log_probs=ref[c + PAIRS])
+        mbs.append(mb)
+    return mbs
+
+
 def _train(sp, mask, cases, distill_ids, side):
-    from megaloss import LogProbsOptions, Topology
+    from megaloss import DPOOptions, LogProbsOptions, Topology
     from megaloss.integrations.deepspeed import (
         dpo_train_step,
         initialize,
         policy_train_step,
+        preference_train_step,
         train_step,
     )
     from megaloss.integrations.hf import CausalLMWithDistillation, CausalLMWithLogProbs
@@ -223,7 +341,7 @@ def _train(sp, mask, cases, distill_ids, side):
     policy = CausalLMWithLogProbs(_student(), options=LogProbsOptions(
         return_entropy=True, chunk_size=5, accum_dtype=torch.float64))
     restore = enable_ulysses_attention(policy.model, topo, micro_batch_size=micro)
-    me = initialize(policy, _ds_config(micro, sp), topology=topo,
+    me = initialize(policy, _ds_config(micro, sp, orpo=ORPO_SECTION), topology=topo,
                     optimizer=torch.optim.SGD(policy.parameters(), lr=0.0))
     _capture_boundary_grads(me.engine, grads)
     for name, opts in _cases().items():
@@ -234,12 +352,15 @@ def _train(sp, mask, cases, distill_ids, side):
         m = policy_train_step(me, mbs, options=opts, log=False)
         out[name] = (m.loss, dict(grads), {**m.metrics, "num_tokens": m.num_tokens,
                                            "num_sequences": m.num_sequences})
-    if sp > 1:  # DPO's sequence log-probs stay refused under SP
-        pairs = [{"input_ids": ids[:2], "completion_mask": mask[:2],
-                  "ref_chosen_log_probs": adv[:1], "ref_rejected_log_probs": adv[:1]}] * GAS
-        with pytest.raises(ValueError, match="dpo_train_step does not support sequence "
-                                             "parallelism"):
-            dpo_train_step(me, pairs, log=False)
+    for name, opts in _dpo_cases().items():
+        mbs = _preference_micro_batches(topo, opts, mask, cases[name], side[name])
+        if isinstance(opts, DPOOptions):
+            m = dpo_train_step(me, mbs, options=opts, log=False)
+        else:  # ORPO from the ds_config's section
+            m = preference_train_step(me, mbs, options=None if name.startswith("orpo") else opts,
+                                      log=False)
+        out[name] = (m.loss, dict(grads), {**m.metrics, "num_tokens": m.num_tokens,
+                                           "num_sequences": m.num_sequences})
     me.engine.destroy()
     restore()
     labels = _distill_labels(distill_ids, mask)

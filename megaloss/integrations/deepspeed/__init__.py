@@ -10,7 +10,8 @@ gradient factor, the engine set-up, the calibrated training step and metrics thr
 - :mod:`.engine`: :func:`initialize` -> :class:`MegalossEngine` (engine + calibrator).
 - :mod:`.train_step`: :func:`train_step` and :func:`evaluate`.
 - :mod:`.policy_step`: :func:`policy_train_step` (GRPO family, CISPO) and
-  :func:`dpo_train_step` (DPO / IPO), calibrated over the global batch.
+  :func:`dpo_train_step` (DPO / IPO), :func:`preference_train_step` (DPO, CPO, SimPO, ORPO,
+  KTO by the options' type), calibrated over the global batch.
 - :mod:`.step_checks`: the steps' micro-batch checks, agreed on by every rank before the first
   collective (one error everywhere, no rank left waiting).
 - :mod:`.monitor`: :func:`write_metrics` (every event at the engine's global sample count, the
@@ -52,7 +53,12 @@ from .monitor import (
     write_metrics,
 )
 from .mpu import DeepSpeedMPU
-from .policy_step import PolicyStepMetrics, dpo_train_step, policy_train_step
+from .policy_step import (
+    PolicyStepMetrics,
+    dpo_train_step,
+    policy_train_step,
+    preference_train_step,
+)
 from .probe import probe_deepspeed
 from .train_step import EvalResult, StepMetrics, evaluate, peak_memory_mib, train_step
 
@@ -65,7 +71,7 @@ __all__ = [
     "check_top_level_keys",
     "monitor_step", "continue_monitors", "close_monitors", "save_checkpoint", "load_checkpoint",
     "resolve_checkpoint", "keep_wandb_cache_in_run_dir", "PolicyConfig", "DPOConfig",
-    "policy_train_step", "dpo_train_step", "PolicyStepMetrics",
+    "policy_train_step", "dpo_train_step", "preference_train_step", "PolicyStepMetrics",
     "autotp_lm_head", "autotp_topology", "autotp_vocab_parallel_options", "autotp_causal_lm_loss",
     "AutoTPCausalLMWithLoss",
 ]

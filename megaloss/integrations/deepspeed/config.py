@@ -53,6 +53,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ...losses.kto import KTOOptions
+from ...losses.orpo import ORPOOptions
+from ...losses.simpo import CPOOptions
 from ...ops.options import (
     DPO_LOSS_TYPES,
     CrossEntropyOptions,
@@ -62,7 +65,8 @@ from ...ops.options import (
     PolicyLossOptions,
 )
 
-__all__ = ["CEConfig", "MNRConfig", "PolicyConfig", "DPOConfig", "DistillationConfig",
+__all__ = ["CEConfig", "MNRConfig", "PolicyConfig", "DPOConfig", "CPOConfig", "SimPOConfig",
+           "ORPOConfig", "KTOConfig", "PREFERENCE_SECTIONS", "DistillationConfig",
            "MegalossConfig",
            "load_megaloss_config", "SECTION", "DEEPSPEED_TOP_LEVEL_KEYS", "check_top_level_keys"]
 
@@ -263,7 +267,7 @@ class _CheckedWhole(_OptionsSection):
     @model_validator(mode="after")
     def _validated_whole(self) -> "_CheckedWhole":
         try:
-            self._options_cls(**self._option_fields())
+            self.options()
         except (ValueError, TypeError) as err:
             raise PydanticCustomError("megaloss_option", str(err)) from None
         return self
@@ -337,6 +341,101 @@ DPOConfig = create_model(
     **_config_fields(DPOOptions))
 
 
+class _CPOSection(_CheckedWhole):
+    _options_cls: ClassVar[type] = CPOOptions
+
+    def options(self) -> CPOOptions:
+        """The :class:`~megaloss.losses.CPOOptions` of the loss."""
+        return CPOOptions(**self._option_fields())
+
+
+CPOConfig = create_model(
+    "CPOConfig", __base__=_CPOSection, __module__=__name__,
+    __doc__="""Options of CPO (:func:`megaloss.losses.cpo_loss`, Xu et al. 2024,
+    arXiv:2401.08417; trained by
+    :func:`megaloss.integrations.deepspeed.preference_train_step`).
+
+    Fields: every field of :class:`~megaloss.losses.CPOOptions` (``loss_type``, one of
+    ``"sigmoid"`` / ``"hinge"`` / ``"ipo"`` / ``"simpo"``, ``beta``, ``label_smoothing``,
+    ``cpo_alpha``, ``simpo_gamma``; TRL 1.16's ``CPOConfig`` names and defaults, validated by
+    the dataclass, key by key and then together).
+
+    :meth:`options` gives the :class:`~megaloss.losses.CPOOptions`.
+    """,
+    **_config_fields(CPOOptions))
+
+
+class _SimPOSection(_CheckedWhole):
+    _options_cls: ClassVar[type] = CPOOptions
+
+    def options(self) -> CPOOptions:
+        """The :class:`~megaloss.losses.CPOOptions` of the loss (``loss_type="simpo"``)."""
+        return CPOOptions(loss_type="simpo", **self._option_fields())
+
+
+SimPOConfig = create_model(
+    "SimPOConfig", __base__=_SimPOSection, __module__=__name__,
+    __doc__="""Options of SimPO (:func:`megaloss.losses.simpo_loss`, Meng et al. 2024,
+    arXiv:2405.14734: :func:`megaloss.losses.cpo_loss` with ``loss_type="simpo"``; trained by
+    :func:`megaloss.integrations.deepspeed.preference_train_step`).
+
+    Fields: the fields of :class:`~megaloss.losses.CPOOptions` but ``loss_type`` (``beta``,
+    ``label_smoothing``, ``simpo_gamma``, and ``cpo_alpha`` defaulting to 0 as in
+    :func:`~megaloss.losses.simpo_loss`: pure SimPO, no NLL term; > 0 is CPO-SimPO).
+
+    :meth:`options` gives the :class:`~megaloss.losses.CPOOptions`.
+    """,
+    **{**_config_fields(CPOOptions, skip=("loss_type",)), "cpo_alpha": (float, 0.0)})
+
+
+class _ORPOSection(_CheckedWhole):
+    _options_cls: ClassVar[type] = ORPOOptions
+
+    def options(self) -> ORPOOptions:
+        """The :class:`~megaloss.losses.ORPOOptions` of the loss."""
+        return ORPOOptions(**self._option_fields())
+
+
+ORPOConfig = create_model(
+    "ORPOConfig", __base__=_ORPOSection, __module__=__name__,
+    __doc__="""Options of ORPO (:func:`megaloss.losses.orpo_loss`, Hong et al. 2024,
+    arXiv:2403.07691; trained by
+    :func:`megaloss.integrations.deepspeed.preference_train_step`).
+
+    Fields: every field of :class:`~megaloss.losses.ORPOOptions` (``beta``, the paper's
+    ``lambda``; validated by the dataclass).
+
+    :meth:`options` gives the :class:`~megaloss.losses.ORPOOptions`.
+    """,
+    **_config_fields(ORPOOptions))
+
+
+class _KTOSection(_CheckedWhole):
+    _options_cls: ClassVar[type] = KTOOptions
+
+    def options(self) -> KTOOptions:
+        """The :class:`~megaloss.losses.KTOOptions` of the loss."""
+        return KTOOptions(**self._option_fields())
+
+
+KTOConfig = create_model(
+    "KTOConfig", __base__=_KTOSection, __module__=__name__,
+    __doc__="""Options of KTO (:func:`megaloss.losses.kto_loss`, Ethayarajh et al. 2024,
+    arXiv:2402.01306; trained by
+    :func:`megaloss.integrations.deepspeed.preference_train_step`).
+
+    Fields: every field of :class:`~megaloss.losses.KTOOptions` (``loss_type``, ``"kto"`` or
+    ``"apo_zero_unpaired"``, ``beta``, ``desirable_weight``, ``undesirable_weight``; TRL 1.16's
+    ``KTOConfig`` names and defaults, validated by the dataclass).
+
+    :meth:`options` gives the :class:`~megaloss.losses.KTOOptions`.
+    """,
+    **_config_fields(KTOOptions))
+
+# the preference sections, each trained by preference_train_step (at most one in a ds_config)
+PREFERENCE_SECTIONS = ("dpo", "cpo", "simpo", "orpo", "kto")
+
+
 class _DistillationSection(_OptionsSection):
     _options_cls: ClassVar[type] = DistillationOptions
 
@@ -386,6 +485,11 @@ class MegalossConfig(_Strict):
         mnr: :class:`MNRConfig`.
         policy: :class:`PolicyConfig` (the policy-gradient losses).
         dpo: :class:`DPOConfig` (DPO, IPO and TRL's other pairwise loss types).
+        cpo, simpo, orpo, kto: :class:`CPOConfig`, :class:`SimPOConfig`, :class:`ORPOConfig`,
+            :class:`KTOConfig`: the other preference losses. At most one of the preference
+            sections (:data:`PREFERENCE_SECTIONS`) may be given: it is the loss
+            :func:`~megaloss.integrations.deepspeed.preference_train_step` trains by default
+            (:meth:`preference_options`).
         distillation: :class:`DistillationConfig`, or ``None`` (default): the causal-LM loss
             is the cross-entropy. Given, the loss is the distillation loss and ``ce`` must not
             be given (refused: its keys would be ignored).
@@ -398,7 +502,26 @@ class MegalossConfig(_Strict):
     mnr: MNRConfig = Field(default_factory=MNRConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    cpo: CPOConfig = Field(default_factory=CPOConfig)
+    simpo: SimPOConfig = Field(default_factory=SimPOConfig)
+    orpo: ORPOConfig = Field(default_factory=ORPOConfig)
+    kto: KTOConfig = Field(default_factory=KTOConfig)
     distillation: Optional[DistillationConfig] = None
+
+    @model_validator(mode="after")
+    def _one_preference_loss(self) -> "MegalossConfig":
+        given = [name for name in PREFERENCE_SECTIONS if name in self.model_fields_set]
+        if len(given) > 1:
+            raise ValueError(f"give at most one preference section of {PREFERENCE_SECTIONS}, "
+                             f"got {given}: preference_train_step trains one loss")
+        return self
+
+    def preference_options(self) -> Any:
+        """The options of the preference section given (:data:`PREFERENCE_SECTIONS`), the
+        ``dpo`` section's (DPO's defaults) when none is: a ``DPOOptions``, ``CPOOptions``
+        (``cpo`` and ``simpo``), ``ORPOOptions`` or ``KTOOptions``."""
+        given = [name for name in PREFERENCE_SECTIONS if name in self.model_fields_set]
+        return getattr(self, given[0] if given else "dpo").options()
 
     @model_validator(mode="after")
     def _one_causal_lm_loss(self) -> "MegalossConfig":
@@ -552,7 +675,8 @@ def _check_autotp(ds_config: Mapping[str, Any], tp_section: Mapping[str, Any], a
             f"{where} with ZeRO-3: DeepSpeed accepts it, but ZeRO-3 gathers the lm_head's shard "
             "only inside the head's own forward, which megaloss's loss does not call (it reads "
             "the weight from the hidden states' side, without logits); use ZeRO 0, 1 or 2")
-    others = [name for name in ("distillation", "policy", "dpo") if name in ml.model_fields_set]
+    others = [name for name in ("distillation", "policy") + PREFERENCE_SECTIONS
+              if name in ml.model_fields_set]
     if others:
         raise ValueError(
             f"{where} with {SECTION}.{others[0]}: under AutoTP megaloss trains the causal-LM "

@@ -17,21 +17,24 @@ forward, ``engine.backward(step.loss_for_backward(loss))`` (undoing the engine's
 names) are reduced (two all-reduces) and written through ``engine.monitor`` like the CE series
 (``Train/megaloss/<name>``). The result equals one device's step on the global batch for every
 ``loss_type``, ZeRO stage, DP x GAS and TP (tested in
-``tests/integrations/test_deepspeed_policy.py``), and, for :func:`policy_train_step`, DP x SP
-under DeepSpeed-Ulysses (``tests/integrations/test_post_training_sp.py``).
+``tests/integrations/test_deepspeed_policy.py``), and DP x SP under DeepSpeed-Ulysses
+(``tests/integrations/test_post_training_sp.py``).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ...calibration import LossCalibrator
 from ...calibration.weights import split_for_sequence_parallel
-from ...losses.dpo import dpo_loss, dpo_metrics, dpo_pair_weights, sequence_log_probs
+from ...losses._preference import preference_weights
+from ...losses.dpo import dpo_loss, dpo_metrics, sequence_log_probs
+from ...losses.kto import KTOOptions, kto_kl_baseline, kto_loss, kto_metrics
+from ...losses.orpo import ORPOOptions, orpo_loss, orpo_metrics
 from ...losses.policy import (
     completion_labels,
     policy_calibrator,
@@ -39,6 +42,7 @@ from ...losses.policy import (
     policy_loss_weights,
     policy_metrics,
 )
+from ...losses.simpo import CPOOptions, cpo_loss, cpo_metrics
 from ...ops.labels import causal_shift
 from ...ops.options import DPOOptions, PolicyLossOptions
 from .engine import MegalossEngine
@@ -47,12 +51,16 @@ from .step_checks import (
     agreed_checks,
     agreed_forward,
     check_count,
-    check_dpo_micro_batch,
     check_policy_micro_batch,
+    check_preference_micro_batch,
 )
 from .train_step import batch_to_device, peak_memory_mib, reduced_grad_norm
 
-__all__ = ["PolicyStepMetrics", "policy_train_step", "dpo_train_step"]
+__all__ = ["PolicyStepMetrics", "policy_train_step", "dpo_train_step", "preference_train_step",
+           "PreferenceOptions"]
+
+# the options classes preference_train_step dispatches on
+PreferenceOptions = Union[DPOOptions, CPOOptions, ORPOOptions, KTOOptions]
 
 
 @dataclass
@@ -86,19 +94,15 @@ class PolicyStepMetrics:
 
 
 def _check_micro_batches(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]],
-                         keys: Sequence[str], check_one: Callable[[int, Mapping[str, Any]], None],
-                         *, sequence_parallel: bool = False) -> int:
+                         keys: Sequence[str], check_one: Callable[[int, Mapping[str, Any]], None]
+                         ) -> int:
     """The step's micro-batch checks, agreed on by every rank before its first collective
-    (:mod:`.step_checks`: the same error everywhere, naming the failed ranks).
-    ``sequence_parallel``: whether the step supports ``sp > 1``."""
+    (:mod:`.step_checks`: the same error everywhere, naming the failed ranks)."""
     gas = int(me.engine.gradient_accumulation_steps())
     sp = me.topology.sp_size
 
     def checks() -> None:
         check_count(micro_batches, gas)
-        if sp != 1 and not sequence_parallel:
-            raise ValueError("dpo_train_step does not support sequence parallelism "
-                             f"(sp={sp}): its sequence log-probs would span SP ranks")
         for i, mb in enumerate(micro_batches):
             missing = [k for k in keys if mb.get(k) is None]
             if missing:
@@ -222,8 +226,7 @@ def policy_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, A
     if not isinstance(opts, PolicyLossOptions):
         raise TypeError(f"options must be a PolicyLossOptions, got {type(opts).__name__}")
     gas = _check_micro_batches(me, micro_batches, ("input_ids", "completion_mask", "advantages"),
-                               partial(check_policy_micro_batch, beta=opts.beta),
-                               sequence_parallel=True)
+                               partial(check_policy_micro_batch, beta=opts.beta))
     t0 = time.perf_counter()
     engine = me.engine
     mbs = [batch_to_device(mb, engine.device) for mb in micro_batches]
@@ -252,7 +255,8 @@ def policy_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, A
 
 def dpo_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]], *,
                    options: Optional[DPOOptions] = None, log: bool = True) -> PolicyStepMetrics:
-    """One calibrated optimizer step of :func:`megaloss.dpo_loss`.
+    """One calibrated optimizer step of :func:`megaloss.dpo_loss`:
+    :func:`preference_train_step` with DPO options only.
 
     Args:
         me: from :func:`~.engine.initialize` (its module follows this module's contract).
@@ -260,52 +264,166 @@ def dpo_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]
             ``P`` chosen rows, then their ``P`` rejected rows: TRL's layout),
             ``completion_mask [2P, T]`` (aligned with the shifted targets),
             ``ref_chosen_log_probs [P]`` and ``ref_rejected_log_probs [P]`` (sequence sums
-            under the reference); optional ``attention_mask``, ``position_ids``.
-        options: default ``me.config.dpo.options()``.
+            under the reference, whole sequences); optional ``attention_mask``,
+            ``position_ids``. Under sequence parallelism (``sp > 1``, the module's attention
+            routed through :func:`megaloss.integrations.hf.ulysses.enable_ulysses_attention`)
+            every SP rank of a DP rank passes the same *full* micro-batches, as for
+            :func:`policy_train_step`: each forwards its contiguous slice of the tokens, the
+            sequence log-probs and completion lengths are the slices' sums added over the SP
+            group (``sequence_log_probs(..., sp_group=...)``: one autograd all-reduce per
+            micro-batch), and each pair counts once (its weight on SP rank 0,
+            :func:`megaloss.dpo_pair_weights`); a slice may hold no completion token. An
+            ``attention_mask`` must then be all ones (right padding).
+        options: default ``me.config.dpo.options()`` (the ds_config's
+            ``"megaloss": {"dpo": {...}}``).
         log: write the loss and metrics through ``engine.monitor``.
 
     Returns:
         :class:`PolicyStepMetrics` (``metrics``: ``rewards/*``, ``logps/*``;
-        ``num_sequences``: global pairs).
+        ``num_tokens``: global chosen completion tokens; ``num_sequences``: global pairs with a
+        chosen completion token).
 
     Raises:
         ValueError / TypeError: as :func:`policy_train_step`; an odd number of rows; reference
-            log-probs not floating ``[P]`` (agreed on by every rank likewise); sequence
-            parallelism (``sp > 1``: a pair's sequence log-probs would span SP ranks).
+            log-probs not floating ``[P]`` (agreed on by every rank likewise); ``options`` not
+            a ``DPOOptions`` (TypeError).
     """
     opts = me.config.dpo.options() if options is None else options
     if not isinstance(opts, DPOOptions):
         raise TypeError(f"options must be a DPOOptions, got {type(opts).__name__}")
-    gas = _check_micro_batches(me, micro_batches, ("input_ids", "completion_mask",
-                                                   "ref_chosen_log_probs",
-                                                   "ref_rejected_log_probs"),
-                               check_dpo_micro_batch)
+    return preference_train_step(me, micro_batches, options=opts, log=log)
+
+
+_PREFERENCE_OPTIONS = ((DPOOptions, "dpo"), (CPOOptions, "cpo"), (ORPOOptions, "orpo"),
+                       (KTOOptions, "kto"))
+_PREFERENCE_KEYS = {"dpo": ("input_ids", "completion_mask", "ref_chosen_log_probs",
+                            "ref_rejected_log_probs"),
+                    "cpo": ("input_ids", "completion_mask"),
+                    "orpo": ("input_ids", "completion_mask"),
+                    "kto": ("input_ids", "completion_mask", "desirable", "ref_log_probs")}
+_PREFERENCE_METRICS = {"dpo": dpo_metrics, "cpo": cpo_metrics, "orpo": orpo_metrics,
+                       "kto": kto_metrics}
+
+
+def _kto_baseline(me: MegalossEngine, mbs: Sequence[Mapping[str, Any]], ignore: int):
+    """KTO's ``z0`` of the step (:func:`megaloss.losses.kto_kl_baseline`): the KL rows'
+    sequence log-probs under the policy (``no_grad``, SP slices added over the SP group) against
+    ``ref_kl_log_probs``; ``None`` when the micro-batches carry no KL rows."""
+    if mbs[0].get("kl_input_ids") is None:
+        return None
+    pol, lengths = [], []
+    with torch.no_grad():
+        for full in mbs:
+            rows = {"input_ids": full["kl_input_ids"],
+                    "completion_mask": full["kl_completion_mask"]}
+            mb, labels = _sp_slices(me, rows, _targets(rows, ignore))
+            log_probs, _ = _forward(me, mb, labels)
+            seq, n = sequence_log_probs(log_probs, mb["completion_mask"],
+                                        sp_group=me.topology.sp_group, return_lengths=True)
+            pol.append(seq)
+            lengths.append(n)
+    return kto_kl_baseline(pol, [mb["ref_kl_log_probs"] for mb in mbs], kl_lengths=lengths,
+                           group=me.topology.dp_sp_group)
+
+
+def preference_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]], *,
+                          options: Optional[PreferenceOptions] = None,
+                          log: bool = True) -> PolicyStepMetrics:
+    """One calibrated optimizer step of a preference loss on sequence log-probs, chosen by the
+    type of ``options``: :class:`~megaloss.DPOOptions` -> :func:`megaloss.dpo_loss` (DPO, IPO
+    and TRL's other pairwise types), :class:`~megaloss.losses.CPOOptions` ->
+    :func:`megaloss.losses.cpo_loss` (CPO, and SimPO with ``loss_type="simpo"``),
+    :class:`~megaloss.losses.ORPOOptions` -> :func:`megaloss.losses.orpo_loss`,
+    :class:`~megaloss.losses.KTOOptions` -> :func:`megaloss.losses.kto_loss` (the math and its
+    sources in those functions' modules: arXiv:2305.18290, 2401.08417, 2405.14734,
+    2403.07691, 2402.01306).
+
+    The step: the micro-batch checks agreed on by every rank; ONE all-reduce calibrating the
+    step on the chosen completions' labels (KTO: every row's), whose counts give each pair
+    ``1 / N_pairs`` and each NLL token ``1 / N_tokens`` of the whole step
+    (:func:`megaloss.losses.preference_weights`); for KTO with KL rows, their forward under
+    ``no_grad`` and one more all-reduce (the step's ``z0``,
+    :func:`megaloss.losses.kto_kl_baseline`); per micro-batch forward, loss,
+    ``engine.backward(step.loss_for_backward(loss))``,
+    ``engine.step()``; the metrics (TRL's names) reduced and written through
+    ``engine.monitor``. The result equals one device's step on the global batch for any
+    DP x GAS x SP split (``tests/integrations/test_post_training_sp.py``).
+
+    Args:
+        me: from :func:`~.engine.initialize` (its module follows this module's contract).
+        micro_batches: ``gradient_accumulation_steps`` dicts. DPO: as
+            :func:`dpo_train_step`. CPO / SimPO / ORPO: ``input_ids [2P, T]`` (chosen rows,
+            then rejected) and ``completion_mask [2P, T]`` (no reference; the NLL term is on
+            the chosen completions' tokens). KTO: ``input_ids [B, T]`` (one example a row),
+            ``completion_mask [B, T]``, ``desirable [B]`` (bool or 0 / 1), ``ref_log_probs
+            [B]`` (the reference's sequence sums), and optionally the KL rows
+            ``kl_input_ids [K, T']``, ``kl_completion_mask [K, T']`` (mismatched prompt /
+            completion pairs, TRL's ``KL_completion``) with ``ref_kl_log_probs [K]``; without
+            them ``z0 = 0`` (TRL's ``calculate_kl=False``). Optional ``attention_mask``,
+            ``position_ids``; under sequence parallelism as :func:`dpo_train_step` (full
+            micro-batches on every SP rank, slices forwarded, sequence sums added over the SP
+            group, each pair or example counted once).
+        options: one of the four options classes; default
+            ``me.config.preference_options()``: the preference section the ds_config gives
+            (``"megaloss": {"dpo" | "cpo" | "simpo" | "orpo" | "kto": {...}}``, at most one),
+            DPO's defaults when it gives none.
+        log: write the loss and metrics through ``engine.monitor``.
+
+    Returns:
+        :class:`PolicyStepMetrics`: ``metrics`` the loss's (:func:`megaloss.dpo_metrics`,
+        ``cpo_metrics``, ``orpo_metrics``, ``kto_metrics``); ``num_sequences`` the global pairs
+        with a chosen completion token (KTO: examples with a completion token);
+        ``num_tokens`` their chosen (KTO: all) completion tokens.
+
+    Raises:
+        TypeError: ``options`` of none of the four classes; non-integer ids, non-floating
+            reference log-probs (agreed on by every rank).
+        ValueError: a wrong number of micro-batches, a missing key, an odd number of rows for
+            a paired loss, shapes that do not match ``input_ids``, KTO's KL keys given in part,
+            an ``attention_mask`` with zeros under sequence parallelism (agreed on by every
+            rank: the same error everywhere, naming the failed ranks).
+    """
+    opts = me.config.preference_options() if options is None else options
+    kind = next((name for cls, name in _PREFERENCE_OPTIONS if isinstance(opts, cls)), None)
+    if kind is None:
+        raise TypeError("options must be a DPOOptions, CPOOptions, ORPOOptions or KTOOptions, "
+                        f"got {type(opts).__name__}")
+    gas = _check_micro_batches(me, micro_batches, _PREFERENCE_KEYS[kind],
+                               partial(check_preference_micro_batch, loss=kind))
     t0 = time.perf_counter()
     engine = me.engine
     mbs = [batch_to_device(mb, engine.device) for mb in micro_batches]
     ignore = me.calibrator.ignore_index
     calib = LossCalibrator(me.topology, loss_reduction="sample", engine_scale=me.engine_scale,
                            ignore_index=ignore, weight_dtype=me.calibrator.weight_dtype)
-    chosen = [completion_labels(mb["completion_mask"][: mb["input_ids"].shape[0] // 2], ignore)
-              for mb in mbs]
-    step = calib.begin_step(chosen)
+    rows = [mb["completion_mask"] if kind == "kto"
+            else mb["completion_mask"][: mb["input_ids"].shape[0] // 2] for mb in mbs]
+    step = calib.begin_step([completion_labels(m, ignore) for m in rows])
+    z0 = _kto_baseline(me, mbs, ignore) if kind == "kto" else None
     stats, own_norm = [], None
-    for i, mb in enumerate(mbs):
-        labels = _targets(mb, ignore)
+    for i, full in enumerate(mbs):
+        mb, labels = _sp_slices(me, full, _targets(full, ignore))
         log_probs, _ = _forward(me, mb, labels)
-        mask = mb["completion_mask"]
+        seq, lengths = sequence_log_probs(log_probs, mb["completion_mask"],
+                                          sp_group=me.topology.sp_group, return_lengths=True)
+        w = preference_weights(step, i, ignore_index=ignore)
         p = labels.shape[0] // 2
-        seq = sequence_log_probs(log_probs, mask)
-        lengths = (mask != 0).sum(-1)
-        out = dpo_loss(seq[:p], seq[p:], mb["ref_chosen_log_probs"],
-                       mb["ref_rejected_log_probs"], chosen_lengths=lengths[:p],
-                       rejected_lengths=lengths[p:],
-                       pair_weights=dpo_pair_weights(step, i, ignore_index=ignore), options=opts,
-                       return_stats=True)
+        pair = dict(chosen_lengths=lengths[:p], rejected_lengths=lengths[p:],
+                    pair_weights=w.pair_weights, options=opts, return_stats=True)
+        if kind == "dpo":
+            out = dpo_loss(seq[:p], seq[p:], mb["ref_chosen_log_probs"],
+                           mb["ref_rejected_log_probs"], **pair)
+        elif kind == "cpo":
+            out = cpo_loss(seq[:p], seq[p:], nll_weight=w.nll_weight, **pair)
+        elif kind == "orpo":
+            out = orpo_loss(seq[:p], seq[p:], nll_weight=w.nll_weight, **pair)
+        else:
+            out = kto_loss(seq, mb["ref_log_probs"], mb["desirable"], kl=z0,
+                           sample_weights=w.pair_weights, options=opts, return_stats=True)
         engine.backward(step.loss_for_backward(out.loss))
         stats.append(out.stats)
         if i == gas - 1 and engine.zero_optimization_stage() == 0:
             own_norm = reduced_grad_norm(engine.module, me.topology)
         engine.step()
-    metrics = dpo_metrics(stats, group=me.topology.dp_sp_group)
+    metrics = _PREFERENCE_METRICS[kind](stats, group=me.topology.dp_sp_group)
     return _finish(me, step, t0, own_norm, float(step.num_samples), metrics, log)

@@ -25,7 +25,8 @@ from ...parallel.comm import raise_on_every_rank
 from ...parallel.topology import Topology
 
 __all__ = ["agreed_checks", "agreed_forward", "check_count", "check_lm_micro_batch",
-           "check_policy_micro_batch", "check_dpo_micro_batch"]
+           "check_policy_micro_batch", "check_dpo_micro_batch", "check_preference_micro_batch",
+           "PREFERENCE_LOSSES", "KTO_KL_KEYS"]
 
 T = TypeVar("T")
 
@@ -174,3 +175,47 @@ def check_dpo_micro_batch(i: int, mb: Mapping[str, Any]) -> None:
     _same_shape(f"{where}['completion_mask']", mb.get("completion_mask"), shape)
     for name in ("ref_chosen_log_probs", "ref_rejected_log_probs"):
         _floating(f"{where}['{name}']", mb.get(name), [(shape[0] // 2,)])
+
+
+PREFERENCE_LOSSES = ("dpo", "cpo", "orpo", "kto")
+KTO_KL_KEYS = ("kl_input_ids", "kl_completion_mask", "ref_kl_log_probs")
+
+
+def check_preference_micro_batch(i: int, mb: Mapping[str, Any], *, loss: str) -> None:
+    """What :func:`~.policy_step.preference_train_step` reads from ``micro_batches[i]`` for
+    ``loss`` (one of :data:`PREFERENCE_LOSSES`): ``"dpo"`` as :func:`check_dpo_micro_batch`;
+    ``"cpo"`` / ``"orpo"``: integer ``input_ids [2P, T]`` (chosen rows, then rejected) and
+    ``completion_mask`` of that shape; ``"kto"``: integer ``input_ids [B, T]`` (one example a
+    row), ``completion_mask`` of that shape, integer or bool ``desirable [B]``, floating
+    ``ref_log_probs [B]``, and either none or all of :data:`KTO_KL_KEYS` (``kl_input_ids
+    [K, T']``, ``kl_completion_mask`` of its shape, floating ``ref_kl_log_probs [K]``)."""
+    if loss == "dpo":
+        check_dpo_micro_batch(i, mb)
+        return
+    where = f"micro_batches[{i}]"
+    shape = _rows(i, mb)
+    _same_shape(f"{where}['completion_mask']", mb.get("completion_mask"), shape)
+    if loss in ("cpo", "orpo"):
+        if shape[0] % 2:
+            raise ValueError(f"{where}: input_ids must hold 2P rows (chosen, then rejected), got "
+                             f"{shape[0]}")
+        return
+    desirable = _integer(f"{where}['desirable']", mb.get("desirable"))
+    if tuple(desirable.shape) != shape[:1]:
+        raise ValueError(f"{where}['desirable'] must have shape {shape[:1]}, got "
+                         f"{tuple(desirable.shape)}")
+    _floating(f"{where}['ref_log_probs']", mb.get("ref_log_probs"), [shape[:1]])
+    given = [k for k in KTO_KL_KEYS if mb.get(k) is not None]
+    if given and len(given) != len(KTO_KL_KEYS):
+        missing = [k for k in KTO_KL_KEYS if k not in given]
+        raise ValueError(f"{where} has {', '.join(given)} but lacks {', '.join(missing)} (KTO's "
+                         "KL rows need all three)")
+    if given:
+        kl_ids = _integer(f"{where}['kl_input_ids']", mb["kl_input_ids"])
+        if kl_ids.dim() != 2:
+            raise ValueError(f"{where}['kl_input_ids'] must be [K, T], got "
+                             f"{tuple(kl_ids.shape)}")
+        kl_shape = tuple(kl_ids.shape)
+        _same_shape(f"{where}['kl_completion_mask']", mb["kl_completion_mask"], kl_shape,
+                    of="kl_input_ids")
+        _floating(f"{where}['ref_kl_log_probs']", mb["ref_kl_log_probs"], [kl_shape[:1]])

@@ -32,7 +32,12 @@ log-probs (:class:`megaloss.CausalLMWithLogProbs`, no ``[tokens, vocab]`` logits
    odds ratio plus the chosen NLL, reference-free), ``cpo`` (:func:`megaloss.losses.cpo_loss`,
    sigmoid plus ``--cpo_alpha`` x NLL) or ``kto`` (:func:`megaloss.losses.kto_loss`, chosen rows
    desirable, rejected rows undesirable, the step's KL baseline; a frozen reference), every
-   weight global over the step's pairs (:mod:`launch.jobs.preference_step`).
+   weight global over the step's pairs, each step megaloss's
+   :func:`megaloss.integrations.deepspeed.preference_train_step`
+   (:mod:`launch.jobs.preference_step` builds its micro-batches). The loss's options come from
+   the ds_config's section of that name when it has one (``"megaloss": {"orpo": {"beta":
+   0.2}}``; ``--loss`` defaults to that section's loss), ``--beta``, ``--simpo_gamma``,
+   ``--cpo_alpha`` overriding them.
 
 Reports the held-out preference accuracy (the share of held-out pairs whose length-normalised
 log-prob under the policy prefers chosen), the loss's implicit-reward accuracy and the rewards
@@ -137,15 +142,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--sft_steps", type=int, default=60,
                    help="supervised steps before preference training (micro-batch x GAS x DP "
                         "prompts with their real continuations each)")
-    g.add_argument("--loss", choices=LOSSES, default="dpo", help="the preference loss")
+    g.add_argument("--loss", choices=LOSSES, default=None,
+                   help="the preference loss (default: that of the ds_config's megaloss "
+                        "preference section other than dpo, if any, else dpo)")
     g.add_argument("--beta", type=float, default=None,
-                   help="the loss's beta (default: the ds_config's megaloss.dpo.beta for dpo; "
-                        "simpo 2.0, orpo / cpo / kto 0.1)")
+                   help="the loss's beta (default: the ds_config's megaloss.<loss>.beta; "
+                        "without that section dpo 0.1, simpo 2.0, orpo / cpo / kto 0.1)")
     g.add_argument("--preference_lr", type=float, default=None,
                    help="the optimizer's learning rate from the first preference step on "
                         "(default: the ds_config's, as in SFT)")
-    g.add_argument("--simpo_gamma", type=float, default=0.5, help="SimPO's target margin")
-    g.add_argument("--cpo_alpha", type=float, default=1.0, help="CPO's NLL weight")
+    g.add_argument("--simpo_gamma", type=float, default=None,
+                   help="SimPO's target margin (default: the ds_config's megaloss.simpo "
+                        "section's, else 0.5)")
+    g.add_argument("--cpo_alpha", type=float, default=None,
+                   help="CPO's NLL weight (default: the ds_config's megaloss.cpo section's, "
+                        "else 1.0)")
     g.add_argument("--eval_every", type=int, default=10,
                    help="preference steps between held-out evaluations (0: only before and "
                         "after)")
@@ -181,6 +192,20 @@ def _check_layout(ds_config: Dict[str, Any], ml, args) -> None:
         raise SystemExit(f"{args.deepspeed_config}: ZeRO-3 partitions the weights the held-out "
                          "evaluation and the reference snapshot read whole; use ZeRO stage 0, 1 "
                          "or 2")
+
+
+def _preference_spec(args, ml):
+    """``--loss`` (default: the ds_config's preference section other than ``dpo``, else
+    ``dpo``; set on ``args``) with the options of its ds_config section when given, the flags
+    overriding them."""
+    from megaloss.integrations.deepspeed.config import PREFERENCE_SECTIONS
+    if args.loss is None:
+        given = [n for n in PREFERENCE_SECTIONS if n in ml.model_fields_set and n != "dpo"]
+        args.loss = given[0] if given else "dpo"
+    section = (getattr(ml, args.loss).options()
+               if args.loss == "dpo" or args.loss in ml.model_fields_set else None)
+    return preference_loss(args.loss, section, beta=args.beta, simpo_gamma=args.simpo_gamma,
+                           cpo_alpha=args.cpo_alpha)
 
 
 def _rank_share(pairs: Pairs, dp: int, rank: int) -> Pairs:
@@ -240,8 +265,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     dp, dp_rank = topo.dp_size, topo.dp_rank
     micro = ds_config.get("train_micro_batch_size_per_gpu", 1)
     gas = ds_config.get("gradient_accumulation_steps", 1)
-    spec = preference_loss(args.loss, ml.dpo.options(), beta=args.beta,
-                           simpo_gamma=args.simpo_gamma, cpo_alpha=args.cpo_alpha)
+    spec = _preference_spec(args, ml)
     name = NAMES[spec.name]
 
     tok, train_stream, eval_stream, info, data_key = load_data(args)

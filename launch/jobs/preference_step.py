@@ -7,49 +7,36 @@ CPO and KTO on sequence log-probs, each with megaloss's loss
 
 One step over the ``G`` micro-batches of pairs (``G``: the ds_config's
 ``gradient_accumulation_steps``; a micro-batch is :func:`launch.jobs.preference_data.pair_batch`,
-chosen rows then rejected rows):
-
-1. a :class:`megaloss.LossCalibrator` with ``loss_reduction="sample"`` begins the step on the
-   chosen completions' labels of every micro-batch (KTO: every row's, each row one example):
-   ONE all-reduce over ``dp x sp`` gives the step's global pair and token counts;
-2. the frozen reference's sequence log-probs (DPO, KTO) under ``no_grad``; for KTO also the KL
-   baseline ``z0`` (:func:`megaloss.losses.kto_kl_baseline`) over the step's mismatched
-   completions (prompt ``i`` with the chosen continuation of pair ``i - 1`` of its
-   micro-batch, TRL's ``KTOTrainer`` pairing), one more all-reduce;
-3. per micro-batch: forward, the loss with the step's global weights
-   (:func:`megaloss.losses.preference_weights`: ``1 / N_pairs`` per pair and ``1 / N_tokens``
-   per NLL token; DPO's :func:`~megaloss.losses.dpo_pair_weights`),
-   ``engine.backward(step.loss_for_backward(loss))`` (undoing the engine's measured
-   ``1 / (G x DP)``) and ``engine.step()``;
-
-so the update is the one a single device makes on the whole global batch of pairs, for any DP x
-GAS split. The metrics are the losses' own (TRL's names: ``rewards/accuracies``,
-``rewards/margins``, ...), reduced over the step's global pairs.
+chosen rows then rejected rows) is megaloss's own
+:func:`megaloss.integrations.deepspeed.preference_train_step` (the loss chosen by the options'
+type; its micro-batch checks agreed on by every rank, the step calibrated over the global pairs
+and tokens, the gradient norm, the metrics written through ``engine.monitor``). This module
+only builds its micro-batches: the completion masks, the frozen reference's sequence log-probs
+(DPO, KTO) under ``no_grad`` and, for KTO, the mismatched completions of the KL baseline
+(prompt ``i`` with the chosen continuation of pair ``i - 1`` of its micro-batch, TRL's
+``KTOTrainer`` pairing) with their reference log-probs. The update is the one a single device
+makes on the whole global batch of pairs, for any DP x GAS split. The metrics are the losses'
+own (TRL's names: ``rewards/accuracies``, ``rewards/margins``, ...), reduced over the step's
+global pairs.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from megaloss import LossCalibrator
+from megaloss.integrations.deepspeed import preference_train_step
 from megaloss.losses import (
     CPOOptions,
     DPOOptions,
     KTOOptions,
     ORPOOptions,
     cpo_loss,
-    cpo_metrics,
     dpo_loss,
-    dpo_metrics,
-    dpo_pair_weights,
-    kto_kl_baseline,
     kto_loss,
-    kto_metrics,
     orpo_loss,
-    orpo_metrics,
-    preference_weights,
     sequence_log_probs,
 )
 
@@ -86,32 +73,30 @@ class PreferenceLoss:
         return {"loss": self.name, **vars(self.options)}
 
 
-def preference_loss(name: str, dpo: DPOOptions, *, beta: Optional[float] = None,
-                    simpo_gamma: float = 0.5, cpo_alpha: float = 1.0) -> PreferenceLoss:
-    """The options of loss ``name``: DPO's from ``dpo`` (the ds_config's ``megaloss.dpo``) with
-    ``beta`` overriding its beta when given; SimPO (``CPOOptions(loss_type="simpo")``, no NLL),
-    CPO (sigmoid, NLL weight ``cpo_alpha``), ORPO and KTO with ``beta`` or
-    :data:`DEFAULT_BETA`."""
+def preference_loss(name: str, section: Any = None, *, beta: Optional[float] = None,
+                    simpo_gamma: Optional[float] = None,
+                    cpo_alpha: Optional[float] = None) -> PreferenceLoss:
+    """The options of loss ``name``: those of the ds_config's section of that name
+    (``section``: ``MegalossConfig.<name>.options()``, e.g. ``"megaloss": {"orpo": {...}}``;
+    DPO always has one, its defaults when the ds_config gives none), else SimPO
+    (``CPOOptions(loss_type="simpo")``, no NLL), CPO (sigmoid, NLL weight 1), ORPO and KTO with
+    :data:`DEFAULT_BETA`; ``beta``, ``simpo_gamma`` (SimPO) and ``cpo_alpha`` (CPO) override
+    them when given."""
     if name not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {name!r}")
-    if name == "dpo":
-        fields = dict(vars(dpo))
-        if beta is not None:
-            fields["beta"] = beta
-        return PreferenceLoss(name, DPOOptions(**fields))
-    b = DEFAULT_BETA[name] if beta is None else beta
+    if section is None:
+        b = DEFAULT_BETA.get(name, 0.1)
+        section = {"dpo": DPOOptions(),
+                   "simpo": CPOOptions(loss_type="simpo", beta=b, cpo_alpha=0.0),
+                   "cpo": CPOOptions(loss_type="sigmoid", beta=b),
+                   "orpo": ORPOOptions(beta=b), "kto": KTOOptions(beta=b)}[name]
+    given = {"beta": beta}
     if name == "simpo":
-        return PreferenceLoss(name, CPOOptions(loss_type="simpo", beta=b, simpo_gamma=simpo_gamma,
-                                               cpo_alpha=0.0))
+        given["simpo_gamma"] = simpo_gamma
     if name == "cpo":
-        return PreferenceLoss(name, CPOOptions(loss_type="sigmoid", beta=b, cpo_alpha=cpo_alpha))
-    if name == "orpo":
-        return PreferenceLoss(name, ORPOOptions(beta=b))
-    return PreferenceLoss(name, KTOOptions(beta=b))
-
-
-_METRICS = {"dpo": dpo_metrics, "simpo": cpo_metrics, "cpo": cpo_metrics, "orpo": orpo_metrics,
-            "kto": kto_metrics}
+        given["cpo_alpha"] = cpo_alpha
+    return PreferenceLoss(name, dataclasses.replace(
+        section, **{k: v for k, v in given.items() if v is not None}))
 
 
 def sequence_scores(module, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -161,66 +146,56 @@ def _mismatched(pairs: Pairs) -> Dict[str, torch.Tensor]:
     return completion_batch(pairs.prompts, pairs.chosen.roll(1, 0))
 
 
+def _micro_batch(spec: PreferenceLoss, pairs: Pairs, reference, device) -> Dict[str, Any]:
+    """One micro-batch of :func:`~megaloss.integrations.deepspeed.preference_train_step` for
+    ``spec``'s loss: ``input_ids``, ``completion_mask`` (chosen rows, then rejected); DPO the
+    reference's ``ref_chosen_log_probs`` / ``ref_rejected_log_probs``; KTO every row one example
+    (chosen rows desirable), ``ref_log_probs`` and the KL rows."""
+    b = {k: v.to(device) for k, v in pair_batch(pairs).items()}
+    mb: Dict[str, Any] = {"input_ids": b["input_ids"],
+                          "completion_mask": (b["shift_labels"] != IGNORE).long()}
+    if not spec.needs_reference:
+        return mb
+    p = len(pairs)
+    with torch.no_grad():
+        ref = sequence_scores(reference, b)[0]
+        if spec.name == "dpo":
+            mb.update(ref_chosen_log_probs=ref[:p], ref_rejected_log_probs=ref[p:])
+            return mb
+        kl = {k: v.to(device) for k, v in _mismatched(pairs).items()}
+        mb.update(desirable=torch.arange(2 * p, device=device) < p, ref_log_probs=ref,
+                  kl_input_ids=kl["input_ids"],
+                  kl_completion_mask=(kl["shift_labels"] != IGNORE).long(),
+                  ref_kl_log_probs=sequence_scores(reference, kl)[0])
+    return mb
+
+
 def preference_step(me, micro_pairs: Sequence[Pairs], spec: PreferenceLoss,
                     reference=None) -> Dict[str, Any]:
     """One calibrated optimizer step of ``spec``'s loss over this rank's
-    ``gradient_accumulation_steps`` micro-batches of pairs (module docstring). ``reference``:
-    the frozen reference module (DPO, KTO).
+    ``gradient_accumulation_steps`` micro-batches of pairs: megaloss's
+    :func:`~megaloss.integrations.deepspeed.preference_train_step` (module docstring).
+    ``reference``: the frozen reference module (DPO, KTO).
 
     Returns:
         ``{"step", "loss" (global), "num_pairs", "num_tokens" (global chosen tokens), "lr",
-        "kl" (KTO's z0, else absent), **the loss's metrics}``, identical on every rank.
+        "grad_norm", "kl" (KTO's z0, else absent), **the loss's metrics}``, identical on every
+        rank.
 
     Raises:
-        ValueError: the number of micro-batches differs from the engine's accumulation steps;
-            a reference is missing for DPO / KTO.
+        ValueError: a reference is missing for DPO / KTO; see
+            :func:`~megaloss.integrations.deepspeed.preference_train_step` (the number of
+            micro-batches, their shapes).
     """
-    engine = me.engine
-    gas = int(engine.gradient_accumulation_steps())
-    if len(micro_pairs) != gas:
-        raise ValueError(f"micro_pairs must hold gradient_accumulation_steps={gas} entries, got "
-                         f"{len(micro_pairs)}")
     if spec.needs_reference and reference is None:
         raise ValueError(f"loss {spec.name!r} needs the reference model")
-    group = me.topology.dp_sp_group
-    batches = [{k: v.to(engine.device) for k, v in pair_batch(p).items()} for p in micro_pairs]
-    calib = LossCalibrator(me.topology, loss_reduction="sample", engine_scale=me.engine_scale,
-                           ignore_index=IGNORE, weight_dtype=me.calibrator.weight_dtype)
-    kto = spec.name == "kto"
-    step = calib.begin_step([b["shift_labels"] if kto else b["shift_labels"][:len(p)]
-                             for b, p in zip(batches, micro_pairs)])
-    refs: List[Optional[torch.Tensor]] = [None] * gas
-    kl = None
-    if reference is not None:
-        with torch.no_grad():
-            refs = [sequence_scores(reference, b)[0] for b in batches]
-            if kto:
-                kl_rows = [{k: v.to(engine.device) for k, v in _mismatched(p).items()}
-                           for p in micro_pairs]
-                pol = [sequence_scores(engine.module, b) for b in kl_rows]
-                ref_kl = [sequence_scores(reference, b)[0] for b in kl_rows]
-                kl = kto_kl_baseline([x[0] for x in pol], ref_kl, kl_lengths=[x[1] for x in pol],
-                                     group=group)
-    stats = []
-    for i, b in enumerate(batches):
-        seq, lengths = sequence_scores(engine, b)
-        if spec.name == "dpo":
-            weights, nll_weight = dpo_pair_weights(step, i, ignore_index=IGNORE), None
-        else:
-            weights, nll_weight = preference_weights(step, i, ignore_index=IGNORE)
-        out = _loss(spec, seq, refs[i], lengths, weights, nll_weight, kl)
-        engine.backward(step.loss_for_backward(out.loss))
-        stats.append(out.stats)
-        engine.step()
-    metrics = _METRICS[spec.name](stats, group=group)
-    pairs = float(step.num_samples) / (2 if kto else 1)
-    tokens = float(step.num_tokens) / (2 if kto else 1)
-    out = {"step": int(engine.global_steps), "loss": float(step.global_loss()),
-           "num_pairs": pairs, "num_tokens": tokens, "lr": float(engine.get_lr()[0])}
-    if kl is not None:
-        out["kl"] = float(kl)
-    out.update({k: v for k, v in metrics.items() if k != "kl"})
-    return out
+    device = me.engine.device
+    mbs = [_micro_batch(spec, p, reference, device) for p in micro_pairs]
+    m = preference_train_step(me, mbs, options=spec.options)
+    kto = spec.name == "kto"  # KTO's examples are the pairs' rows: two a pair
+    return {"step": m.step, "loss": m.loss, "num_pairs": m.num_sequences / (2 if kto else 1),
+            "num_tokens": m.num_tokens / (2 if kto else 1), "lr": m.lr,
+            "grad_norm": m.grad_norm, **m.metrics}
 
 
 def evaluate_pairs(module, reference, pairs: Pairs, micro: int, spec: PreferenceLoss,

@@ -158,3 +158,30 @@ def test_eval_only_and_a_rerun_refused(run):
                               if k not in ("phase", "step")}
     refused = (run.tmp_path / "refused.txt").read_text()
     assert "already holds a run" in refused and "--resume" in refused and "--overwrite" in refused
+
+
+def test_the_loss_and_its_options_come_from_the_ds_config_section(tmp_path):
+    """``--loss`` defaults to the ds_config's preference section (other than ``dpo``), whose
+    options the job trains with; ``--beta`` (and ``--simpo_gamma`` / ``--cpo_alpha``) override
+    them; without a section the job's defaults (DPO: the ``dpo`` section's)."""
+    from launch.train_dpo import _preference_spec, parse_args
+    from megaloss.integrations.deepspeed import load_megaloss_config
+    from megaloss.losses import CPOOptions, DPOOptions, KTOOptions, ORPOOptions
+
+    def spec(section, *flags):
+        args = parse_args(["--output_dir", str(tmp_path), *flags])
+        s = _preference_spec(args, load_megaloss_config({"megaloss": section}))
+        assert args.loss == s.name
+        return s.name, s.options
+
+    assert spec({"orpo": {"beta": 0.3}}) == ("orpo", ORPOOptions(beta=0.3))
+    assert spec({"orpo": {"beta": 0.3}}, "--beta", "0.2") == ("orpo", ORPOOptions(beta=0.2))
+    assert spec({"simpo": {"beta": 2.5, "simpo_gamma": 0.2}}, "--simpo_gamma", "0.4") == (
+        "simpo", CPOOptions(loss_type="simpo", beta=2.5, simpo_gamma=0.4, cpo_alpha=0.0))
+    assert spec({"kto": {"desirable_weight": 1.2}}) == ("kto", KTOOptions(desirable_weight=1.2))
+    assert spec({"dpo": {"loss_type": "ipo"}}) == ("dpo", DPOOptions(loss_type="ipo"))
+    # the shipped config's dpo section with --loss simpo: SimPO's job defaults
+    assert spec({"dpo": {"beta": 0.1}}, "--loss", "simpo") == (
+        "simpo", CPOOptions(loss_type="simpo", beta=2.0, cpo_alpha=0.0))
+    assert spec({}, "--loss", "cpo", "--cpo_alpha", "0.5") == (
+        "cpo", CPOOptions(beta=0.1, cpo_alpha=0.5))

@@ -14,9 +14,20 @@ error of the float64 reference: eager bf16 is the same model cast to bf16 with H
 to fp32 (its loss on each rank's rows, its gradient on the global batch / world as FSDP2's); a
 gradient's error is the relative L2 error ``||g - g_ref|| / ||g_ref||`` over all parameters
 together, and over the lm_head weight alone (measured: 4.6e-3 to 5.4e-3 for both, FSDP2's
-0.95x to 1.01x eager's). Refusals: a sharded DTensor weight
-given to the loss functions directly (TypeError naming ``register_fsdp_forward_method``), a model
-or a teacher already sharded before wrapping (ValueError).
+0.95x to 1.01x eager's).
+
+Policy losses on the log-probs: :func:`megaloss.policy_loss` (DAPO with a KL penalty and an
+entropy bonus, ``reshard_after_forward=True``; GRPO, ``False``) on the per-token log-probs and
+entropies of a ``CausalLMWithLogProbs`` forward under FSDP2 (the head in the root unit), each
+rank on its rows of completions of different lengths, the step's global weights from
+``policy_calibrator`` with ``probe_fsdp``'s multiplier, sampling-policy log-probs far enough
+off for the clip to act: the global loss and every parameter after 2 SGD steps equal
+``policy_loss`` on the whole global batch in one process (float64 full logits) within 1e-10
+(measured: 2e-16 and 7e-18).
+
+Refusals: a sharded DTensor weight given to the loss functions directly (TypeError naming
+``register_fsdp_forward_method``), a model or a teacher already sharded before wrapping
+(ValueError).
 """
 import math
 
@@ -185,6 +196,106 @@ def _run_case(rank, world, mesh, kind, place, reshard, tied, mixed):
     return out
 
 
+# name: (loss_type, beta, entropy_coef, reshard_after_forward)
+POLICY_CASES = {
+    "policy-dapo-kl-entropy-reshard": ("dapo", 0.05, 0.01, True),
+    "policy-grpo-keep": ("grpo", 0.0, 0.0, False),
+}
+
+
+def _policy_batch(step):
+    """The global batch of a policy step: ``ids``, the shifted targets with ignored prompt and
+    padding (completions of different lengths), the completion mask, per-sequence advantages,
+    and noise for the sampling and reference policies' log-probs."""
+    g = torch.Generator().manual_seed(200 + step)
+    ids = torch.randint(0, V, (WORLD * B, T), generator=g)
+    shift = torch.cat([ids[:, 1:], torch.full((WORLD * B, 1), -100)], dim=1)
+    shift[:, :2] = -100  # the prompt
+    for row, n in enumerate(torch.randint(0, 3, (WORLD * B,), generator=g).tolist()):
+        if n:
+            shift[row, T - 1 - n:] = -100  # shorter completions
+    mask = shift != -100
+    adv = torch.randn(WORLD * B, generator=g, dtype=torch.float64)
+    noise = torch.randn(2, WORLD * B, T, generator=g, dtype=torch.float64)
+    return ids, shift, mask, adv, noise
+
+
+def _ref_log_probs(model, ids, shift):
+    """Per-token log-probs of ``shift`` (0 where none) and entropies, float64 full logits."""
+    logp = F.log_softmax(model(input_ids=ids).logits.to(torch.float64), dim=-1)
+    picked = logp.gather(-1, shift.clamp(min=0)[..., None])[..., 0] * (shift != -100)
+    return picked, -(logp.exp() * logp).sum(-1)
+
+
+def _run_policy(rank, world, mesh, loss_type, beta, entropy_coef, reshard):
+    """``megaloss.policy_loss`` on the log-probs (and entropies) of a ``CausalLMWithLogProbs``
+    forward under FSDP2, the step's weights from ``policy_calibrator`` with ``probe_fsdp``'s
+    multiplier: 2 SGD steps against the single-process float64 reference (plain full logits,
+    ``policy_loss`` on the whole global batch)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from megaloss import Topology
+    from megaloss.calibration import probe_fsdp
+    from megaloss.integrations.hf import CausalLMWithLogProbs
+    from megaloss.losses.policy import (
+        completion_labels,
+        policy_calibrator,
+        policy_loss,
+        policy_loss_weights,
+    )
+    from megaloss.ops.options import LogProbsOptions, PolicyLossOptions
+    rows = slice(rank * B, (rank + 1) * B)
+    ref = _llama(0)
+    model = _llama(0)
+    model.load_state_dict(ref.state_dict())
+    wrapper = CausalLMWithLogProbs(model, options=LogProbsOptions(
+        accum_dtype=torch.float64, return_entropy=entropy_coef != 0))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(wrapper, mesh=mesh, reshard_after_forward=reshard)
+    options = PolicyLossOptions(loss_type=loss_type, beta=beta, entropy_coef=entropy_coef,
+                                epsilon_low=0.2, epsilon_high=0.28, max_completion_length=T)
+    scale = probe_fsdp(wrapper)
+    calib = policy_calibrator(options, Topology.default(), engine_scale=scale,
+                              weight_dtype=torch.float64)
+    opt = torch.optim.SGD(wrapper.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    out = dict(loss_err=[], multiplier=scale.loss_multiplier, clipped=0.0)
+    for step in range(STEPS):
+        ids, shift, mask, adv, noise = _policy_batch(step)
+        ref_lp, ref_h = _ref_log_probs(ref, ids, shift)
+        # the sampling policy and the reference policy: near the current one, masked like it
+        old = (ref_lp.detach() + 0.3 * noise[0]) * mask
+        kl_ref = (ref_lp.detach() + 0.2 * noise[1]) * mask
+        kw = dict(ref_log_probs=kl_ref, options=options)
+        calibrated = calib.begin_step([completion_labels(mask[rows])])
+        lp = wrapper(ids[rows], shift_labels=shift[rows])
+        loss = policy_loss(lp.log_probs, old[rows], adv[rows], mask[rows],
+                           ref_log_probs=kl_ref[rows], entropy=lp.entropy, options=options,
+                           weights=policy_loss_weights(calibrated, 0, options))
+        opt.zero_grad()
+        calibrated.loss_for_backward(loss).backward()
+        opt.step()
+        got = float(calibrated.global_loss())
+        ref_opt.zero_grad()
+        want = policy_loss(ref_lp, old, adv, mask, entropy=ref_h, return_stats=True, **kw)
+        want.loss.backward()
+        ref_opt.step()
+        want = float(want.loss.detach())
+        out["loss_err"].append(abs(got - want) / max(1.0, abs(want)))
+        ratio = torch.exp(ref_lp.detach() - old)[mask]
+        out["clipped"] = max(out["clipped"], float(((ratio < 0.8) | (ratio > 1.28)).double()
+                                                   .mean()))
+    ref_params = dict(ref.named_parameters())
+    out["param_err"] = max(
+        float((p.full_tensor().detach() - ref_params[n.removeprefix("model.")]).abs().max())
+        / max(1.0, float(ref_params[n.removeprefix("model.")].abs().max()))
+        for n, p in wrapper.named_parameters())
+    out["moved"] = max(float((a.detach() - b).abs().max())
+                       for a, b in zip(ref.parameters(), _llama(0).parameters()))
+    return out
+
+
 def _refusals(rank, world, mesh):
     from torch.distributed.fsdp import fully_shard
 
@@ -226,6 +337,8 @@ def _worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (world,))
     results = {name: _run_case(rank, world, mesh, *case) for name, case in CASES.items()}
+    results.update({name: _run_policy(rank, world, mesh, *case)
+                    for name, case in POLICY_CASES.items()})
     results["refusals"] = _refusals(rank, world, mesh)
     return results
 
@@ -256,6 +369,16 @@ def test_fsdp2_bf16_mixed_precision_within_eager_error(results, name):
             assert math.isfinite(fsdp) and 0 < eager < 0.05, (rank, part, r)
             assert fsdp <= 2 * eager, (rank, part, r)
         assert max(r["loss_err"]) < 5e-2, (rank, r)  # step 2 still trains in bf16
+
+
+@pytest.mark.parametrize("name", list(POLICY_CASES))
+def test_fsdp2_policy_loss_float64_equals_reference(results, name):
+    for rank, res in enumerate(results):
+        r = res[name]
+        assert r["multiplier"] == 2.0, (rank, r)  # measured: FSDP2 averages over 2 ranks
+        assert r["moved"] > 1e-4 and r["clipped"] > 0.05, (rank, r)  # trains; clipping active
+        assert max(r["loss_err"]) < 1e-10, (rank, r)
+        assert r["param_err"] < 1e-10, (rank, r)
 
 
 def test_sharded_weight_outside_fsdp_forward_is_refused(results):

@@ -252,3 +252,19 @@ def test_a_bad_shard_on_one_rank_raises_the_same_error_on_every_rank():
                                       "vocab_size=37, tp=2; got 18"), (key, message)
         else:
             assert kind == "TypeError" and "labels" in message, (key, message)
+
+
+def test_an_unpadded_shard_reaches_the_chunk_driver_itself():
+    """The loss takes an unpadded shard as it is, so the weight gradient goes straight into its
+    ``.grad``: a view of it (``weight[:rows]``) would get a ``SliceBackward`` that copies the
+    gradient into a new shard-sized buffer (measured: 146 -> 115 MiB per rank above inputs,
+    weight and grads, CE at N 4096, H 1024, V 32000, TP 2, fp32). A padded shard's real rows are
+    still a view (the padding gets a zero gradient)."""
+    from megaloss.losses.vocab_parallel import VocabLayout
+
+    weight = torch.zeros(16, 4, requires_grad=True)
+    unpadded = VocabLayout(vocab_size=32, start=16, stop=32, group=object())
+    assert unpadded.rows(weight) is weight
+    padded = VocabLayout(vocab_size=30, start=16, stop=30, group=object())
+    rows = padded.rows(weight)
+    assert rows.shape == (14, 4) and rows._base is weight

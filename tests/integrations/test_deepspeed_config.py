@@ -128,6 +128,12 @@ def test_deepspeeds_autotp_with_a_vocab_parallel_lm_head_is_accepted():
         load_megaloss_config({"tensor_parallel": tp, "zero_optimization": {"stage": 3}})
     with pytest.raises(ValueError, match="give one tensor-parallel scheme"):
         load_megaloss_config({"tensor_parallel": tp, "megaloss": {"tensor_parallel_size": 2}})
+    # DeepSpeed's kernel for its own loss on the logits: megaloss's loss replaces that loss
+    assert load_megaloss_config({"tensor_parallel": dict(
+        tp, vocab_parallel_ce_backend="torch")}).tensor_parallel_size == 1
+    with pytest.raises(ValueError, match="vocab_parallel_ce_backend='liger': that is the kernel "
+                                         "of DeepSpeed's own loss"):
+        load_megaloss_config({"tensor_parallel": dict(tp, vocab_parallel_ce_backend="liger")})
     with pytest.raises(ValueError, match="sequence parallelism"):
         load_megaloss_config({"tensor_parallel": tp, "sequence_parallel_size": 2})
     # a loss section AutoTP's path would not train is refused, never silently replaced by CE

@@ -622,7 +622,10 @@ def _with_deepspeed_keys(ds_config: Mapping[str, Any], section: Mapping[str, Any
       (megaloss's own vocab-parallel lm_head and its groups; one TP scheme at a time); ZeRO-3
       (DeepSpeed accepts it, but gathers the head's shard only inside the head's own forward,
       which megaloss's loss does not call: the weight it reads is ZeRO-3's empty placeholder);
-      ``sequence_parallel_size > 1`` (not composed with AutoTP's groups yet).
+      ``sequence_parallel_size > 1`` (not composed with AutoTP's groups yet);
+      ``vocab_parallel_ce_backend`` other than ``"torch"`` (the kernel of DeepSpeed's own loss
+      on the logits, ``"liger"``: megaloss's loss replaces that loss, so the key would be
+      ignored).
     """
     if "sequence_parallel_size" in ds_config:
         sp = ds_config["sequence_parallel_size"]
@@ -668,6 +671,13 @@ def _check_autotp(ds_config: Mapping[str, Any], tp_section: Mapping[str, Any], a
             f"{where} and {SECTION}.tensor_parallel_size={ml.tensor_parallel_size}: give one "
             "tensor-parallel scheme (AutoTP's shards and groups, or megaloss's vocab-parallel "
             "lm_head and its own groups), not both")
+    backend = tp_section.get("vocab_parallel_ce_backend", "torch")
+    if backend != "torch":
+        raise ValueError(
+            f"{where} with tensor_parallel.vocab_parallel_ce_backend={backend!r}: that is the "
+            "kernel of DeepSpeed's own loss on the head's logits, which megaloss's loss "
+            "replaces (it computes the cross-entropy from the hidden states and the head's "
+            "shard, without logits); remove the key or set it to \"torch\"")
     zero = ds_config.get("zero_optimization")
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
     if stage == 3:

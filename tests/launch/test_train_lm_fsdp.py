@@ -5,17 +5,18 @@ stdlib text, micro-batch 4 x GAS 2 x DP 2, no warm-up.
 - The job: exit status 0, ``metrics.csv`` with one row per optimizer step, ``loss_curve.png``,
   ``summary.json`` (FSDP2 over 2 processes, the loss multiplier measured by ``probe_fsdp``: 2,
   FSDP2's mean over the ranks), and training works: held-out CE and the train loss fall.
-- Checkpoints: the run saves DCP checkpoints (``--save_every 3``: steps 3, 6 and the last, 8).
+- Checkpoints: the run saves DCP checkpoints (``--save_every 3``: steps 3, 6, 9 and the last,
+  10).
 - Preemption, as a scheduler delivers it: a second run resumed from the step-3 checkpoint folder
   (``--resume PATH``, into another ``--output_dir``) gets SIGTERM at every process of the script
   (bash, torchrun, both ranks) once its first step is logged: it stops at the next step boundary
-  k (4 <= k < 8), saves ``step_k``, writes ``metrics.csv`` / ``summary.json`` (``"stopped":
+  k (4 <= k < 10), saves ``step_k``, writes ``metrics.csv`` / ``summary.json`` (``"stopped":
   {"signal": "SIGTERM", "step": k}``) / the plot for steps 1..k, and the script exits 75 with
-  the LM job's messages. A third run, ``--resume`` (latest) in that folder, reaches step 8 with
+  the LM job's messages. A third run, ``--resume`` (latest) in that folder, reaches step 10 with
   every metric of every step and the final evaluation equal to the uninterrupted run's, bitwise.
 - ``--eval_only --resume`` on that folder, as one plain process (``python -m
   launch.train_lm_fsdp``: the 2-rank DCP checkpoint loaded on 1 rank) writes
-  ``eval_step8.json`` with the uninterrupted run's final held-out CE (rel 1e-6: fp32, the eval
+  ``eval_step10.json`` with the uninterrupted run's final held-out CE (rel 1e-6: fp32, the eval
   batches summed in another grouping; measured 5e-8) over the same tokens.
 - FSDP2 x TP: 4 processes, ``--tensor_parallel_size 2`` (DP=2 x TP=2, the lm_head a
   ``ColwiseParallel`` DTensor, megaloss's vocab-parallel CE through
@@ -46,7 +47,7 @@ import pytest
 from launch.jobs import check_args
 from tests.helpers.launch_helpers import REPO, script_env, wait_until
 
-STEPS = 8
+STEPS = 10
 DATA = ["--model_size", "tiny", "--seq_len", "32", "--vocab_size", "320",
         "--max_train_bytes", "200000", "--eval_blocks", "16", "--eval_every", "3"]
 COMMON = [*DATA, "--no_progress"]
@@ -99,9 +100,9 @@ def _rows(out: Path) -> list:
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
-    """The job's run (checkpoints at steps 3, 6, 8); one resumed from its step 3 elsewhere and
+    """The job's run (checkpoints at steps 3, 6, 9, 10); one resumed from its step 3 elsewhere and
     stopped by SIGTERM (the stopped folder copied to ``stopped``, its output and exit status
-    in ``stopped.json``), continued with ``--resume`` to step 8 and evaluated with
+    in ``stopped.json``), continued with ``--resume`` to step 10 and evaluated with
     ``--eval_only``; the TP=2 run."""
     tmp = tmp_path_factory.mktemp("fsdp")
     cache = str(tmp / "cache")
@@ -161,8 +162,8 @@ def test_train_lm_fsdp_trains_on_two_processes(fsdp):
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"]) - 0.05, rows
     assert [e for e in (r["eval_loss"] for r in rows) if e] != []  # --eval_every 3
     assert (out / "loss_curve.png").stat().st_size > 0
-    assert summary["checkpoints"]["saves"] == 3
-    for step in (3, 6, STEPS):
+    assert summary["checkpoints"]["saves"] == 4
+    for step in (3, 6, 9, STEPS):
         ckpt = out / "checkpoints" / f"step_{step}"
         assert (ckpt / "dcp" / ".metadata").is_file() and (ckpt / "tokenizer.json").is_file()
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS}"

@@ -24,7 +24,9 @@ stdlib text, micro-batch 4 x GAS 2 x DP 2, no warm-up.
   gradient norm equal the DP=2 run's (rel 1e-5: fp32, the vocab-parallel reduction's order;
   measured within 3e-8).
 - Refused before any rank starts (``python -m launch.jobs.check_args``, one line, status 2): a
-  world size the TP size does not divide, tied embeddings under TP, a folder holding a run.
+  world size the TP size does not divide, tied embeddings under TP, a folder holding a run,
+  ``--eval_only`` without ``--resume``, ``--overwrite`` with ``--resume`` (the LM job's
+  messages).
 - Same as DeepSpeed: the LM job (``launch/train_lm.py``, ZeRO-2, DP=2 x TP=1, the same data,
   seed, micro-batches and CE options) in the launch several test files share
   (``shared_launch``, shared_launches.py). Before any optimizer step both hold the same weights
@@ -267,6 +269,8 @@ def test_first_step_loss_equals_deepspeed_job(fsdp, shared_launch):
     (["--tensor_parallel_size", "2"], 3, "does not divide the 3 processes"),
     (["--tensor_parallel_size", "2", "--tie_word_embeddings"], 4, "--tie_word_embeddings"),
     (["--micro_batch_size", "0"], 2, "--micro_batch_size must be >= 1"),
+    (["--eval_only"], 2, "--eval_only needs --resume"),
+    (["--overwrite", "--resume"], 2, "--overwrite and --resume exclude each other"),
 ])
 def test_preflight_refusals(argv, world, expected, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MEGALOSS_PROG", "train_lm_fsdp.sh")

@@ -5,10 +5,14 @@ micro-batch sums to the single-device loss and gradient of the whole batch for e
 ``loss_type``; for ``dapo`` (global in TRL too) it also equals TRL's own ``_compute_loss`` summed
 over the same micro-batches. On ONE micro-batch (where TRL's per-micro-batch normaliser is the
 global one) with half the rows fully masked (TRL's ``mask_truncated_completions``), the mixin's
-loss, gradient and metrics equal TRL's own ``_compute_loss`` for ``grpo``, ``dr_grpo``, ``bnpo``,
-``dapo``; ``megaloss_count_empty_rows = False`` equals TRL on the rows with a completion token.
-A plain ``GRPOConfig()`` and ``cispo`` with ``delta`` are accepted; a setting the mixin does not
-reproduce is refused when the trainer is built. Tolerance: float64, 1e-12.
+loss, gradient and metrics equal TRL's own ``_compute_loss`` for every ``loss_type`` (``grpo``,
+``dr_grpo``, ``bnpo``, ``dapo``, ``cispo``, ``sapo``, ``luspo`` at both importance-sampling
+levels, ``vespo``, with their GRPOConfig fields off their defaults); ``vespo`` and ``cispo``
+(global in TRL too) also across the 2 micro-batches; ``megaloss_count_empty_rows = False``
+equals TRL on the rows with a completion token. A plain ``GRPOConfig()`` and ``cispo`` with
+``delta`` are accepted; a setting the mixin does not reproduce is refused when the trainer is
+built. Tolerance: float64, 1e-12 (TRL's float32 clip-ratio means: 1e-7; SAPO's default
+temperature 1.05, which TRL rounds to float32: 1e-7 relative).
 """
 import collections
 from types import SimpleNamespace
@@ -39,7 +43,11 @@ def _args(loss_type, **kw):
     base = dict(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, delta=None, beta=0.04,
                 entropy_coef=0.01, importance_sampling_level="token", max_completion_length=T,
                 gradient_accumulation_steps=GAS, steps_per_generation=GAS,
-                use_bias_correction_kl=False)
+                use_bias_correction_kl=False,
+                # off TRL's defaults; exact in float32, so TRL's torch.where of Python floats
+                # (torch's default dtype) does not round them
+                sapo_temperature_pos=0.75, sapo_temperature_neg=1.25, vespo_k_pos=1.5,
+                vespo_lambda_pos=2.5, vespo_k_neg=0.5, vespo_lambda_neg=4.0)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -84,7 +92,12 @@ def _trainer(cls, args, lp, ent, batch):
     return trainer
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo", "cispo"])
+ALL_TYPES = ["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
+_OWN_FIELDS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+               "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
+
+
+@pytest.mark.parametrize("loss_type", ALL_TYPES)
 def test_micro_batches_give_the_whole_batch_loss(loss_type):
     from trl.trainer.grpo_trainer import GRPOTrainer
     from trl.trainer.utils import split_tensor_dict
@@ -115,10 +128,11 @@ def test_micro_batches_give_the_whole_batch_loss(loss_type):
     loss, grad, ent_grad, metrics = run(_Ours, MegalossGRPOMixin._compute_loss)
     whole_lp, whole_ent = lp0.clone().requires_grad_(), ent0.clone().requires_grad_()
     opts = policy_options_from_grpo_args(args)
+    own = {k: getattr(args, k) for k in _OWN_FIELDS.get(loss_type, ())}
     assert opts == PolicyLossOptions(loss_type=loss_type, epsilon_low=0.2,
                                      epsilon_high=args.epsilon_high, beta=0.04,
                                      entropy_coef=0.01, max_completion_length=T,
-                                     count_empty_rows=True)
+                                     count_empty_rows=True, **own)
     expected = policy_loss(whole_lp, batch["old_per_token_logps"], batch["advantages"],
                            batch["completion_mask"], ref_log_probs=batch["ref_per_token_logps"],
                            entropy=whole_ent, options=opts, return_stats=True)
@@ -127,19 +141,31 @@ def test_micro_batches_give_the_whole_batch_loss(loss_type):
     torch.testing.assert_close(grad, whole_lp.grad, rtol=TOL, atol=TOL)
     torch.testing.assert_close(ent_grad, whole_ent.grad, rtol=TOL, atol=TOL)
     assert len(metrics["entropy"]) == GAS and "kl" in metrics
-    if loss_type == "dapo":  # TRL's dapo divides by the global token count too (without the
-        # entropy bonus, which TRL takes per micro-batch)
+    if loss_type in ("dapo", "cispo", "vespo"):  # TRL divides these by the global token count
+        # too (without the entropy bonus, which TRL takes per micro-batch)
         args.entropy_coef = 0.0
-        ours, *_ = run(_Ours, MegalossGRPOMixin._compute_loss)
-        theirs, *_ = run(type("T", (GRPOTrainer,), {}), GRPOTrainer._compute_loss)
+        ours, grad, *_ = run(_Ours, MegalossGRPOMixin._compute_loss)
+        theirs, their_grad, *_ = run(type("T", (GRPOTrainer,), {}), GRPOTrainer._compute_loss)
         assert abs(float(ours) - float(theirs)) <= TOL
+        torch.testing.assert_close(grad, their_grad, rtol=TOL, atol=TOL)
 
 
 def test_unsupported_settings_are_refused():
     with pytest.raises(ValueError, match="steps_per_generation=4"):
         policy_options_from_grpo_args(_args("grpo", steps_per_generation=4))
     with pytest.raises(ValueError, match="supports"):
-        policy_options_from_grpo_args(_args("sapo"))
+        policy_options_from_grpo_args(_args("ppo"))
+    # a loss type's own fields, where megaloss cannot follow TRL (TRL divides by the temperature
+    # and clamps lambda to >= 1e-4), are refused naming the field ...
+    for loss_type, field, value in [("sapo", "sapo_temperature_pos", 0.0),
+                                    ("sapo", "sapo_temperature_neg", -1.0),
+                                    ("vespo", "vespo_k_pos", -1.0),
+                                    ("vespo", "vespo_lambda_neg", 0.0)]:
+        with pytest.raises(ValueError, match=field):
+            policy_options_from_grpo_args(_args(loss_type, **{field: value}))
+    # ... and only for that loss type, as TRL reads them only there
+    assert policy_options_from_grpo_args(_args("grpo", sapo_temperature_pos=0.0,
+                                               vespo_lambda_neg=0.0))
     with pytest.raises(ValueError, match="use_bias_correction_kl"):
         policy_options_from_grpo_args(_args("grpo", use_bias_correction_kl=True))
     # without the KL (beta = 0) TRL never reads it
@@ -168,18 +194,27 @@ def _one_micro_batch(cls, compute, args, lengths):
     return float(loss.detach()), lp.grad, ent.grad, metrics
 
 
-def _masked_args(loss_type):
+def _masked_args(loss_type, **kw):
+    kw.setdefault("delta", 1.5 if loss_type in ("dapo", "luspo", "sapo") else None)
+    kw.setdefault("epsilon_high", 1.3 if loss_type == "cispo" else 0.28)
     return _args(loss_type, gradient_accumulation_steps=1, steps_per_generation=1,
-                 max_completion_length=9, delta=1.5 if loss_type == "dapo" else None)
+                 max_completion_length=9, **kw)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "bnpo", "dapo"])
-def test_one_micro_batch_with_masked_rows_equals_trl(loss_type):
-    """TRL's grpo averages over every row and its dr_grpo divides by B x max_completion_length:
-    the mixin counts the masked rows too (before: the rows with a completion token, 2.0 x TRL's
-    grpo / dr_grpo policy term here)."""
+_METRICS = {"cispo": ("cispo_clip_ratio",), "sapo": (), "vespo": ("vespo/phi_seq_mean",)}
+_CLIP = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@pytest.mark.parametrize("loss_type,kw", [(t, {}) for t in ALL_TYPES] + [
+    ("luspo", dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4)),
+    ("sapo", dict(importance_sampling_level="sequence"))],
+    ids=ALL_TYPES + ["luspo-sequence", "sapo-sequence"])
+def test_one_micro_batch_with_masked_rows_equals_trl(loss_type, kw):
+    """TRL's grpo / sapo / luspo average over every row and its dr_grpo divides by B x
+    max_completion_length: the mixin counts the masked rows too (before: the rows with a
+    completion token, 2.0 x TRL's grpo / dr_grpo policy term here)."""
     from trl.trainer.grpo_trainer import GRPOTrainer
-    args = _masked_args(loss_type)
+    args = _masked_args(loss_type, **kw)
     ours = _one_micro_batch(type("Ours", (MegalossGRPOMixin,), {}),
                             MegalossGRPOMixin._compute_loss, args, MASKED)
     theirs = _one_micro_batch(type("T", (GRPOTrainer,), {}), GRPOTrainer._compute_loss, args,
@@ -187,11 +222,35 @@ def test_one_micro_batch_with_masked_rows_equals_trl(loss_type):
     assert abs(ours[0] - theirs[0]) <= TOL * max(1.0, abs(theirs[0])), (ours[0], theirs[0])
     torch.testing.assert_close(ours[1], theirs[1], rtol=TOL, atol=TOL)
     torch.testing.assert_close(ours[2], theirs[2], rtol=TOL, atol=TOL)
-    for name in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                 "clip_ratio/region_mean"):
+    names = ("kl", "entropy") + _METRICS.get(loss_type, _CLIP)
+    assert set(names) <= set(ours[3]) and set(names) <= set(theirs[3])
+    for name in names:
         # TRL's clip ratios are float32 means (is_low_clipped.float()), the others float64
-        tol = 1e-7 if name.startswith("clip_ratio") else TOL
-        assert abs(ours[3][name] - theirs[3][name]) <= tol, name
+        tol = 1e-7 if name.startswith(("clip_ratio", "cispo")) else TOL
+        assert abs(ours[3][name] - theirs[3][name]) <= tol * max(1.0, abs(theirs[3][name])), name
+
+
+def test_sapo_default_temperature_differs_from_trl_by_its_float32_rounding():
+    """TRL's ``torch.where(advantages > 0, 1.0, 1.05)`` is in torch's default dtype: float32
+    rounds 1.05 to 1.0499999523, megaloss keeps 1.05; under a float64 default dtype the two are
+    equal to 1e-12."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    args = _masked_args("sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)
+    ours = _one_micro_batch(type("Ours", (MegalossGRPOMixin,), {}),
+                            MegalossGRPOMixin._compute_loss, args, MASKED)
+    theirs = _one_micro_batch(type("T", (GRPOTrainer,), {}), GRPOTrainer._compute_loss, args,
+                              MASKED)
+    assert 0 < abs(ours[0] - theirs[0]) <= 1e-7 * abs(theirs[0]), (ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-7, atol=0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        exact = _one_micro_batch(type("T", (GRPOTrainer,), {}), GRPOTrainer._compute_loss, args,
+                                 MASKED)
+    finally:
+        torch.set_default_dtype(default)
+    assert abs(ours[0] - exact[0]) <= TOL * max(1.0, abs(exact[0])), (ours[0], exact[0])
+    torch.testing.assert_close(ours[1], exact[1], rtol=TOL, atol=TOL)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "bnpo", "dapo"])
@@ -234,6 +293,16 @@ def test_plain_grpo_config_and_cispo_delta_are_accepted(tmp_path):
     assert (cispo.loss_type, cispo.epsilon_high, cispo.delta) == ("cispo", 5.0, 1.5)
     with pytest.raises(ValueError, match="use_bias_correction_kl"):
         policy_options_from_grpo_args(_grpo_config(tmp_path, beta=0.04))
+    # sapo / vespo take their own GRPOConfig fields (TRL's defaults here)
+    sapo = policy_options_from_grpo_args(_grpo_config(tmp_path, loss_type="sapo"))
+    assert (sapo.sapo_temperature_pos, sapo.sapo_temperature_neg) == (1.0, 1.05)
+    vespo = policy_options_from_grpo_args(_grpo_config(tmp_path, loss_type="vespo",
+                                                       vespo_k_neg=0.5))
+    assert (vespo.vespo_k_pos, vespo.vespo_lambda_pos, vespo.vespo_k_neg,
+            vespo.vespo_lambda_neg) == (2.0, 3.0, 0.5, 2.0)
+    luspo = policy_options_from_grpo_args(_grpo_config(
+        tmp_path, loss_type="luspo", importance_sampling_level="sequence"))
+    assert (luspo.loss_type, luspo.importance_sampling_level) == ("luspo", "sequence")
     assert policy_options_from_grpo_args(
         _grpo_config(tmp_path, beta=0.04, use_bias_correction_kl=False)).beta == 0.04
 
@@ -279,7 +348,7 @@ def test_refused_when_the_trainer_is_built(tmp_path):
     assert trainer._megaloss_options().count_empty_rows
     for bad, match in [(dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
                        (dict(beta=0.04), "use_bias_correction_kl"),
-                       (dict(loss_type="sapo"), "supports")]:
+                       (dict(loss_type="vespo", vespo_lambda_pos=0.0), "vespo_lambda_pos")]:
         with pytest.raises(ValueError, match=match):
             _Ours(args=_grpo_config(tmp_path, **small, **bad), **_tiny_grpo_parts())
     assert not generated

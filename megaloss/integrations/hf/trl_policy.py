@@ -17,36 +17,56 @@ What it changes in TRL 1.16 (``trl/trainer/grpo_trainer.py``):
 - ``_generate_and_score_completions``: after TRL's own, the generation batch's completion tokens
   and sequences are counted and summed over the processes (one ``accelerator.reduce`` of two
   numbers); TRL's ``split_tensor_dict`` hands these 0-dim tensors to every micro-batch whole, as
-  it does ``num_items_in_batch``. A sequence is every row, as TRL counts them (its ``grpo``
-  averages over all rows, its ``dr_grpo`` divides by rows x ``max_completion_length``, also
-  for rows ``mask_truncated_completions`` emptied); a subclass setting
-  ``megaloss_count_empty_rows = False`` counts only rows with a completion token
+  it does ``num_items_in_batch``. A sequence is every row, as TRL counts them (its ``grpo``,
+  ``sapo`` and ``luspo`` average over all rows, its ``dr_grpo`` divides by rows x
+  ``max_completion_length``, also for rows ``mask_truncated_completions`` emptied); a subclass
+  setting ``megaloss_count_empty_rows = False`` counts only rows with a completion token
   (:class:`~megaloss.PolicyLossOptions` ``count_empty_rows``).
 - ``_compute_loss``: the per-token log-probs and entropies come from TRL's own
   ``_get_per_token_logps_and_entropies``; the loss is :func:`megaloss.policy_loss` with the
-  weights ``1 / (n_s N_sequences)`` (``grpo``), ``1 / N_tokens`` (``bnpo``, ``dapo``, ``cispo``)
-  or ``1 / (N_sequences max_completion_length)`` (``dr_grpo``) over that global batch, times the
-  number of processes (DDP and DeepSpeed average gradients over them; TRL's ``dapo`` scales the
-  same way). TRL's own ``grpo`` / ``bnpo`` / ``dr_grpo`` normalise per micro-batch and process
-  instead, so with uneven completion lengths their gradient depends on the split; these are the
-  single-device gradient of the generation batch, and on one micro-batch on one process they
-  equal TRL's loss, also with fully masked rows. Metrics: ``kl``, ``entropy``,
-  ``clip_ratio/low_mean`` / ``high_mean`` / ``region_mean`` or ``cispo_clip_ratio`` per
-  micro-batch, globally reduced, in TRL's ``_metrics``.
+  weights of TRL's normaliser of each ``loss_type`` over that global batch:
+  ``1 / (n_s N_sequences)`` (``grpo``, ``sapo``: each row's token mean, then the mean over
+  rows), ``1 / N_tokens`` (``bnpo``, ``dapo``, ``cispo``, ``vespo``: the token mean),
+  ``1 / N_sequences`` (``luspo``: each row's token sum, then the mean over rows) or
+  ``1 / (N_sequences max_completion_length)`` (``dr_grpo``), times the number of processes
+  (DDP and DeepSpeed average gradients over them; TRL's ``dapo`` / ``cispo`` / ``vespo`` scale
+  the same way). TRL's own ``grpo`` / ``sapo`` / ``luspo`` / ``bnpo`` / ``dr_grpo`` normalise
+  per micro-batch and process instead, so with uneven completion lengths their gradient depends
+  on the split; these are the single-device gradient of the generation batch, and on one
+  micro-batch on one process they equal TRL's loss, also with fully masked rows. Metrics:
+  ``kl``, ``entropy``, ``clip_ratio/low_mean`` / ``high_mean`` / ``region_mean`` (PPO types,
+  ``luspo`` included), ``cispo_clip_ratio`` or ``vespo/phi_seq_mean`` (none for ``sapo``, as
+  TRL) per micro-batch, globally reduced, in TRL's ``_metrics``.
 
 The options come from TRL's ``GRPOConfig`` (``loss_type``, ``epsilon``, ``epsilon_high``,
-``delta``, ``beta``, ``entropy_coef``, ``importance_sampling_level``, ``max_completion_length``).
+``delta``, ``beta``, ``entropy_coef``, ``importance_sampling_level``, ``max_completion_length``;
+``sapo_temperature_pos`` / ``sapo_temperature_neg`` for ``sapo``, ``vespo_k_pos`` /
+``vespo_lambda_pos`` / ``vespo_k_neg`` / ``vespo_lambda_neg`` for ``vespo``, read only for
+their loss type, as TRL reads them). Every TRL 1.16 ``loss_type`` is mapped: ``grpo``,
+``bnpo``, ``dapo``, ``dr_grpo``, ``cispo`` (MiniMax-M1, arXiv:2506.13585), ``sapo`` (SAPO,
+arXiv:2511.20347), ``luspo`` (LUSPO, arXiv:2602.05261; TRL recommends
+``importance_sampling_level="sequence"``, both levels are reproduced) and ``vespo`` (VESPO,
+arXiv:2602.10693); the formulas are in :mod:`megaloss.losses.policy`.
 Refused (ValueError at construction): ``steps_per_generation`` other than
 ``gradient_accumulation_steps`` (a generation batch must be one optimizer step for the counts to
 be the step's), ``loss_type`` outside megaloss's, ``top_entropy_quantile < 1``,
 ``off_policy_mask_threshold``, vLLM importance-sampling correction, adaptive entropy,
 ``use_bias_correction_kl`` with ``beta > 0`` (TRL reads it only inside ``if self.beta != 0.0``,
 so its default ``True`` is accepted at ``beta = 0``), MoE auxiliary loss: TRL features this hook
-does not reproduce. ``delta`` is passed on and, as in TRL, ignored by ``cispo``.
+does not reproduce; also a ``sapo_temperature_*`` that is not a finite number ``> 0``, a
+``vespo_k_*`` that is not finite ``>= 0`` or a ``vespo_lambda_*`` that is not finite ``> 0``
+(ValueError naming the field, from :class:`~megaloss.PolicyLossOptions`: TRL divides by the
+temperature, and clamps ``lambda`` to ``>= 1e-4`` where megaloss refuses ``lambda <= 0``).
+For ``vespo`` the vLLM importance-sampling ratio TRL folds into the Gamma weight is refused
+with the rest of the vLLM correction. ``delta`` is passed on and, as in TRL, ignored by
+``cispo``, ``sapo`` and ``vespo``. One difference below float32 resolution: TRL picks SAPO's
+temperature (and VESPO's ``k`` / ``lambda``) per token with ``torch.where`` of Python floats,
+which rounds them to torch's default dtype (float32: ``1.05`` becomes ``1.0499999523``);
+megaloss keeps them in the log-probs' dtype.
 
-Tested on one process against TRL's own ``_compute_loss`` (also with fully masked rows) and
-across split micro-batches (``tests/integrations/test_hf_trl_policy.py``); the multi-process
-path relies on TRL's ``accelerator.reduce`` and its process-count scaling.
+Tested on one process against TRL's own ``_compute_loss`` (also with fully masked rows, every
+``loss_type``) and across split micro-batches (``tests/integrations/test_hf_trl_policy.py``);
+the multi-process path relies on TRL's ``accelerator.reduce`` and its process-count scaling.
 """
 from __future__ import annotations
 
@@ -61,15 +81,20 @@ from ...parallel.groups import SINGLE_RANK
 __all__ = ["MegalossGRPOMixin", "policy_options_from_grpo_args"]
 
 _COUNT_KEYS = ("megaloss_num_tokens", "megaloss_num_sequences")
-# The loss types the hook maps from a GRPOConfig (sapo / luspo / vespo and their GRPOConfig
-# fields are not mapped yet: megaloss.policy_loss has them, the hook refuses them).
-_MIXIN_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")
+# The loss types the hook maps from a GRPOConfig: all of TRL 1.16's, each with the GRPOConfig
+# fields only it reads (TRL's GRPOTrainer._compute_loss / get_gamma_weights).
+_MIXIN_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
+_TYPE_FIELDS = {
+    "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+}
 
 
 def policy_options_from_grpo_args(args: Any, *, count_empty_rows: bool = True
                                   ) -> PolicyLossOptions:
     """:class:`~megaloss.PolicyLossOptions` from a TRL ``GRPOConfig`` (``epsilon`` is
-    ``epsilon_low``; ``epsilon_high`` defaults to it, as in TRL).
+    ``epsilon_low``; ``epsilon_high`` defaults to it, as in TRL; the ``sapo_*`` / ``vespo_*``
+    fields only for ``loss_type="sapo"`` / ``"vespo"``).
 
     Args:
         args: a ``trl.GRPOConfig`` (or an object with its attributes).
@@ -78,7 +103,7 @@ def policy_options_from_grpo_args(args: Any, *, count_empty_rows: bool = True
 
     Raises:
         ValueError: a setting the hook does not reproduce (module docstring), or an option out of
-            range.
+            range (naming the field, e.g. ``sapo_temperature_neg`` or ``vespo_lambda_pos``).
         TypeError: ``count_empty_rows`` not a bool (from :class:`~megaloss.PolicyLossOptions`).
     """
     if args.loss_type not in _MIXIN_LOSS_TYPES:
@@ -104,12 +129,16 @@ def policy_options_from_grpo_args(args: Any, *, count_empty_rows: bool = True
                          f"{gas}: the completion counts are those of one generation batch, which "
                          "must be one optimizer step")
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    # A loss type's own GRPOConfig fields are read (and checked) only for it, as TRL reads them.
+    own = {name: getattr(args, name) for name in _TYPE_FIELDS.get(args.loss_type, ())
+           if hasattr(args, name)}
     return PolicyLossOptions(
         loss_type=args.loss_type, epsilon_low=args.epsilon, epsilon_high=eps_high,
         delta=getattr(args, "delta", None), beta=args.beta,
         entropy_coef=getattr(args, "entropy_coef", 0.0),
         importance_sampling_level=args.importance_sampling_level,
-        max_completion_length=args.max_completion_length, count_empty_rows=count_empty_rows)
+        max_completion_length=args.max_completion_length, count_empty_rows=count_empty_rows,
+        **own)
 
 
 def _mask(inputs: Dict[str, Any]) -> torch.Tensor:
@@ -178,11 +207,14 @@ class MegalossGRPOMixin:
         valid = mask != 0
         n_tokens, n_seqs = (inputs[k].to(torch.float64).clamp(min=1.0) for k in _COUNT_KEYS)
         m = valid.to(torch.float64)
-        if opts.loss_type == "grpo":
+        # TRL's normaliser of each loss_type, over the generation batch (module docstring)
+        if opts.loss_type in ("grpo", "sapo"):
             loss_w = m / (m.sum(-1, keepdim=True).clamp(min=1.0) * n_seqs)
         elif opts.loss_type == "dr_grpo":
             loss_w = m / (n_seqs * opts.max_completion_length)
-        else:
+        elif opts.loss_type == "luspo":
+            loss_w = m / n_seqs
+        else:  # bnpo, dapo, cispo, vespo
             loss_w = m / n_tokens
         dtype = log_probs.dtype
         weights = PolicyLossWeights(loss_w.to(dtype), (m / n_tokens).to(dtype))

@@ -1,29 +1,34 @@
 """The post-training losses under DeepSpeed-Ulysses sequence parallelism against one device on
 the global batch, float64: :func:`~megaloss.integrations.deepspeed.policy_train_step` (the
 GRPO family's token-level ``loss_type`` s, GSPO's sequence-level ratio, VESPO's summed
-log-ratio), :func:`~megaloss.integrations.deepspeed.dpo_train_step` (sequence log-prob sums
-and, for IPO, completion lengths added over the SP slices; each pair counted once) and
-distillation in :func:`~megaloss.integrations.deepspeed.train_step` (a teacher
-module of another head geometry than the student, and a stored top-k teacher), for DP x SP =
-2 x 1 and 1 x 2 (2 processes, one spawn) and 2 x 2 (4 processes), GAS 2, ZeRO-0.
+log-ratio), :func:`~megaloss.integrations.deepspeed.dpo_train_step` /
+:func:`~megaloss.integrations.deepspeed.preference_train_step` (DPO sigmoid and IPO, ORPO from
+the ds_config's ``"megaloss": {"orpo": {...}}`` section, CPO with its NLL term, SimPO, KTO with
+its KL baseline: sequence log-prob sums and completion lengths added over the SP slices, each
+pair or example counted once) and distillation in
+:func:`~megaloss.integrations.deepspeed.train_step` (a teacher module of another head geometry
+than the student, and a stored top-k teacher), for DP x SP = 2 x 1 and 1 x 2 (2 processes, one
+spawn) and 2 x 2 (4 processes), GAS 2, ZeRO-0.
 
 A tiny Llama (sdpa) whose attention is DeepSpeed's ``UlyssesSPAttentionHF``
 (:func:`megaloss.integrations.hf.ulysses.enable_ulysses_attention`); SEQ = 9 is no multiple of
 SP = 2, so the slices are 5 + 4 tokens plus one padding place. The completion lengths are
 uneven over the SP slices: sequences whose completion lies wholly on SP rank 0 (empty on rank 1)
 or wholly on rank 1, one across the cut, a row without completion, and a micro-batch with no
-completion token on SP rank 1 at all. DPO pairs rows p (chosen) and p + 4 (rejected): a pair
-wholly on SP rank 0 (a DP 2 x GAS 2 micro-batch without a token on SP rank 1), a chosen on
-rank 1 with its rejected on rank 0, a pair without chosen token (not counted), one across the
-cut. Old / reference log-probs are the reference's current
-ones plus noise, so the clipping bites.
+completion token on SP rank 1 at all. The paired losses pair rows p (chosen) and p + 4
+(rejected): a pair wholly on SP rank 0 (a DP 2 x GAS 2 micro-batch without a token on SP rank
+1), a chosen on rank 1 with its rejected on rank 0, a pair without chosen token (not counted),
+one across the cut; KTO takes every row as an example (rows 0-4 desirable) and other ids under
+the same mask as its KL rows. Old / reference log-probs are the reference's current ones plus
+noise, so the clipping bites (and KTO's ``z0`` is positive).
 
 The reference: the same Llama on one process, plain causal attention over the whole rows, full
-logits (``log_softmax``), one :func:`megaloss.policy_loss` / :func:`megaloss.dpo_loss` call on
-the whole global batch (or
-the distillation wrapper on the whole batch with the one-device calibration). Every step's
-logged loss and every parameter's gradient (read at the boundary, before the optimizer step,
-whose learning rate is 0) within 1e-12 (relative, Frobenius norm for the gradients).
+logits (``log_softmax``), one :func:`megaloss.policy_loss` / :func:`megaloss.dpo_loss` /
+``cpo_loss`` / ``orpo_loss`` / ``kto_loss`` call on the whole global batch (or the
+distillation wrapper on the whole batch with the one-device calibration). Every step's logged
+loss, every parameter's gradient (read at the boundary, before the optimizer step, whose
+learning rate is 0) and every metric within 1e-12 (relative, Frobenius norm for the gradients,
+metrics relative to max(1, |value|)).
 """
 import contextlib
 

@@ -57,12 +57,17 @@ run() {  # run the launcher command "$@" (DRY_RUN: print it)
   # SIGUSR1 (`sbatch --signal=USR1@60`, sent to every process of the step) would kill the
   # launcher's processes, which take no such signal: they ignore it (inherited), the ranks
   # install their own handler for it.
-  trap '' INT USR1
+  # SIGTERM (SLURM's time limit and scancel: every process of the step) would kill this script
+  # and the `deepspeed` command at once, before the ranks have saved (status 143, not 75): both
+  # ignore it; launch.py installs its own handler, which passes it on to the ranks and waits
+  # for them. A SIGTERM to this script alone therefore stops nothing (send it to the process
+  # group, or SIGINT).
+  trap '' INT USR1 TERM
   set +e
   "$@"
   local rc=$?
   set -e
-  trap - INT USR1
+  trap - INT USR1 TERM
   # Stopped on request (SIGTERM / SIGINT / SIGUSR1) and saved on every rank of this node, no
   # rank failed: status 75 (EX_TEMPFAIL, "try again": continue with --resume), whatever status
   # the launcher got from how the signal reached it.

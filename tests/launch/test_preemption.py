@@ -8,8 +8,9 @@
   must agree to stop at the same step boundary by themselves;
 - a second LM run gets SIGUSR1 (``sbatch --signal=USR1``) at rank 1 only: rank 0 learns of it
   at the step boundary, both save, and the launcher exits 0 (not resumed below);
-- a third gets SIGTERM at every process twice (SLURM's time limit, then ``scancel``): one stop
-  (not resumed below);
+- a third, started as the README says (``bash launch/train_lm.sh``), gets SIGTERM at every
+  process twice (SLURM's time limit, then ``scancel``): one stop, and the script exits 75 (not
+  resumed below);
 - a fourth, started as the README says (``bash launch/train_lm.sh``), gets SIGUSR1 at every
   process (``sbatch --signal=USR1``): the launcher's processes survive it, the ranks save, and
   the script exits 75 (not resumed below).
@@ -202,7 +203,7 @@ _STOPPED = {
     "lm": (_lm_args, "Train_megaloss_loss.csv", _ctrl_c, ".py"),
     "embed": (_embed_args, "Train_megaloss_mnr_loss.csv", _sigterm_to_launch_py, ".py"),
     "lm-usr1": (_lm_args, "Train_megaloss_loss.csv", _sigusr1_to_rank_1, ".py"),
-    "lm-term": (_lm_args, "Train_megaloss_loss.csv", _sigterm_to_all_twice, ".py"),
+    "lm-term": (_lm_args, "Train_megaloss_loss.csv", _sigterm_to_all_twice, ".sh"),
     "lm-usr1-all": (_lm_args, "Train_megaloss_loss.csv", _sigusr1_to_all, ".sh"),
 }
 
@@ -297,8 +298,12 @@ def test_sigusr1_to_one_rank_saves_on_every_rank(preempted):
 
 @pytest.mark.timeout(420)
 def test_sigterm_to_every_process_twice_saves_lm(preempted):
-    out, output, _ = preempted[0]["lm-term"]
+    """Through ``bash launch/train_lm.sh``: before, the script (and the ``deepspeed`` command)
+    died of the first SIGTERM with status 143 while the ranks were still saving."""
+    out, output, returncode = preempted[0]["lm-term"]
+    assert returncode == 75, output[-3000:]
     _check_stopped(out, output, "SIGTERM", "lm")
+    assert "stopped on request after a checkpoint on every rank: exit status 75" in output
 
 
 def test_sigusr1_to_every_process_of_the_script_saves_and_exits_75(preempted):

@@ -358,7 +358,7 @@ def main(argv=None) -> int:
                    help="vocabulary V, divisible by every TP (default 32000)")
     p.add_argument("--chunk-size", type=int, default=None,
                    help="megaloss chunk (default: megaloss's own, auto_chunk_size: fp32 logits "
-                        "about the size of hidden, at least 128 tokens)")
+                        "about the size of hidden, at least 512 tokens)")
     p.add_argument("--ds-chunk-size", type=int, default=None,
                    help="chunk_size of vocab_parallel_linear_cross_entropy (default: DeepSpeed's, "
                         "fp32 blocks about the size of hidden: ceil(N / ceil(V / TP / H)) tokens)")

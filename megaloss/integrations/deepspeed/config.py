@@ -272,6 +272,10 @@ class _CheckedWhole(_OptionsSection):
             raise PydanticCustomError("megaloss_option", str(err)) from None
         return self
 
+    def options(self) -> Any:
+        """The section's options: its ``_options_cls`` dataclass built from its keys."""
+        return self._options_cls(**self._option_fields())
+
 
 class _PolicySection(_CheckedWhole):
     _options_cls: ClassVar[type] = PolicyLossOptions
@@ -282,10 +286,6 @@ class _PolicySection(_CheckedWhole):
     @classmethod
     def _validated_by_the_dataclass(cls, value: Any, info: ValidationInfo) -> Any:
         return value
-
-    def options(self) -> PolicyLossOptions:
-        """The :class:`~megaloss.ops.options.PolicyLossOptions` of the loss."""
-        return PolicyLossOptions(**self._option_fields())
 
 
 PolicyConfig = create_model(
@@ -322,10 +322,6 @@ class _DPOSection(_CheckedWhole):
             return value
         return super()._validated_by_the_dataclass(value, info)
 
-    def options(self) -> DPOOptions:
-        """The :class:`~megaloss.ops.options.DPOOptions` of the loss."""
-        return DPOOptions(**self._option_fields())
-
 
 DPOConfig = create_model(
     "DPOConfig", __base__=_DPOSection, __module__=__name__,
@@ -343,10 +339,6 @@ DPOConfig = create_model(
 
 class _CPOSection(_CheckedWhole):
     _options_cls: ClassVar[type] = CPOOptions
-
-    def options(self) -> CPOOptions:
-        """The :class:`~megaloss.losses.CPOOptions` of the loss."""
-        return CPOOptions(**self._option_fields())
 
 
 CPOConfig = create_model(
@@ -391,10 +383,6 @@ SimPOConfig = create_model(
 class _ORPOSection(_CheckedWhole):
     _options_cls: ClassVar[type] = ORPOOptions
 
-    def options(self) -> ORPOOptions:
-        """The :class:`~megaloss.losses.ORPOOptions` of the loss."""
-        return ORPOOptions(**self._option_fields())
-
 
 ORPOConfig = create_model(
     "ORPOConfig", __base__=_ORPOSection, __module__=__name__,
@@ -412,10 +400,6 @@ ORPOConfig = create_model(
 
 class _KTOSection(_CheckedWhole):
     _options_cls: ClassVar[type] = KTOOptions
-
-    def options(self) -> KTOOptions:
-        """The :class:`~megaloss.losses.KTOOptions` of the loss."""
-        return KTOOptions(**self._option_fields())
 
 
 KTOConfig = create_model(

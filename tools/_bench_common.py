@@ -38,7 +38,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence
 
 __all__ = ["MALLOC_ENV", "MemoryProbe", "trim_memory", "median", "budget_spent", "run_worker",
            "format_table", "write_csv", "mib", "worker_env", "require_positive", "vocab_shard",
-           "peak_rss_bytes"]
+           "peak_rss_bytes", "finish"]
 
 # Fixed glibc malloc behaviour in every worker process (see the module docstring).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
@@ -227,6 +227,17 @@ def format_table(rows: Iterable[Dict[str, Any]], columns: Sequence[str]) -> str:
              "  ".join("-" * w for w in widths)]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+def finish(errors: Sequence[str], csv_path: Optional[str], rows: Sequence[Dict[str, Any]],
+           columns: Sequence[str]) -> int:
+    """A tool's end: each of ``errors`` on stderr, the CSV of ``rows`` when ``csv_path`` is
+    given; the exit status (1 when a row failed)."""
+    for e in errors:
+        print(f"error: {e}", file=sys.stderr)
+    if csv_path:
+        write_csv(csv_path, rows, columns)
+    return 0 if not errors else 1
 
 
 def write_csv(path: str, rows: Iterable[Dict[str, Any]], columns: Sequence[str]) -> None:

@@ -47,12 +47,12 @@ sys.path.insert(1, ROOT)  # launch.jobs.models: the LM job's model
 from _bench_common import (  # noqa: E402
     MALLOC_ENV,
     MemoryProbe,
+    finish,
     format_table,
     median,
     peak_rss_bytes,
     require_positive,
     trim_memory,
-    write_csv,
 )
 
 CONFIG = os.path.join(ROOT, "configs", "autotp2.json")
@@ -217,11 +217,7 @@ def main(argv=None) -> int:
           f"the ranks; per rank, max over ranks; *_ratio = megaloss / this row")
     print(format_table(rows, TABLE_COLUMNS))
     errors = [f"{r['method']}: {r['error']}" for r in rows if r["error"]]
-    for e in errors:
-        print(f"error: {e}", file=sys.stderr)
-    if args.csv:
-        write_csv(args.csv, rows, COLUMNS)
-    return 0 if not errors else 1
+    return finish(errors, args.csv, rows, COLUMNS)
 
 
 if __name__ == "__main__":

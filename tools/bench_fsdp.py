@@ -66,11 +66,11 @@ from _bench_common import (  # noqa: E402
     MALLOC_ENV,
     MemoryProbe,
     budget_spent,
+    finish,
     format_table,
     median,
     mib,
     require_positive,
-    write_csv,
 )
 
 WORLD = 2
@@ -360,11 +360,7 @@ def main(argv=None) -> int:
         print(format_table([r for r in rows if r["tokens"] == n], TABLE_COLUMNS))
     errors = [f"N={r['tokens']} {r['layout']}/{r['method']}: {r['error']}" for r in rows
               if r["error"]]
-    for e in errors:
-        print(f"error: {e}", file=sys.stderr)
-    if args.csv:
-        write_csv(args.csv, rows, COLUMNS)
-    return 0 if not errors else 1
+    return finish(errors, args.csv, rows, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,12 @@ fsdp_config={"version": 2})`` builds (what ``Accelerator.prepare`` runs on a GPU
 a stand-in for the accelerator it reads (plugin, no device mesh, ``mixed_precision="no"``), after
 the exposure MegalossTrainer applies before accelerate's preparation: decoder layers, the input
 embedding and the loss head in units of their own (the tied weight in one unit with both users);
+``accelerate-config``: the same preparation, the settings read from an accelerate config file
+(``fsdp_version: 2``, ``TRANSFORMER_BASED_WRAP`` of ``LlamaDecoderLayer``,
+``fsdp_reshard_after_forward: false``; TRL's ``trl/accelerate_configs/fsdp2.yaml`` adapted) the
+way ``accelerate launch --config_file`` gives them: accelerate's launcher code turns the file
+into the processes' environment (``FSDP_VERSION=2``, ...) and ``FullyShardedDataParallelPlugin()``
+reads it, as ``Accelerator`` does (the launch itself left out);
 ``manual``: ``fully_shard`` per decoder layer, then on the wrapper (the head in the root unit,
 ``reshard_after_forward=False``).
 
@@ -30,7 +36,9 @@ the losses rel 1e-2. The loss reads an unsharded
 ``probe_fsdp`` measures: 2 (FSDP2's average), 1 after ``set_gradient_divide_factor(1)``.
 Assumed instead of measured (DDP's 2 with the divide factor 1, or 1 under the default average:
 what the Trainer gave an FSDP2 model before), each step is 2x or 1/2x the right one: some
-parameter ends over 40 % of its update away from the reference.
+parameter ends over 40 % of its update away from the reference. Refused on CPU, where accelerate
+would train DDP: ``args.fsdp`` and the config file's environment (``ACCELERATE_USE_FSDP=true``)
+with a model not sharded beforehand.
 """
 import os
 import sys
@@ -63,6 +71,7 @@ CASES = {
     "accelerate-token": ("accelerate", False, "token", None, None),
     "accelerate-tied-sample": ("accelerate", True, "sample", None, None),
     "manual-square": ("manual", False, "square", None, None),
+    "accelerate-config-file-sample": ("accelerate-config", False, "sample", None, None),
     "accelerate-divide1-token": ("accelerate", False, "token", 1.0, None),
     "accelerate-clip-square": ("accelerate", False, "square", None, None),
     "manual-bf16-token": ("manual-bf16", False, "token", None, None),
@@ -131,6 +140,83 @@ def _accelerate_shard(wrapper):
     return fsdp2_prepare_model(acc, wrapper), plugin_args
 
 
+# An accelerate config file as `accelerate config` writes it for FSDP2 (TRL's
+# trl/accelerate_configs/fsdp2.yaml with 2 processes, float64 without mixed precision, no
+# cpu_ram_efficient_loading, reshard_after_forward false and the decoder layer class named)
+ACCELERATE_FSDP2_YAML = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: false
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: false
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_version: 2
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+
+
+def _accelerate_launch_env(path):
+    """The environment ``accelerate launch --config_file <path> train.py`` gives the training
+    processes (its ``FSDP_*`` and ``ACCELERATE_*`` variables), computed by accelerate 1.15's own
+    launcher code (``_validate_launch_command`` in ``accelerate/commands/launch.py``, then
+    ``prepare_multi_gpu_env`` in ``accelerate/utils/launch.py``) without launching; the file
+    written first (:data:`ACCELERATE_FSDP2_YAML`)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(ACCELERATE_FSDP2_YAML)
+    args = launch_command_parser().parse_args(["--config_file", path, "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    return {k: v for k, v in env.items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+
+
+def _accelerate_config_shard(wrapper, path):
+    """FSDP2 from an accelerate config file: in the launcher's environment
+    (:func:`_accelerate_launch_env`) ``Accelerator`` builds ``FullyShardedDataParallelPlugin()``
+    (``accelerate/accelerator.py``: the plugin reads the variables), and ``fsdp2_prepare_model``
+    shards the model with it. The same calls here (the environment only while the plugin is
+    built), with the stand-in accelerator of :func:`_accelerate_shard`."""
+    import types
+    from unittest import mock
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    from megaloss.integrations.hf.trainer import _expose_to_accelerate_fsdp2
+    launched = _accelerate_launch_env(path)
+    with mock.patch.dict(os.environ, launched):
+        assert os.environ["ACCELERATE_USE_FSDP"] == "true"  # Accelerator's test for the plugin
+        plugin = FullyShardedDataParallelPlugin()
+    acc = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin),
+                                torch_device_mesh=None, parallelism_config=None,
+                                mixed_precision=launched["ACCELERATE_MIXED_PRECISION"],
+                                device=torch.device("cpu"),
+                                is_main_process=torch.distributed.get_rank() == 0)
+    _expose_to_accelerate_fsdp2(wrapper)
+    seen = dict(fsdp_version=plugin.fsdp_version,
+                reshard_after_forward=plugin.reshard_after_forward,
+                transformer_cls_names_to_wrap=plugin.transformer_cls_names_to_wrap,
+                env={k: launched.get(k) for k in ("ACCELERATE_USE_FSDP", "FSDP_VERSION",
+                                                  "FSDP_RESHARD_AFTER_FORWARD",
+                                                  "ACCELERATE_MIXED_PRECISION")})
+    return fsdp2_prepare_model(acc, wrapper), seen
+
+
 def _args(out_dir, max_grad_norm=0.0, **kw):
     from transformers import TrainingArguments
     return TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2,
@@ -162,6 +248,9 @@ def _run_case(rank, world, out_dir, name):
     plugin_args = None
     if layout == "accelerate":
         wrapper, plugin_args = _accelerate_shard(wrapper)
+    elif layout == "accelerate-config":
+        wrapper, plugin_args = _accelerate_config_shard(
+            wrapper, os.path.join(out_dir, f"accelerate-fsdp2-rank{rank}.yaml"))
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy
         kw = dict(reshard_after_forward=False)
@@ -220,11 +309,23 @@ def _run_case(rank, world, out_dir, name):
 
 
 def _refusals(rank, world, out_dir):
+    from unittest import mock
+
     from torch.distributed.fsdp import fully_shard
 
     from megaloss.integrations.hf import CausalLMWithLoss
     from megaloss.integrations.hf.trainer import MegalossTrainer
     out = {}
+    # first (accelerate itself sets ACCELERATE_USE_FSDP once given a plugin, as below): the
+    # environment of `accelerate launch --config_file` with the FSDP2 file, on CPU
+    with mock.patch.dict(os.environ, _accelerate_launch_env(
+            os.path.join(out_dir, f"accelerate-fsdp2-refusal-rank{rank}.yaml"))):
+        try:
+            MegalossTrainer(model=_llama(False), args=_args(os.path.join(out_dir, "r0")),
+                            train_dataset=samples(4), data_collator=collate)
+            out["config_file_on_cpu"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type and message are what is tested
+            out["config_file_on_cpu"] = f"{type(e).__name__}: {e}"
     try:  # accelerate drops the FSDP plugin on CPU: refused, naming the pre-sharded way
         MegalossTrainer(model=_llama(False), args=_args(os.path.join(out_dir, "r1"), fsdp=True,
                                                         fsdp_config={"version": 2}),
@@ -290,9 +391,16 @@ def test_fsdp2_trainer_equals_single_process_reference(results, name):
         assert len(r["seen"]) > STEPS * 2 and r["seen"][0][1][0] == VOCAB, r["seen"]
         assert not any(sharded for sharded, _ in r["seen"]), r["seen"]
         assert r["multiplier"] == pytest.approx(WORLD if divide is None else divide, rel=1e-12)
-    if layout == "accelerate":
+    if layout.startswith("accelerate"):
         assert "model.lm_head" in res[0]["units"] and "model.model.layers.0" in res[0]["units"]
         assert res[0]["plugin_args"]["fsdp_version"] == 2
+    if layout == "accelerate-config":  # the file's settings reached the plugin
+        seen = res[0]["plugin_args"]
+        assert seen["env"] == {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+                               "FSDP_RESHARD_AFTER_FORWARD": "false",
+                               "ACCELERATE_MIXED_PRECISION": "no"}, seen
+        assert seen["reshard_after_forward"] is False, seen
+        assert seen["transformer_cls_names_to_wrap"] == ["LlamaDecoderLayer"], seen
     # the two ranks trained on different samples (the union is the step's global batch)
     assert res[0]["steps"][0] != res[1]["steps"][0]
     losses, norms = [], []
@@ -338,6 +446,9 @@ def test_refusals(results):
             ref["fsdp_on_cpu"], ref["fsdp_on_cpu"]
         assert ref["partial"].startswith("ValueError") and "root" in ref["partial"], \
             ref["partial"]
+        cfg = ref["config_file_on_cpu"]  # the config file's FSDP would be plain DDP on CPU
+        assert cfg.startswith("ValueError: ACCELERATE_USE_FSDP=true"), cfg
+        assert "did not enable FSDP" in cfg and "fully_shard" in cfg, cfg
 
 
 def test_accelerate_fsdp_plugin_is_checked_and_given_the_layout(tmp_path):

@@ -75,8 +75,11 @@ makes it a ``VocabParallelEmbedding`` on the head's own shard (see ``AutoTPCausa
 
 PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``), two ways in:
 
-- accelerate's FSDP2 (``TrainingArguments(fsdp=True, fsdp_config={"version": 2, ...})`` or an
-  accelerate ``FullyShardedDataParallelPlugin(fsdp_version=2)``): ``Accelerator.prepare`` shards
+- accelerate's FSDP2 (``TrainingArguments(fsdp=True, fsdp_config={"version": 2, ...})``, an
+  accelerate ``FullyShardedDataParallelPlugin(fsdp_version=2)``, or an accelerate config file
+  with ``fsdp_version: 2`` given to ``accelerate launch --config_file``: the launcher sets
+  ``ACCELERATE_USE_FSDP=true``, ``FSDP_VERSION=2``, ... and ``Accelerator`` builds the plugin
+  from that environment): ``Accelerator.prepare`` shards
   the wrapper with ``fsdp2_prepare_model`` (``accelerate/utils/fsdp_utils.py``): ``fully_shard``
   on each module its auto-wrap policy picks (the transformer policy reads
   ``_no_split_modules``), on the input embedding, on ``[final norm, get_output_embeddings()]``
@@ -91,7 +94,7 @@ PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``), two ways in:
   accelerate 1.15 enables FSDP only for accelerator-backed distributed types
   (``accelerate/state.py``: ``MULTI_GPU``, ``MULTI_XPU``, ...): on CPU (``MULTI_CPU``, gloo) it
   drops the plugin and wraps the model in DDP, so :class:`MegalossTrainer` refuses
-  ``args.fsdp`` there with the way below;
+  ``args.fsdp`` (or ``ACCELERATE_USE_FSDP=true``) there with the way below;
 - a model already ``fully_shard``-ed (any device, ``args.fsdp`` unset): the
   :class:`~megaloss.CausalLMWithLoss` sharded after wrapping, with the wrapper itself as the root
   FSDP unit (every trainable parameter a DTensor). accelerate's DDP would refuse its DTensor
@@ -286,11 +289,13 @@ class MegalossTrainer(Trainer):
             megaloss's own DeepSpeed loop); an invalid section; under AutoTP what megaloss
             refuses there (``vocab_parallel_lm_head`` unset, ZeRO-3).
         TypeError: under AutoTP a ``CausalLMWithLoss`` (its lm_head is no ``nn.Linear``).
-        ValueError (FSDP): ``args.fsdp`` where accelerate does not enable FSDP (CPU: it would
-            train DDP), naming the pre-sharded way; accelerate's FSDP1; a partly sharded wrapper
-            (the root not ``fully_shard``-ed, a trainable parameter not sharded); a
-            ``*ForCausalLM`` sharded before wrapping (``CausalLMWithLoss``'s refusal); a mesh
-            whose ranks are not the Trainer's processes (on the first training micro-batch).
+        ValueError (FSDP): ``args.fsdp`` or ``ACCELERATE_USE_FSDP=true`` (an FSDP config file
+            given to ``accelerate launch``) where accelerate does not enable FSDP (CPU: it would
+            train DDP) and the model is not pre-sharded, naming the pre-sharded way; accelerate's
+            FSDP1; a partly sharded wrapper (the root not ``fully_shard``-ed, a trainable
+            parameter not sharded); a ``*ForCausalLM`` sharded before wrapping
+            (``CausalLMWithLoss``'s refusal); a mesh whose ranks are not the Trainer's processes
+            (on the first training micro-batch).
         megaloss.calibration.EngineScaleError: on the first training micro-batch, an engine
             whose gradient scale megaloss cannot compensate.
     """
@@ -338,15 +343,19 @@ class MegalossTrainer(Trainer):
             if not presharded:
                 _expose_to_accelerate_fsdp2(self.model)
             return
-        if getattr(self.args, "fsdp", None) and not presharded:
+        requested = ("TrainingArguments.fsdp is set" if getattr(self.args, "fsdp", None) else
+                     "ACCELERATE_USE_FSDP=true (accelerate launch with an FSDP config file)"
+                     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+                     else None)
+        if requested and not presharded:
             raise ValueError(
-                "TrainingArguments.fsdp is set, but accelerate did not enable FSDP "
+                f"{requested}, but accelerate did not enable FSDP "
                 f"(distributed type {self.accelerator.distributed_type}): accelerate 1.x enables "
                 "it only on accelerators (accelerate/state.py), and on CPU would train plain DDP. "
                 "For FSDP2 on CPU / gloo, shard the model before the Trainer: wrap it "
                 "(megaloss.CausalLMWithLoss(model, options=...)), apply "
                 "torch.distributed.fsdp.fully_shard to each decoder layer and then to the wrapper "
-                "as the root, and pass the wrapper without args.fsdp")
+                "as the root, and pass the wrapper without args.fsdp or an FSDP accelerate config")
         if presharded:
             # transformers' path for a model that owns its sharding (no DDP, no second
             # fully_shard: Trainer._prepare_for_training; no_sync: below)

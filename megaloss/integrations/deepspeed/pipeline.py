@@ -147,6 +147,52 @@ def _first_block_checkpointed(funcs: Sequence[Any], interval: int) -> bool:
                for f in funcs[:interval])
 
 
+def _tied_weights_reloaded(module: Any) -> None:
+    """Make ``module.load_state_dir`` (what the pipeline engine's ``load_checkpoint`` calls)
+    leave every copy of a tied module with the weights it loaded, outside autograd.
+
+    Why, in DeepSpeed 0.19.8 (``runtime/pipe/module.py``): ``save_state_dict`` writes one file
+    per layer that has a ``state_dict``, so a ``TiedLayerSpec`` place with a ``forward_fn`` (a
+    ``functools.partial``) is written and loaded by no stage; ``load_state_dir`` then broadcasts
+    each tied module from the lowest stage holding it (``_synchronize_tied_weights``). When the
+    lowest place is the one with the ``forward_fn`` (the tied embedding of
+    :func:`~.pipeline_llama.llama_pipeline_layers`: the first stage's place embeds through a
+    ``forward_fn``, the last stage's, the head, is the module itself), that stage's weights,
+    never loaded, overwrite the loaded ones. Here the module's ``_synchronize_tied_weights``
+    (called by ``load_state_dir`` only, once the module is built) broadcasts each tied module
+    from the stage of its first place without ``forward_fn``, the one whose layer file was
+    loaded (the lowest stage, as DeepSpeed's, when no such place is lower). And the load runs
+    under ``torch.no_grad()``, as the module's construction does here: in grad mode autograd
+    records the in-place ``c10d::broadcast_`` on the tied weight (a warning at every backward,
+    "an autograd kernel was not registered")."""
+    from deepspeed import comm as ds_dist
+    from deepspeed.pipe import TiedLayerSpec
+
+    places: Dict[str, list] = {}
+    for idx, spec in enumerate(module._layer_specs):
+        if isinstance(spec, TiedLayerSpec):
+            places.setdefault(spec.key, []).append((module.stage_owner(idx), spec))
+    sources = {}  # key -> index of the loaded copy's rank in tied_comms[key]["ranks"]
+    for key, found in places.items():
+        stages = sorted({stage for stage, _ in found})  # tied_comms' rank order
+        saved = [stage for stage, spec in found if spec.forward_fn is None]
+        sources[key] = stages.index(saved[0]) if saved else 0
+
+    def synchronize_tied_weights() -> None:
+        for key, comm in module.tied_comms.items():  # sorted by key on every rank
+            for t in [*comm["module"].parameters(), *comm["module"].buffers()]:
+                ds_dist.broadcast(t.data, src=comm["ranks"][sources[key]], group=comm["group"])
+
+    load_state_dir = module.load_state_dir
+
+    def load_state_dir_no_grad(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return load_state_dir(*args, **kwargs)
+
+    module._synchronize_tied_weights = synchronize_tied_weights
+    module.load_state_dir = load_state_dir_no_grad
+
+
 def initialize_pipeline(layers: Sequence[Any], ds_config: Union[str, os.PathLike,
                                                                 Mapping[str, Any]], *,
                         layout: PipelineLayout, optimizer: Any = None,
@@ -184,6 +230,10 @@ def initialize_pipeline(layers: Sequence[Any], ds_config: Union[str, os.PathLike
             default (true, its reentrant checkpoint) back-propagates into no checkpointed block
             whose input is the first stage's token ids.
         ignore_index: label without loss.
+
+    The engine's ``load_checkpoint`` restores a tied module (``TiedLayerSpec``) on every stage
+    holding it from the one stage that saved it (:func:`_tied_weights_reloaded`), so a resumed
+    run continues bitwise.
 
     Raises:
         ValueError: a ZeRO stage other than 0 / 1, sizes that differ from ``layout``, sequence
@@ -230,6 +280,7 @@ def initialize_pipeline(layers: Sequence[Any], ds_config: Union[str, os.PathLike
         module = PipelineModule(layers=list(layers), topology=layout.process_topology,
                                 partition_method=partition_method,
                                 activation_checkpoint_interval=interval)
+    _tied_weights_reloaded(module)
     # the same config on every rank: the collective only when the answer can be yes
     if interval > 0 and pipe.get("use_reentrant") is True and _agree(
             layout.stage_id == 0 and _first_block_checkpointed(module.forward_funcs, interval)):

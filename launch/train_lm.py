@@ -25,8 +25,10 @@ current directory; a folder that holds a run is refused unless ``--resume`` or `
 
 Checkpoints (``--save_every N``, ``--resume [latest|PATH]``, ``--eval_only``) go through
 DeepSpeed's ``engine.save_checkpoint`` / ``load_checkpoint`` with the data position, RNG states,
-tokenizer cache key and metrics so far; SIGTERM / SIGINT save at the next step boundary and
-write what ran. A resumed run continues bitwise as if uninterrupted.
+tokenizer cache key and metrics so far, in every layout (under pipeline parallelism the
+pipeline engine's, one file per pipeline layer: :mod:`launch.jobs.lm_pipeline`); SIGTERM /
+SIGINT save at the next step boundary and write what ran. A resumed run continues bitwise as if
+uninterrupted.
 """
 from __future__ import annotations
 
@@ -185,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             wrapper = CausalLMWithLoss(model, options=ml.ce.options(), tp_group=topo.tp_group)
             me = initialize(wrapper, ds_config, topology=topo, output_dir=str(out_dir))
         step_fn = lambda mbs: train_step(me, mbs)  # noqa: E731
-        eval_fn = lambda batches: evaluate(me, batches, log=True)  # noqa: E731
+        eval_fn = lambda batches, log=True: evaluate(me, batches, log=log)  # noqa: E731
     engine = me.engine
     log(f"engine ready: DP={topo.dp_size} x SP={topo.sp_size} x TP={topo.tp_size} x PP={pp}, "
         f"ZeRO-{engine.zero_optimization_stage()}, micro-batch {micro} x GAS {gas} x DP "
@@ -206,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
     if args.eval_only:
         log(f"evaluating checkpoint {resume_from} (step {start})")
-        result = evaluate(me, held)
+        result = eval_fn(held, log=False)
         return report_checkpoint_eval(out_dir, rank, "megaloss LM job", resume_from, start,
                                       vars(result), [
                                           ("held-out perplexity", f"{result.perplexity:.1f}"),

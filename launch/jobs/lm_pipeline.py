@@ -8,8 +8,19 @@ initial model whatever the layout.
 
 The pipeline engine takes ZeRO stages 0 and 1 only (DeepSpeed 0.19.8,
 ``runtime/pipe/engine.py``): a ds_config asking for ZeRO-2 or 3 (the job's default is ZeRO-2)
-runs at ZeRO-1, and the job says so. Checkpoints (``--save_every``, ``--resume``,
-``--eval_only``) are not wired for the pipeline engine yet and are refused.
+runs at ZeRO-1, and the job says so.
+
+Checkpoints (``--save_every``, ``--resume``, ``--eval_only``, the save at the step boundary after
+SIGTERM / SIGINT) take the path of every other layout (:func:`launch.jobs.checkpoints.save_run`,
+:func:`launch.jobs.checkpoints.resume_job_state`): the pipeline engine's own
+``save_checkpoint`` / ``load_checkpoint`` (``DeepSpeedEngine``'s, DeepSpeed 0.19.8
+``runtime/engine.py``) write and read the stages' weights one file per pipeline layer and
+tensor-parallel rank (``PipelineModule.save_state_dict`` / ``load_state_dir``,
+``runtime/pipe/module.py``; the tied embedding is in the last stage's file, broadcast to the
+first stage on load: ``initialize_pipeline`` in ``megaloss/integrations/deepspeed/pipeline.py``),
+beside the ZeRO-1 optimizer shards, the LR scheduler, the step counters and the job's client
+state; the engine is built from the seed's weights first, then loaded. A resumed run continues
+bitwise (tests/launch/test_train_lm_pipeline.py).
 """
 from __future__ import annotations
 
@@ -40,15 +51,10 @@ class PipelineJob:
     config: Any  # the LlamaConfig
     parameters: int  # the whole model's (decoder + full lm_head; tied: counted once)
     train_step: Callable[[List[Mapping[str, Any]]], Any]
-    evaluate: Callable[[List[Mapping[str, Any]]], Any]
+    evaluate: Callable[..., Any]  # (batches, log=True): log writes to the engine's monitors
 
 
-def _check_job_arguments(args: argparse.Namespace, ml: Any) -> None:
-    refused = [flag for flag, on in (("--save_every", args.save_every), ("--resume", args.resume),
-                                     ("--eval_only", args.eval_only)) if on]
-    if refused:
-        raise ValueError(f"{', '.join(refused)}: checkpoints are not wired for the pipeline "
-                         "engine yet; run without them or with --pipeline_parallel_size 1")
+def _check_job_arguments(ml: Any) -> None:
     if ml.sequence_parallel_size != 1:
         raise ValueError("sequence parallelism and pipeline parallelism do not combine in this "
                          "job (DeepSpeed's pipeline engine takes dp x pp x tp)")
@@ -105,7 +111,7 @@ def build_pipeline_job(args: argparse.Namespace, ds_config: Dict[str, Any], ml: 
         pipeline_train_step,
     )
 
-    _check_job_arguments(args, ml)
+    _check_job_arguments(ml)
     zero = ds_config.setdefault("zero_optimization", {})
     asked = int(zero.get("stage", 0))
     if asked not in PIPELINE_ZERO_STAGES:
@@ -123,10 +129,10 @@ def build_pipeline_job(args: argparse.Namespace, ds_config: Dict[str, Any], ml: 
     state.clear()
     micro = int(me.engine.train_micro_batch_size_per_gpu())
 
-    def evaluate(batches):
+    def evaluate(batches, log: bool = True):
         # eval_batch() keeps the stage buffers' shapes: full micro-batches only
         return pipeline_evaluate(me, [b for b in batches if b["input_ids"].shape[0] == micro],
-                                 log=True)
+                                 log=log)
 
     return PipelineJob(me, cfg, n_params, lambda mbs: pipeline_train_step(me, mbs), evaluate)
 

@@ -43,13 +43,20 @@ them)::
     sigmoid_norm  -ls(beta (a_c - a_r))                           length-normalised DPO, as
                                                                   SimPO, Meng et al. 2024,
                                                                   arXiv:2405.14734
+    aot           -(1 - eps) ls(beta d) - eps ls(-beta d),        AOT, Melnyk et al. 2024,
+                    d = sort(lc - lr)_p - sort(ref_lc - ref_lr)_p arXiv:2406.05882
+    aot_unpaired  the same, d = sort(r_c)_p - sort(r_r)_p         AOT, arXiv:2406.05882
 
 ``ipo`` is on the per-token log-ratios as TRL and the IPO authors compute it. ``bco_pair`` is
 TRL 1.16's: without BCO's reward shift ``delta`` (a running mean of the rewards), which TRL's
-DPO leaves out too, so nothing is carried from step to step. Not here:
-TRL's ``aot`` / ``aot_unpaired`` (they sort the log-ratios over the batch, so a pair's loss
-depends on every other pair of the step, which no per-micro-batch weighting can reproduce) and
-``sft`` (a token-level NLL on the chosen completions: :func:`megaloss.linear_cross_entropy`).
+DPO leaves out too, so nothing is carried from step to step. ``aot`` / ``aot_unpaired``
+(``lc``, ``lr``: the policy's sequence log-probs, ``ref_*`` the reference's; ``sort(x)_p``: the
+``p``-th smallest) sort over the pairs of one call, as TRL sorts over each process's
+micro-batch: their loss, unlike the other types', depends on how the step's pairs are split
+into micro-batches (DP x GAS equals TRL's run of the same split, not one device's step on the
+whole batch); their ``pair_weights`` must be equal over the pairs that count (a sorted margin
+belongs to no one pair; TRL refuses per-pair weights for them likewise). Not here: ``sft`` (a
+token-level NLL on the chosen completions: :func:`megaloss.linear_cross_entropy`).
 ``exp(-z)`` of ``discopop`` overflows for ``z < -709`` in float64 (``-88`` in float32), as TRL's.
 
 TRL takes the mean over each process's micro-batch; megaloss weights each pair by
@@ -168,6 +175,32 @@ def _vector(name: str, x: torch.Tensor, n: Optional[int]) -> int:
 
 
 _PER_TOKEN_TYPES = ("ipo", "sigmoid_norm")  # on the length-normalised log-ratios
+_SORTED_TYPES = ("aot", "aot_unpaired")  # on log-ratios sorted over the call's pairs
+
+
+def _sorted_pair_loss(opts: DPOOptions, chosen: torch.Tensor, rejected: torch.Tensor,
+                      ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+                      weights: torch.Tensor) -> torch.Tensor:
+    """``aot`` / ``aot_unpaired``: ``sum_p w l_p`` over the pairs with ``weights > 0`` (their
+    common weight ``w``), the margins sorted over those pairs (module docstring; TRL 1.16's
+    ``DPOTrainer._compute_loss``)."""
+    counted = weights > 0
+    w = weights[counted]
+    if w.numel() and not bool((w == w[0]).all()):
+        raise ValueError(
+            f"loss_type={opts.loss_type!r} sorts the log-ratios over the call's pairs, so "
+            "pair_weights must be equal over the pairs that count (weight > 0), got weights "
+            f"from {float(w.min())} to {float(w.max())}")
+    c, r = chosen[counted], rejected[counted]
+    rc, rr = ref_chosen[counted], ref_rejected[counted]
+    if opts.loss_type == "aot":
+        delta = torch.sort(c - r).values - torch.sort(rc - rr).values
+    else:
+        delta = torch.sort(c - rc).values - torch.sort(r - rr).values
+    eps = opts.label_smoothing
+    per = (-F.logsigmoid(opts.beta * delta) * (1 - eps)
+           - F.logsigmoid(-opts.beta * delta) * eps)
+    return (per * w).sum()
 
 
 def _pair_loss(opts: DPOOptions, chosen_ratio: torch.Tensor,
@@ -243,8 +276,9 @@ def dpo_loss(
         holding it.
 
     Raises:
-        ValueError: shape mismatches; lengths missing for ``"ipo"`` / ``"sigmoid_norm"``; an
-            option out of range.
+        ValueError: shape mismatches; lengths missing for ``"ipo"`` / ``"sigmoid_norm"``;
+            ``pair_weights`` not equal over the counted pairs for ``"aot"`` /
+            ``"aot_unpaired"``; an option out of range.
         TypeError: non-floating inputs; ``options`` of the wrong type or with option keywords.
     """
     opts = resolve_options(DPOOptions, options, dict(
@@ -269,10 +303,15 @@ def dpo_loss(
             per_pair = (delta - 1 / (2 * opts.beta)) ** 2
         else:
             per_pair = -F.logsigmoid(opts.beta * delta)
-    else:
+    elif opts.loss_type not in _SORTED_TYPES:
         per_pair = _pair_loss(opts, chosen_ratio, rejected_ratio)
-    pair_weights = check_weights("pair_weights", pair_weights, n, per_pair)
-    loss = (per_pair * pair_weights).sum()
+    if opts.loss_type in _SORTED_TYPES:
+        pair_weights = check_weights("pair_weights", pair_weights, n, chosen_ratio)
+        loss = _sorted_pair_loss(opts, chosen_log_probs, rejected_log_probs,
+                                 ref_chosen_log_probs, ref_rejected_log_probs, pair_weights)
+    else:
+        pair_weights = check_weights("pair_weights", pair_weights, n, per_pair)
+        loss = (per_pair * pair_weights).sum()
     with torch.no_grad():
         counted = (pair_weights > 0).to(torch.float64)
         rc = opts.beta * chosen_ratio.detach().to(torch.float64)

@@ -275,7 +275,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_k
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
-                  "sppo_hard", "apo_zero", "apo_down", "discopop", "sigmoid_norm")
+                  "sppo_hard", "apo_zero", "apo_down", "discopop", "sigmoid_norm", "aot",
+                  "aot_unpaired")
 
 
 @dataclass(frozen=True)
@@ -442,12 +443,15 @@ class DPOOptions(OptionsBase):
             (BCO, arXiv:2404.04656), ``"sppo_hard"`` (SPPO, arXiv:2405.00675), ``"apo_zero"`` /
             ``"apo_down"`` (APO, arXiv:2408.06266), ``"discopop"`` (DiscoPOP,
             arXiv:2406.08414), ``"sigmoid_norm"`` (length-normalised DPO, as SimPO,
-            arXiv:2405.14734). ``"ipo"`` and ``"sigmoid_norm"`` divide each log-ratio by the
-            completion's token count.
+            arXiv:2405.14734), ``"aot"`` / ``"aot_unpaired"`` (AOT, arXiv:2406.05882: on the
+            log-ratios sorted over the call's pairs). ``"ipo"`` and ``"sigmoid_norm"`` divide
+            each log-ratio by the completion's token count.
         beta: the inverse temperature (DPO) / regularisation ``tau`` (IPO), finite ``> 0``.
         label_smoothing: ``epsilon`` of ``"robust"`` (the label-flip probability, in
-            ``[0, 0.5)``) and of ``"exo_pair"`` (the target ``[1 - epsilon, epsilon]``, in
-            ``(0, 1)``; EXO recommends 1e-3); a float in ``[0, 1)``, read by no other type.
+            ``[0, 0.5)``), of ``"exo_pair"`` (the target ``[1 - epsilon, epsilon]``, in
+            ``(0, 1)``; EXO recommends 1e-3) and of ``"aot"`` / ``"aot_unpaired"`` (the
+            conservative smoothing of the sorted margin); a float in ``[0, 1)``, read by no
+            other type.
         discopop_tau: the temperature of ``"discopop"``'s log-ratio modulation, finite ``> 0``
             (DiscoPOP recommends the default 0.05); read by no other type.
 

@@ -40,7 +40,7 @@ def test_every_key_is_honoured():
     ({"policy": {"epsilon_high": 0.5, "delta": 1.2}}, "delta must be"),
     ({"policy": {"betta": 0.1}}, r"megaloss\.policy\.betta: Extra inputs"),
     ({"dpo": {"beta": 0}}, r"megaloss\.dpo\.beta: beta must be a finite number > 0"),
-    ({"dpo": {"loss_type": "aot"}}, r"megaloss\.dpo\.loss_type"),
+    ({"dpo": {"loss_type": "sft"}}, r"megaloss\.dpo\.loss_type"),
     ({"dpo": {"label_smoothing": 1.0}}, r"megaloss\.dpo\.label_smoothing: label_smoothing must"),
     ({"dpo": {"discopop_tau": 0}}, r"megaloss\.dpo\.discopop_tau: discopop_tau must"),
     ({"dpo": {"loss_type": "exo_pair"}}, "label_smoothing must be in \\(0, 1\\) for loss_type"),

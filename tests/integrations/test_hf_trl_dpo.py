@@ -121,7 +121,8 @@ LOSS_CASES = [
     ("sigmoid", {}), ("ipo", {}), ("hinge", {}), ("exo_pair", {"label_smoothing": 0.1}),
     ("nca_pair", {}), ("robust", {"label_smoothing": 0.1}), ("bco_pair", {}),
     ("sppo_hard", {}), ("apo_zero", {}), ("apo_down", {}), ("discopop", {}),
-    ("sigmoid_norm", {}), (["sigmoid", "sppo_hard"], {"loss_weights": [1.0, 0.5]})]
+    ("sigmoid_norm", {}), ("aot", {}), ("aot_unpaired", {"label_smoothing": 0.1}),
+    (["sigmoid", "sppo_hard"], {"loss_weights": [1.0, 0.5]})]
 
 
 @pytest.mark.parametrize("loss_type,extra", LOSS_CASES, ids=lambda c: str(c))
@@ -178,7 +179,7 @@ def test_uneven_micro_batches_give_the_single_batch_step(tmp_path, loss_type):
 
 
 @pytest.mark.parametrize("field,kw", [
-    ("loss_type", dict(loss_type=["aot"])), ("loss_type", dict(loss_type=["sft"])),
+    ("loss_type", dict(loss_type=["sft"])),
     ("f_divergence_type", dict(f_divergence_type="js_divergence")),
     ("ld_alpha", dict(ld_alpha=0.5)), ("use_weighting", dict(use_weighting=True))])
 def test_unsupported_fields_are_refused(tmp_path, field, kw):

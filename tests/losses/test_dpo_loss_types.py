@@ -47,7 +47,10 @@ CASES = [
     ("apo_down", 0.1, 0.0, 0.05), ("apo_down", 1.0, 0.0, 0.05),
     ("discopop", 0.1, 0.0, 0.05), ("discopop", 1.0, 0.0, 0.5),
     ("sigmoid_norm", 0.1, 0.0, 0.05), ("sigmoid_norm", 2.0, 0.0, 0.05),
+    ("aot", 0.1, 0.0, 0.05), ("aot", 1.0, 0.2, 0.05),
+    ("aot_unpaired", 0.1, 0.1, 0.05), ("aot_unpaired", 1.0, 0.0, 0.05),
 ]
+SORTED = ("aot", "aot_unpaired")  # sorted over a call's pairs: defined per micro-batch
 
 
 def test_every_loss_type_has_a_case():
@@ -74,6 +77,7 @@ def _batch(seed, large):
 
 def _trl(loss_type, beta, label_smoothing, discopop_tau, lp, ref, mask):
     from trl.trainer.dpo_trainer import DPOTrainer
+    P = lp.shape[0] // 2  # noqa: N806 - the pairs of this call
     # TRL's completion_mask is on the unshifted ids: a prompt token (0) first, then ours.
     unshifted = torch.cat([torch.zeros(2 * P, 1, dtype=torch.long), mask], 1)
     masked = torch.where(mask != 0, lp, 0.0)
@@ -139,7 +143,8 @@ def test_large_margins_reach_the_tails():
     assert (hinge > 1).any() and (hinge < 1).any()  # hinge: clipped and active pairs
 
 
-@pytest.mark.parametrize("loss_type,beta,label_smoothing,discopop_tau", CASES[1::2])
+@pytest.mark.parametrize("loss_type,beta,label_smoothing,discopop_tau",
+                         [c for c in CASES[1::2] if c[0] not in SORTED])
 def test_micro_batches_sum_to_the_whole_batch(loss_type, beta, label_smoothing, discopop_tau):
     """Pairs split 2 / 0 (padding) / 4 over micro-batches, weighted by the step's global pair
     count: loss, gradient and metrics equal the single call on all pairs."""
@@ -174,6 +179,41 @@ def test_micro_batches_sum_to_the_whole_batch(loss_type, beta, label_smoothing, 
         dpo_metrics(expected.stats, group=SINGLE_RANK), rel=TOL, abs=TOL)
 
 
+@pytest.mark.slow  # TRL's trainer import
+@pytest.mark.parametrize("loss_type", SORTED)
+def test_sorted_types_are_trls_loss_of_each_micro_batch(loss_type):
+    """``aot`` / ``aot_unpaired`` sort over the pairs of one call, as TRL sorts over each
+    process's micro-batch: split 2 / 4 and weighted by the step's pair count, each
+    micro-batch's loss is TRL's loss of those pairs times their share of the step (values and
+    gradients); a padding pair (weight 0) is left out of the sort; unequal weights over the
+    counted pairs are refused."""
+    opts = DPOOptions(loss_type=loss_type, beta=1.0, label_smoothing=0.1)
+    lp, ref, mask = _batch(5, True)
+    ours, theirs = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+    seq = sequence_log_probs(ours, mask)
+    total, expected = 0.0, 0.0
+    for part, share in ((slice(0, 2), 2 / P), (slice(2, P), (P - 2) / P)):
+        rows = torch.cat([torch.arange(P)[part], P + torch.arange(P)[part]])
+        k = rows.numel() // 2
+        c, r = seq[:P][part], seq[P:][part]
+        # a padding pair (weight 0) after the real ones: not in the sort
+        pad = torch.zeros(1, dtype=torch.float64)
+        out = dpo_loss(torch.cat([c, pad]), torch.cat([r, pad]),
+                       torch.cat([ref[:P][part], pad]), torch.cat([ref[P:][part], pad]),
+                       pair_weights=torch.cat([torch.full((k,), 1.0 / P, dtype=torch.float64),
+                                               pad]), options=opts)
+        total = total + out
+        trl_loss, _ = _trl(loss_type, 1.0, 0.1, 0.05, theirs[rows], ref[rows], mask[rows])
+        expected = expected + share * trl_loss
+    assert _close(float(total.detach()), float(expected.detach())), (total, expected)
+    total.backward()
+    expected.backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=TOL, atol=TOL)
+    with pytest.raises(ValueError, match="pair_weights must be equal over the pairs that count"):
+        dpo_loss(seq[:2], seq[P:P + 2], ref[:2], ref[P:P + 2], options=opts,
+                 pair_weights=torch.tensor([0.1, 0.2], dtype=torch.float64))
+
+
 def test_keywords_equal_options():
     x = torch.linspace(-3, 3, 4, dtype=torch.float64)
     y = torch.flip(x, [0])
@@ -187,7 +227,6 @@ def test_keywords_equal_options():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(loss_type="aot"), "loss_type must be one of"),
     (dict(loss_type="sft"), "loss_type must be one of"),
     (dict(loss_type="exo_pair"), r"label_smoothing must be in \(0, 1\) for loss_type='exo_pair'"),
     (dict(loss_type="robust", label_smoothing=0.5),
@@ -230,7 +269,7 @@ def test_ds_config_section_accepts_the_new_options():
     ({"loss_type": "robust", "label_smoothing": 0.5}, r"megaloss\.dpo: label_smoothing must be"),
     ({"label_smoothing": 1.0}, r"megaloss\.dpo\.label_smoothing: label_smoothing must be"),
     ({"discopop_tau": -1.0}, r"megaloss\.dpo\.discopop_tau: discopop_tau must be"),
-    ({"loss_type": "aot_unpaired"}, r"megaloss\.dpo\.loss_type: loss_type must be one of"),
+    ({"loss_type": "sft"}, r"megaloss\.dpo\.loss_type: loss_type must be one of"),
 ])
 def test_ds_config_refuses_bad_options_naming_them(section, match):
     with pytest.raises(ValueError, match=match):

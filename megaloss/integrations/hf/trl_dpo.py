@@ -50,8 +50,7 @@ process), ``entropy`` (mean over the completion tokens), ``mean_token_accuracy``
 completions' greedy matches), ``num_tokens``. Not logged: ``logits/chosen`` /
 ``logits/rejected`` (the mean logit needs the logits, which the chunked head never returns).
 
-Refused (ValueError at construction, naming the field): ``loss_type`` ``aot``,
-``aot_unpaired`` (they sort the log-ratios over the batch) and ``sft`` (megaloss's
+Refused (ValueError at construction, naming the field): ``loss_type`` ``sft`` (megaloss's
 :func:`megaloss.linear_cross_entropy` is its loss); ``f_divergence_type`` other than
 ``reverse_kl``; ``ld_alpha`` (LD-DPO); ``use_weighting`` (WPO); ``router_aux_loss_coef`` with a
 MoE model (the auxiliary loss); ``parallelism_config`` with tensor / context / sequence
@@ -99,8 +98,7 @@ def dpo_options_from_dpo_args(args: Any) -> List[tuple]:
     bad = [t for t in loss_types if t not in DPO_LOSS_TYPES]
     if bad:
         raise ValueError(f"DPOConfig.loss_type={bad}: MegalossDPOMixin supports {DPO_LOSS_TYPES} "
-                         "(aot / aot_unpaired sort the log-ratios over the batch; sft is "
-                         "megaloss.linear_cross_entropy)")
+                         "(sft is megaloss.linear_cross_entropy)")
     unsupported = {
         "f_divergence_type": getattr(args, "f_divergence_type", "reverse_kl") != "reverse_kl",
         "ld_alpha": getattr(args, "ld_alpha", None) is not None,

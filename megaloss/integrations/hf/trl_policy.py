@@ -66,7 +66,9 @@ megaloss keeps them in the log-probs' dtype.
 
 Tested on one process against TRL's own ``_compute_loss`` (also with fully masked rows, every
 ``loss_type``) and across split micro-batches (``tests/integrations/test_hf_trl_policy.py``);
-the multi-process path relies on TRL's ``accelerator.reduce`` and its process-count scaling.
+on 2 processes, GRPOTrainer runs with generation under DDP and under DeepSpeed ZeRO-2 (the
+``deepspeed`` launcher, CPU) log the loss and grad norm of TRL's own run for ``grpo`` and
+``dapo`` (``tests/integrations/test_hf_trl_policy_distributed.py``).
 """
 from __future__ import annotations
 

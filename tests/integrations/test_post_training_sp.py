@@ -8,7 +8,11 @@ its KL baseline: sequence log-prob sums and completion lengths added over the SP
 pair or example counted once) and distillation in
 :func:`~megaloss.integrations.deepspeed.train_step` (a teacher module of another head geometry
 than the student, and a stored top-k teacher), for DP x SP = 2 x 1 and 1 x 2 (2 processes, one
-spawn) and 2 x 2 (4 processes), GAS 2, ZeRO-0.
+spawn) and 2 x 2 (4 processes), GAS 2, ZeRO-0; and, in the same 4-process spawn, DP x SP x TP =
+1 x 2 x 2: megaloss's own tensor parallelism (``"megaloss": {"tensor_parallel_size": 2}``,
+``Topology.build(2, sequence_parallel_size=2)``: the wrappers' ``tp_group=`` splits the student's
+lm_head, and the teacher module's, over the vocabulary) for GRPO, GSPO, DPO sigmoid, KTO and both
+distillation teachers (:data:`TP_CASES`).
 
 A tiny Llama (sdpa) whose attention is DeepSpeed's ``UlyssesSPAttentionHF``
 (:func:`megaloss.integrations.hf.ulysses.enable_ulysses_attention`); SEQ = 9 is no multiple of
@@ -28,7 +32,8 @@ logits (``log_softmax``), one :func:`megaloss.policy_loss` / :func:`megaloss.dpo
 distillation wrapper on the whole batch with the one-device calibration). Every step's logged
 loss, every parameter's gradient (read at the boundary, before the optimizer step, whose
 learning rate is 0) and every metric within 1e-12 (relative, Frobenius norm for the gradients,
-metrics relative to max(1, |value|)).
+metrics relative to max(1, |value|)); under TP the lm_head's gradient is its vocab shards
+gathered over the TP group, the padding rows dropped.
 """
 import contextlib
 
@@ -70,6 +75,10 @@ def _cases():
                             beta=0.05),
     }
 
+
+# the cases trained under SP x TP: a token-level and a sequence-level policy loss, a paired and
+# an unpaired preference loss, both distillation teachers
+TP_CASES = ("grpo", "gspo", "dpo sigmoid", "kto", "distill teacher", "distill top-k")
 
 ORPO_SECTION = {"beta": 0.3}  # the policy engine's ds_config "megaloss": {"orpo": {...}}
 
@@ -289,11 +298,12 @@ def _capture_boundary_grads(engine, into):
     engine.step = step
 
 
-def _ds_config(micro, sp, **sections):
+def _ds_config(micro, sp, tp=1, **sections):
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": GAS,
             "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
             "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 0},
-            "megaloss": {"sequence_parallel_size": sp, **sections}}
+            "megaloss": {"sequence_parallel_size": sp, "tensor_parallel_size": tp,
+                         **sections}}
 
 
 def _micro_batches(topo, micro, **tensors):
@@ -328,7 +338,19 @@ def _preference_micro_batches(topo, opts, mask, case, side):
     return mbs
 
 
-def _train(sp, mask, cases, distill_ids, side):
+def _gathered(grads, topo):
+    """``grads`` with the lm_head's vocab shard (TP > 1) replaced by the whole weight's
+    gradient: the shards gathered over the TP group, the padding rows dropped."""
+    import torch.distributed as dist
+    if topo.tp_size == 1:
+        return dict(grads)
+    shard = grads["lm_head.weight"]
+    parts = [torch.empty_like(shard) for _ in range(topo.tp_size)]
+    dist.all_gather(parts, shard.contiguous(), group=topo.tp_group)
+    return {**grads, "lm_head.weight": torch.cat(parts)[:VOCAB]}
+
+
+def _train(sp, tp, mask, cases, distill_ids, side):
     from megaloss import DPOOptions, LogProbsOptions, Topology
     from megaloss.integrations.deepspeed import (
         dpo_train_step,
@@ -340,42 +362,51 @@ def _train(sp, mask, cases, distill_ids, side):
     from megaloss.integrations.hf import CausalLMWithDistillation, CausalLMWithLogProbs
     from megaloss.integrations.hf.ulysses import enable_ulysses_attention
 
-    topo = Topology.build(1, sequence_parallel_size=sp)
+    topo = Topology.build(tp, sequence_parallel_size=sp)
+    assert (topo.sp_size, topo.tp_size) == (sp, tp)
     micro = ROWS // (GAS * topo.dp_size)
     out, grads = {}, {}
+    chosen = (lambda name: name in TP_CASES) if tp > 1 else (lambda name: True)
     policy = CausalLMWithLogProbs(_student(), options=LogProbsOptions(
-        return_entropy=True, chunk_size=5, accum_dtype=torch.float64))
+        return_entropy=True, chunk_size=5, accum_dtype=torch.float64), tp_group=topo.tp_group)
     restore = enable_ulysses_attention(policy.model, topo, micro_batch_size=micro)
-    me = initialize(policy, _ds_config(micro, sp, orpo=ORPO_SECTION), topology=topo,
+    me = initialize(policy, _ds_config(micro, sp, tp, orpo=ORPO_SECTION), topology=topo,
                     optimizer=torch.optim.SGD(policy.parameters(), lr=0.0))
     _capture_boundary_grads(me.engine, grads)
     for name, opts in _cases().items():
+        if not chosen(name):
+            continue
         ids, adv, _ = cases[name]
         old, ref = side[name]
         mbs = _micro_batches(topo, micro, input_ids=ids, completion_mask=mask, advantages=adv,
                              old_log_probs=old, ref_log_probs=ref)
         m = policy_train_step(me, mbs, options=opts, log=False)
-        out[name] = (m.loss, dict(grads), {**m.metrics, "num_tokens": m.num_tokens,
-                                           "num_sequences": m.num_sequences})
+        out[name] = (m.loss, _gathered(grads, topo), {**m.metrics, "num_tokens": m.num_tokens,
+                                                      "num_sequences": m.num_sequences})
     for name, opts in _dpo_cases().items():
+        if not chosen(name):
+            continue
         mbs = _preference_micro_batches(topo, opts, mask, cases[name], side[name])
         if isinstance(opts, DPOOptions):
             m = dpo_train_step(me, mbs, options=opts, log=False)
         else:  # ORPO from the ds_config's section
             m = preference_train_step(me, mbs, options=None if name.startswith("orpo") else opts,
                                       log=False)
-        out[name] = (m.loss, dict(grads), {**m.metrics, "num_tokens": m.num_tokens,
-                                           "num_sequences": m.num_sequences})
+        out[name] = (m.loss, _gathered(grads, topo), {**m.metrics, "num_tokens": m.num_tokens,
+                                                      "num_sequences": m.num_sequences})
     me.engine.destroy()
     restore()
     labels = _distill_labels(distill_ids, mask)
     top = dict(zip(("teacher_topk_ids", "teacher_topk_log_probs"), _topk(distill_ids)))
     for name, topk in (("distill teacher", False), ("distill top-k", True)):
+        if not chosen(name):
+            continue
         teacher = None if topk else _teacher()
-        wrapper = CausalLMWithDistillation(_student(), teacher, options=_distill_options())
+        wrapper = CausalLMWithDistillation(_student(), teacher, options=_distill_options(),
+                                           tp_group=topo.tp_group)
         restore = enable_ulysses_attention(wrapper.model, topo, micro_batch_size=micro,
                                            teacher=teacher)
-        me = initialize(wrapper, _ds_config(micro, sp), topology=topo,
+        me = initialize(wrapper, _ds_config(micro, sp, tp), topology=topo,
                         optimizer=torch.optim.SGD(wrapper.parameters(), lr=0.0))
         _capture_boundary_grads(me.engine, grads)
         extra = top if topk else {}
@@ -386,7 +417,7 @@ def _train(sp, mask, cases, distill_ids, side):
                 train_step(me, mbs, log=False)
             teacher._megaloss_ulysses_sp = sp
         m = train_step(me, mbs, log=False)
-        out[name] = (m.loss, dict(grads), {
+        out[name] = (m.loss, _gathered(grads, topo), {
             "divergence": m.divergence, "ce_loss": m.ce_loss,
             "top1_agreement": m.top1_agreement, "num_tokens": m.num_tokens})
         me.engine.destroy()
@@ -410,7 +441,7 @@ def _float64_gradient_reduce():
         del accelerator.supported_dtypes  # back to the class's method
 
 
-def _worker(rank, world, sps):
+def _worker(rank, world, layouts):
     import deepspeed
 
     from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
@@ -419,7 +450,8 @@ def _worker(rank, world, sps):
     mask, cases, distill_ids = _data()
     side = _side(mask, cases)
     with _float64_gradient_reduce():
-        trained = {sp: _train(sp, mask, cases, distill_ids, side) for sp in sps}
+        trained = {(sp, tp): _train(sp, tp, mask, cases, distill_ids, side)
+                   for sp, tp in layouts}
     # the hook is restored: rank 0 computes the one-device reference (plain attention)
     return _reference(mask, cases, distill_ids) if rank == 0 else None, trained
 
@@ -429,9 +461,9 @@ def _errors(results, world):
     metrics (these relative to max(1, |value|))}."""
     reference = results[0][0]
     worst = {}
-    for rank, (_, per_sp) in enumerate(results):
-        for sp, per_case in per_sp.items():
-            layout = f"{world // sp} x {sp}"
+    for rank, (_, per_layout) in enumerate(results):
+        for (sp, tp), per_case in per_layout.items():
+            layout = f"{world // (sp * tp)} x {sp} x {tp}"
             for name, (loss, grads, metrics) in per_case.items():
                 ref_loss, ref_grads, ref_metrics = reference[name]
                 errs = [abs(loss - ref_loss) / max(abs(ref_loss), 1e-300)]
@@ -446,7 +478,7 @@ def _errors(results, world):
 
 
 def _check(worst):
-    table = "\n".join(f"DP x SP = {layout:6s} {name:22s} {err:.2e}"
+    table = "\n".join(f"DP x SP x TP = {layout:10s} {name:22s} {err:.2e}"
                       for (layout, name), err in sorted(worst.items()))
     print(table)
     bad = {k: v for k, v in worst.items() if not v <= TOL}
@@ -471,9 +503,11 @@ def test_reference_clips():
 
 @pytest.mark.timeout(300)
 def test_dp2_and_sp2_match_one_device():
-    _check(_errors(run_distributed(_worker, 2, (1, 2), timeout=280), 2))
+    _check(_errors(run_distributed(_worker, 2, ((1, 1), (2, 1)), timeout=280), 2))
 
 
 @pytest.mark.timeout(300)
-def test_dp2_x_sp2_matches_one_device():
-    _check(_errors(run_distributed(_worker, 4, (2,), timeout=280), 4))
+def test_dp2_x_sp2_and_sp2_x_tp2_match_one_device():
+    worst = _errors(run_distributed(_worker, 4, ((2, 1), (2, 2)), timeout=280), 4)
+    assert {name for layout, name in worst if layout == "1 x 2 x 2"} == set(TP_CASES)
+    _check(worst)

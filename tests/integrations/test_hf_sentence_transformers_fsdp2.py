@@ -2,7 +2,11 @@
 (CPU): the tiny float64 SentenceTransformer of test_hf_sentence_transformers.py (1-layer BERT +
 mean pooling), ``fully_shard`` on its BERT layer and then on the SentenceTransformer as the
 root (the encoder runs inside FSDP-managed forwards: ``model(features)`` is the root's module
-call), uneven per-rank batches, one rank empty.
+call), uneven per-rank batches, one rank empty. The same worker runs
+CachedGatheredMultipleNegativesRankingLoss (GradCache: a no-grad pass, then per mini-batch a
+forward with grad replayed inside the caller's backward, each one FSDP2-managed) with uneven
+per-rank batches and mini-batch sizes that split them unevenly (every rank the same number of
+mini-batches), against the same non-cached single-process reference.
 
 Compared: every rank's loss against the single-process loss of the concatenated batch (rtol
 1e-10) and the full gradients after FSDP2's reduction (``grad.full_tensor()``: FSDP2 averages
@@ -32,7 +36,22 @@ from megaloss.testing import run_distributed  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(300)]
 
-CASES = [((5, 2), 1, False), ((4, 0), 1, True), ((0, 3), 2, False), ((3, 3), 2, False)]
+# (per-rank rows, hard negatives, symmetric, mini_batch_size: None is the non-cached loss)
+CASES = [((5, 2), 1, False, None), ((4, 0), 1, True, None), ((0, 3), 2, False, None),
+         ((3, 3), 2, False, None),
+         # CachedGatheredMultipleNegativesRankingLoss (GradCache): mini-batches of 4 split the
+         # ranks' 5 / 6 rows as 4 + 1 / 4 + 2, of 2 the 3 / 4 rows as 2 + 1 / 2 + 2
+         ((5, 6), 1, False, 4), ((3, 4), 2, True, 2)]
+
+
+def loss_fn(model, symmetric, mini_batch_size):
+    if mini_batch_size is None:
+        return gathered_mnrl(model, symmetric=symmetric)
+    from megaloss.integrations.hf.sentence_transformers import (
+        CachedGatheredMultipleNegativesRankingLoss,
+    )
+    return CachedGatheredMultipleNegativesRankingLoss(model, symmetric=symmetric,
+                                                      mini_batch_size=mini_batch_size)
 
 
 def _worker(rank, world, model_dir, cases):
@@ -40,7 +59,7 @@ def _worker(rank, world, model_dir, cases):
 
     from megaloss.ops.validation import is_dtensor
     out = []
-    for columns, sizes, symmetric in cases:
+    for columns, sizes, symmetric, mini_batch_size in cases:
         torch.manual_seed(0)
         model = load_model(model_dir)
         for layer in model[0].auto_model.encoder.layer:
@@ -53,7 +72,7 @@ def _worker(rank, world, model_dir, cases):
                       for k, v in model.tokenize(["w1"]).items()} for _ in columns]
         else:
             feats = features(model, mine)
-        loss = gathered_mnrl(model, symmetric=symmetric)(feats, None)
+        loss = loss_fn(model, symmetric, mini_batch_size)(feats, None)
         loss.backward()
         # the unused BERT pooler has no gradient (zeros, as in the reference's grads())
         grads = {n: (p.grad.full_tensor() if p.grad is not None
@@ -72,11 +91,11 @@ def model_dir(tmp_path_factory):
 
 def test_fsdp2_equals_single_process_global_batch(model_dir):
     cases, refs = [], []
-    for sizes, negatives, symmetric in CASES:
+    for sizes, negatives, symmetric, mini_batch_size in CASES:
         columns = batch(sum(sizes), negatives, seed=7)
         model = load_model(model_dir)
         refs.append(loss_and_grads(model, gathered_mnrl(model, symmetric=symmetric), columns))
-        cases.append((columns, list(sizes), symmetric))
+        cases.append((columns, list(sizes), symmetric, mini_batch_size))
     results = run_distributed(_worker, 2, model_dir, cases, timeout=280)
     for i, (ref_loss, ref_grads) in enumerate(refs):
         for rank in range(2):

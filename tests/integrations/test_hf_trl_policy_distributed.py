@@ -138,6 +138,10 @@ def shared_launch_hf_jobs(tmp_path):
     """This module's worker job in the shared Trainer launch (``shared_launch_hf``): for each of
     :data:`DS_LOSS_TYPES`, the mixin's run and TRL's, ``<loss>-<ours|trl>.rank<r>.json`` per
     process under ``tmp_path``."""
+    # Saved here, by this non-distributed process: once an earlier job of the launch has made a
+    # process group, transformers' save_pretrained writes on rank 0 only
+    # (transformers/distributed/mixin.py, should_save_on_this_rank).
+    _save_model(str(tmp_path))
     return [{"worker": __file__, "argv": ["--worker", str(tmp_path)]}]
 
 
@@ -186,7 +190,13 @@ def _worker_main(argv):
     skip_cpu_shm_comm_build()
     rank = int(os.environ.get("RANK", "0"))
     folder = os.path.join(a.worker, f"rank{rank}")
-    _save_model(folder)
+    shared = os.path.join(a.worker, "model")
+    if os.path.isdir(shared):  # saved by the test before the launch
+        os.makedirs(folder, exist_ok=True)
+        if not os.path.exists(os.path.join(folder, "model")):
+            os.symlink(shared, os.path.join(folder, "model"))
+    else:  # run alone (the command above): no process group yet, each rank saves its copy
+        _save_model(folder)
     for loss_type in a.loss_types.split(","):
         for ours in (True, False):
             unset_hf_deepspeed_config()

@@ -117,4 +117,4 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="beta must be"):
         DPOOptions(beta=0.0)
     with pytest.raises(ValueError, match="loss_type must be one of"):
-        DPOOptions(loss_type="aot")  # sorts over the batch: not a per-pair loss
+        DPOOptions(loss_type="sft")  # a token-level NLL: megaloss.linear_cross_entropy

@@ -153,7 +153,8 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
                     backward: Optional[Callable[[Tensor], None]] = None,
                     empty_embeddings: Optional[Callable[[], Sequence[Tensor]]] = None,
                     loss_parameters: Sequence[Tensor] = (),
-                    group: GroupLike = None) -> GradCacheStep:
+                    group: GroupLike = None,
+                    equal_counts_reason: Optional[str] = None) -> GradCacheStep:
     """One GradCache step (module docstring): exact gradients of ``loss_fn`` over all the
     mini-batches with the activation memory of one.
 
@@ -179,6 +180,10 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
             gradient is routed through ``surrogate``, so the engine reduces it like the rest.
         group: the group whose ranks must run the same number of replays (the data-parallel
             group; ``None``: torch's default group).
+        equal_counts_reason: when given, every rank of ``group`` must have the same number of
+            mini-batches (no rank re-runs one), else a ValueError with this reason on every
+            rank: for an engine under which a re-run replay would not match its peers'
+            collectives.
 
     Returns:
         :class:`GradCacheStep`. The caller's backward of ``surrogate`` with upstream gradient
@@ -188,7 +193,9 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
     Raises:
         ValueError: ``encode`` returned different column counts, or other shapes on a replay
             (with ``backward=None``, from the caller's backward); some rank has no mini-batches
-            and no ``empty_embeddings`` (raised on every rank). With a ``backward``, later, from
+            and no ``empty_embeddings`` (raised on every rank); with ``equal_counts_reason``,
+            mini-batch counts that differ between ranks (raised on every rank). With a
+            ``backward``, later, from
             the caller's backward of ``surrogate``: the upstream gradient it applies differs
             (rel 1e-6) from the one each replay got through ``backward``, which would weight the
             mini-batches differently (same on every rank that scales alike).
@@ -199,13 +206,18 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
     # and discard the result.
     # The flag lets every rank raise together when one cannot join (no rank waits forever).
     stuck = not mini_batches and empty_embeddings is None
-    agreed = torch.tensor([len(mini_batches), int(stuck)], dtype=torch.int64,
+    agreed = torch.tensor([len(mini_batches), int(stuck), -max(1, len(mini_batches))],
+                          dtype=torch.int64,
                           device=backend_device(group))
-    most, stuck_anywhere = all_reduce_max_(agreed, group).tolist()
+    most, stuck_anywhere, fewest = all_reduce_max_(agreed, group).tolist()
+    fewest = -fewest
     num_replays = max(1, most)
     if stuck_anywhere:
         raise ValueError("a rank has no mini-batches and no empty_embeddings: pass "
                          "empty_embeddings (0-row columns through the encoder) so it can join")
+    if equal_counts_reason is not None and fewest != most:
+        raise ValueError(f"the ranks have {fewest} to {most} mini-batches: "
+                         f"{equal_counts_reason}")
     states: List[RandomState] = []
     cached: List[List[Tensor]] = []
     for k in range(num_replays):

@@ -82,6 +82,11 @@ class StepCalibration:
         self._check_index(i)
         return self._labels[i]
 
+    @property
+    def topology(self) -> Topology:
+        """The process groups the step was calibrated over."""
+        return self._topology
+
     def full_labels(self, i: int) -> torch.Tensor:
         """Labels of micro-batch ``i`` as given to :meth:`LossCalibrator.begin_step`: the
         *whole* sequences, also when ``sp`` > 1 (what decides whether a sample has a valid token

@@ -56,11 +56,10 @@ def preference_weights(step: StepCalibration, i: int, *, convention: str = "glob
     """
     if convention not in WEIGHT_CONVENTIONS:
         raise ValueError(f"convention must be one of {WEIGHT_CONVENTIONS}, got {convention!r}")
-    topology = step._topology  # the step's own groups (StepCalibration keeps no public copy)
-    labels = step.local_labels(i)
-    valid = labels != ignore_index
+    topology = step.topology
     full = step.full_labels(i)
-    rows = (full != ignore_index).reshape(full.shape[0], -1).any(-1).to(torch.float64)
+    valid = full != ignore_index
+    rows = valid.reshape(full.shape[0], -1).any(-1).to(torch.float64)
     counted = 1.0
     if topology.sp_size != 1 and topology.sp_rank != 0:
         rows, counted = torch.zeros_like(rows), 0.0
@@ -72,7 +71,7 @@ def preference_weights(step: StepCalibration, i: int, *, convention: str = "glob
                              "over an SP-split sequence would need a collective)")
         copies = float(step.num_micro_batches * topology.dp_size)
         pairs = rows.sum() * copies
-        tokens = valid.sum().to(torch.float64) * copies
+        tokens = valid.sum().to(torch.float64) * copies  # sp = 1: the full labels are local
     one = torch.ones((), dtype=torch.float64, device=rows.device)
     pairs = torch.where(pairs > 0, pairs, one)
     tokens = torch.where(tokens > 0, tokens, one)

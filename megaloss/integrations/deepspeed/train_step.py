@@ -197,8 +197,6 @@ def _check_sp_teacher(me: MegalossEngine) -> None:
                          "would see only this rank's slice)")
 
 
-
-
 def _distillation_sums(out: DistillationOutput) -> torch.Tensor:
     """``[divergence, ce_loss, top-1 matches, valid tokens]`` of one micro-batch, float64."""
     return torch.stack([out.divergence.detach().to(torch.float64),

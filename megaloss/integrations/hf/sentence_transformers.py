@@ -163,11 +163,16 @@ def _zero3_partitioned(model: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
+def _fully_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is under PyTorch FSDP2 (``fully_shard``: DTensor parameters,
+    all-gathered in each unit's forward, reduce-scattered in its backward)."""
+    return any(is_dtensor(p) for p in model.parameters())
+
+
 def _collective_forwards(model: nn.Module) -> bool:
     """Whether ``model``'s forwards and backwards are collectives every rank must run: DeepSpeed
-    ZeRO-3 (all-gathers per module forward) or PyTorch FSDP2 (``fully_shard``: DTensor
-    parameters, all-gathered in each unit's forward, reduce-scattered in its backward)."""
-    return _zero3_partitioned(model) or any(is_dtensor(p) for p in model.parameters())
+    ZeRO-3 (all-gathers per module forward) or PyTorch FSDP2 (:func:`_fully_sharded`)."""
+    return _zero3_partitioned(model) or _fully_sharded(model)
 
 
 def _placeholder_row(features: Dict[str, Any]) -> Dict[str, Any]:
@@ -315,16 +320,6 @@ _FSDP2_COUNTS = (
     "as many mini-batches, e.g. equal per-rank batches")
 
 
-def _is_fully_shard(model: Any) -> bool:
-    """Whether ``model`` holds an FSDP2 (``fully_shard``) module."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(model, torch.nn.Module) and any(
-        isinstance(m, FSDPModule) for m in model.modules())
-
-
 class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankingLoss):
     """:class:`GatheredMultipleNegativesRankingLoss` with gradient caching (GradCache, Gao et al.
     2021, arXiv:2101.06983; :mod:`megaloss.losses.grad_cache`): the encoder keeps the
@@ -399,7 +394,7 @@ class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankin
                                                               duplicate_ids=duplicate_ids),
             backward=self._replay_backward(), empty_embeddings=lambda: self.embed(features),
             group=self.group,  # the engine's DP group: equal replay counts on its ranks
-            equal_counts_reason=_FSDP2_COUNTS if _is_fully_shard(self.model) else None)
+            equal_counts_reason=_FSDP2_COUNTS if _fully_sharded(self.model) else None)
         return step.surrogate
 
     def get_config_dict(self) -> Dict[str, Any]:

@@ -198,12 +198,9 @@ def _preference_spec(args, ml):
     """``--loss`` (default: the ds_config's preference section other than ``dpo``, else
     ``dpo``; set on ``args``) with the options of its ds_config section when given, the flags
     overriding them."""
-    from megaloss.integrations.deepspeed.config import PREFERENCE_SECTIONS
     if args.loss is None:
-        given = [n for n in PREFERENCE_SECTIONS if n in ml.model_fields_set and n != "dpo"]
-        args.loss = given[0] if given else "dpo"
-    section = (getattr(ml, args.loss).options()
-               if args.loss == "dpo" or args.loss in ml.model_fields_set else None)
+        args.loss = ml.preference_section()
+    section = ml.preference_options() if args.loss == ml.preference_section() else None
     return preference_loss(args.loss, section, beta=args.beta, simpo_gamma=args.simpo_gamma,
                            cpo_alpha=args.cpo_alpha)
 

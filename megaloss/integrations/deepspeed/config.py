@@ -500,12 +500,17 @@ class MegalossConfig(_Strict):
                              f"got {given}: preference_train_step trains one loss")
         return self
 
-    def preference_options(self) -> Any:
-        """The options of the preference section given (:data:`PREFERENCE_SECTIONS`), the
-        ``dpo`` section's (DPO's defaults) when none is: a ``DPOOptions``, ``CPOOptions``
-        (``cpo`` and ``simpo``), ``ORPOOptions`` or ``KTOOptions``."""
+    def preference_section(self) -> str:
+        """The name of the preference section given (at most one of
+        :data:`PREFERENCE_SECTIONS`), ``"dpo"`` when none is."""
         given = [name for name in PREFERENCE_SECTIONS if name in self.model_fields_set]
-        return getattr(self, given[0] if given else "dpo").options()
+        return given[0] if given else "dpo"
+
+    def preference_options(self) -> Any:
+        """The options of :meth:`preference_section` (DPO's defaults when no section is given):
+        a ``DPOOptions``, ``CPOOptions`` (``cpo`` and ``simpo``), ``ORPOOptions`` or
+        ``KTOOptions``."""
+        return getattr(self, self.preference_section()).options()
 
     @model_validator(mode="after")
     def _one_causal_lm_loss(self) -> "MegalossConfig":

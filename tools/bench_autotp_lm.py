@@ -77,12 +77,11 @@ def ds_config(tp: int) -> Dict[str, Any]:
     return cfg
 
 
-def _batches(spec: Dict[str, Any]):
-    """``steps x GAS`` micro-batches of ``input_ids [micro, seq_len]`` (the same on every rank:
-    a TP group sees one batch)."""
+def _batches(spec: Dict[str, Any], cfg: Dict[str, Any]):
+    """``steps x GAS`` micro-batches of ``input_ids [micro, seq_len]`` of the ds_config ``cfg``
+    (the same on every rank: a TP group sees one batch)."""
     import torch
     g = torch.Generator().manual_seed(spec["seed"])
-    cfg = ds_config(spec["tp"])
     micro, gas = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
     return [[torch.randint(0, spec["vocab"], (micro, spec["seq_len"]), generator=g)
              for _ in range(gas)] for _ in range(spec["steps"])]
@@ -103,7 +102,7 @@ def _rank(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
                               tie_word_embeddings=False)
     model, _ = build_llama(args, spec["vocab"])
     cfg = ds_config(spec["tp"])
-    batches = _batches(spec)
+    batches = _batches(spec, cfg)
     if spec["method"] == "megaloss":
         from megaloss.integrations.deepspeed import initialize, train_step
         me = initialize(model, cfg)

@@ -121,6 +121,20 @@ def _tensors(tree: Any) -> Iterator[Tensor]:
             yield from _tensors(value)
 
 
+def _fresh(tree: Any) -> Any:
+    """``tree`` in new containers around the same tensors. An encoder that writes its outputs
+    into its input mapping (sentence-transformers' modules add ``token_embeddings`` /
+    ``sentence_embedding`` to the features dict) would otherwise find an earlier pass's outputs
+    among a later pass's inputs: graph tensors whose backward runs again, and under FSDP2 extra
+    hooks on them (``fully_shard`` registers its post-backward on every input that requires
+    grad), so that rank's all-gathers and reduce-scatters no longer match its peers'."""
+    if isinstance(tree, Mapping):
+        return {k: _fresh(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_fresh(v) for v in tree)
+    return tree
+
+
 def _slice(tree: Any, start: int, stop: int) -> Any:
     if isinstance(tree, Tensor):
         return tree[start:stop] if tree.dim() > 0 else tree
@@ -153,8 +167,7 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
                     backward: Optional[Callable[[Tensor], None]] = None,
                     empty_embeddings: Optional[Callable[[], Sequence[Tensor]]] = None,
                     loss_parameters: Sequence[Tensor] = (),
-                    group: GroupLike = None,
-                    equal_counts_reason: Optional[str] = None) -> GradCacheStep:
+                    group: GroupLike = None) -> GradCacheStep:
     """One GradCache step (module docstring): exact gradients of ``loss_fn`` over all the
     mini-batches with the activation memory of one.
 
@@ -162,7 +175,9 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
         encode: ``encode(mini_batch)`` -> the mini-batch's embedding columns, a sequence of
             tensors with the mini-batch's rows in dim 0 (e.g. ``[query [b, D], positive [b, D],
             negatives [b, K, D]]``); run through the engine / wrapped model so its hooks fire.
-            Called once without a graph and once with, per mini-batch.
+            Called once without a graph and once with, per mini-batch, each time on new
+            containers around the mini-batch's tensors (an encoder may write its outputs into
+            its input mapping, as sentence-transformers' modules do).
         mini_batches: this rank's batch split by rows (:func:`split_rows`); may be empty.
         loss_fn: ``loss_fn(columns)`` -> 0-dim loss, where ``columns[i]`` is column ``i`` of every
             mini-batch concatenated along dim 0 (leaf tensors). Its collectives run once.
@@ -180,10 +195,6 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
             gradient is routed through ``surrogate``, so the engine reduces it like the rest.
         group: the group whose ranks must run the same number of replays (the data-parallel
             group; ``None``: torch's default group).
-        equal_counts_reason: when given, every rank of ``group`` must have the same number of
-            mini-batches (no rank re-runs one), else a ValueError with this reason on every
-            rank: for an engine under which a re-run replay would not match its peers'
-            collectives.
 
     Returns:
         :class:`GradCacheStep`. The caller's backward of ``surrogate`` with upstream gradient
@@ -193,8 +204,7 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
     Raises:
         ValueError: ``encode`` returned different column counts, or other shapes on a replay
             (with ``backward=None``, from the caller's backward); some rank has no mini-batches
-            and no ``empty_embeddings`` (raised on every rank); with ``equal_counts_reason``,
-            mini-batch counts that differ between ranks (raised on every rank). With a
+            and no ``empty_embeddings`` (raised on every rank). With a
             ``backward``, later, from
             the caller's backward of ``surrogate``: the upstream gradient it applies differs
             (rel 1e-6) from the one each replay got through ``backward``, which would weight the
@@ -206,27 +216,22 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
     # and discard the result.
     # The flag lets every rank raise together when one cannot join (no rank waits forever).
     stuck = not mini_batches and empty_embeddings is None
-    agreed = torch.tensor([len(mini_batches), int(stuck), -max(1, len(mini_batches))],
-                          dtype=torch.int64,
+    agreed = torch.tensor([len(mini_batches), int(stuck)], dtype=torch.int64,
                           device=backend_device(group))
-    most, stuck_anywhere, fewest = all_reduce_max_(agreed, group).tolist()
-    fewest = -fewest
+    most, stuck_anywhere = all_reduce_max_(agreed, group).tolist()
     num_replays = max(1, most)
     if stuck_anywhere:
         raise ValueError("a rank has no mini-batches and no empty_embeddings: pass "
                          "empty_embeddings (0-row columns through the encoder) so it can join")
-    if equal_counts_reason is not None and fewest != most:
-        raise ValueError(f"the ranks have {fewest} to {most} mini-batches: "
-                         f"{equal_counts_reason}")
     states: List[RandomState] = []
     cached: List[List[Tensor]] = []
     for k in range(num_replays):
         with torch.no_grad():
             if k < len(mini_batches):
                 states.append(RandomState())
-                cached.append([t.detach() for t in encode(mini_batches[k])])
+                cached.append([t.detach() for t in encode(_fresh(mini_batches[k]))])
             elif mini_batches:
-                encode(mini_batches[-1])
+                encode(_fresh(mini_batches[-1]))
             else:
                 cached.append([t.detach() for t in empty_embeddings()])
     widths = {len(c) for c in cached}
@@ -288,11 +293,11 @@ class _Replays:
     def surrogate(self, k: int) -> Tensor:
         if k < len(self.mini_batches):
             with self.states[k].restored():
-                out = list(self.encode(self.mini_batches[k]))
+                out = list(self.encode(_fresh(self.mini_batches[k])))
             rows = slice(self.offsets[k], self.offsets[k + 1])
             upstream = [g[rows] for g in self.column_grads]
         else:  # nothing left to replay on this rank: a zero gradient, same collectives
-            out = (list(self.encode(self.mini_batches[-1])) if self.mini_batches
+            out = (list(self.encode(_fresh(self.mini_batches[-1]))) if self.mini_batches
                    else list(self.empty_embeddings()))
             upstream = [torch.zeros_like(t) for t in out]
         if len(out) != len(upstream) or any(o.shape != u.shape for o, u in zip(out, upstream)):

@@ -89,6 +89,32 @@ def test_matches_graph_run_with_dropout_and_learnable_temperature(mini_batch_siz
     torch.testing.assert_close(log_t.grad, ref_t, rtol=1e-12, atol=1e-13)
 
 
+def test_each_pass_gets_new_containers_around_the_mini_batch():
+    """An encoder that writes its outputs into its input mapping (sentence-transformers' modules
+    add ``sentence_embedding`` to the features dict) never finds an earlier pass's outputs among
+    its inputs, also where a rank re-runs its last mini-batch; the gradients are the
+    non-cached loss's."""
+    torch.manual_seed(0)
+    enc = _Encoder(dropout=0.0).double()
+    batch = _batch(5)
+    _loss(_columns(enc, batch), 0.05).backward()
+    ref = {n: p.grad.clone() for n, p in enc.named_parameters()}
+    enc.zero_grad()
+    seen = []
+
+    def encode(mini):
+        seen.append(sorted(mini))
+        columns = _columns(enc, mini)
+        mini["sentence_embedding"] = columns[0]  # as SentenceTransformer.forward does
+        return columns
+
+    step = grad_cache(encode, split_rows(batch, 3), lambda c: _loss(c, 0.05))
+    step.surrogate.backward()
+    assert len(seen) == 4 and all(keys == ["n", "p", "q"] for keys in seen), seen
+    for name, p in enc.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name], rtol=1e-12, atol=1e-13, msg=name)
+
+
 def test_half_precision_embeddings_take_fp32_upstream():
     """bf16 encoder: the replay forms the embedding gradient from the fp32 upstream before its
     cast, as the non-cached backward does; same gradients as the non-cached bf16 run (5e-3,

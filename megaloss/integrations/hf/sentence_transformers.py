@@ -313,13 +313,6 @@ class GatheredMultipleNegativesRankingLoss(nn.Module):
         return ", ".join(f"{k}={v!r}" for k, v in self.get_config_dict().items())
 
 
-_FSDP2_COUNTS = (
-    "under FSDP2 (fully_shard) every rank needs the same number of mini-batches (a rank "
-    "re-running one inside the caller's backward does not match its peers' all-gathers and "
-    "reduce-scatters, and would hang): give every rank a batch that mini_batch_size splits into "
-    "as many mini-batches, e.g. equal per-rank batches")
-
-
 class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankingLoss):
     """:class:`GatheredMultipleNegativesRankingLoss` with gradient caching (GradCache, Gao et al.
     2021, arXiv:2101.06983; :mod:`megaloss.losses.grad_cache`): the encoder keeps the
@@ -392,9 +385,9 @@ class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankin
             self.embed, split_rows(features, self.mini_batch_size),
             lambda columns: self.compute_loss_from_embeddings(columns, labels,
                                                               duplicate_ids=duplicate_ids),
-            backward=self._replay_backward(), empty_embeddings=lambda: self.embed(features),
-            group=self.group,  # the engine's DP group: equal replay counts on its ranks
-            equal_counts_reason=_FSDP2_COUNTS if _fully_sharded(self.model) else None)
+            backward=self._replay_backward(),
+            empty_embeddings=lambda: self.embed([dict(f) for f in features]),
+            group=self.group)  # the engine's DP group: equal replay counts on its ranks
         return step.surrogate
 
     def get_config_dict(self) -> Dict[str, Any]:

@@ -24,6 +24,15 @@ FSDP2's own split over dp), a different batch per dp rank:
   head ``ColwiseParallel`` over "tp" and frozen) token-calibrated by :class:`LossCalibrator` with
   the factor :func:`megaloss.calibration.probe_fsdp` measures, equal to the global batch's
   token-mean KL (loss, hidden-state and weight gradients); all within 1e-12 relative;
+- sequence-parallel inputs: the head ``ColwiseParallel(input_layouts=Shard(1),
+  output_layouts=Shard(-1), use_local_output=False)`` (torchtitan's plan for its output layer
+  with loss parallelism) then ``fully_shard`` over "dp", each TP rank's sequence slice in with
+  ``sequence_parallel=True``: the CE, this slice's hidden-state gradient and the weight gradient
+  within 1e-12 relative of the float64 reference; and torchtitan as a peer where it is installed
+  (``tools/install.sh`` puts it in, ``--no-deps``): its own ``cross_entropy_loss``
+  (``torchtitan/components/loss.py``, a vocab-parallel CE on the head's DTensor logits, its
+  softmax in float32) over the valid-token count equals megaloss's loss and gradients within
+  ``PEER_TOL`` (1e-6) relative;
 - training: embedding -> linear -> tanh (``fully_shard`` over "dp", replicated over "tp") and
   the TP head in the root unit, the CE computed in the root's forward; 2 SGD steps of 2
   micro-batches (``set_requires_gradient_sync`` accumulation) under ``token`` / ``sample`` /
@@ -207,6 +216,7 @@ def test_dtensor_colwise_lm_head_matches_float64_and_loss_parallel():
 
 # --- FSDP x TP on a 2 x 2 ("dp", "tp") mesh ----------------------------------------------------
 STEPS, GAS, LR = 2, 2, 0.5
+PEER_TOL = 1e-6  # torchtitan's float32 softmax against megaloss's float64
 REDUCTIONS = ("token", "sample", "square")
 
 
@@ -356,7 +366,7 @@ def _fsdp_tp_worker(rank, world):
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from megaloss import (
@@ -375,6 +385,11 @@ def _fsdp_tp_worker(rank, world):
     class Head(nn.Linear):
         def loss(self, hidden, labels):
             ws, opts = VocabParallelOptions.from_dtensor(self.weight, mesh_dim="tp")
+            return linear_cross_entropy(hidden, ws, labels, vocab_parallel_options=opts, **fp64)
+
+        def loss_sp(self, hidden, labels):
+            ws, opts = VocabParallelOptions.from_dtensor(self.weight, mesh_dim="tp",
+                                                         sequence_parallel=True)
             return linear_cross_entropy(hidden, ws, labels, vocab_parallel_options=opts, **fp64)
 
         def log_probs(self, hidden, labels):
@@ -407,20 +422,70 @@ def _fsdp_tp_worker(rank, world):
     except ValueError as err:
         out["refusal"] = str(err)
 
-    def weight_grad():
-        grad = head.weight.grad
+    def weight_grad(module=head):
+        grad = module.weight.grad
         assert isinstance(grad, DTensor)
-        head.weight.grad = None
+        module.weight.grad = None
         return grad.full_tensor()
 
     # CE, each dp rank's mean: FSDP2 averages the weight gradient over dp
     hs = h.clone().requires_grad_()
     loss = head.loss(hs, y)
     loss.backward()
-    refs = [_reference("ce", b[0], w, b[2]) for b in batches]
-    out["errors"]["ce"] = (float((loss.detach() - refs[dp][0]).abs() / refs[dp][0].abs()),
-                           _rel(hs.grad, refs[dp][1]),
-                           _rel(weight_grad(), (refs[0][2] + refs[1][2]) / 2))
+    ce_refs = [_reference("ce", b[0], w, b[2]) for b in batches]
+    ce_w_ref = (ce_refs[0][2] + ce_refs[1][2]) / 2
+    out["errors"]["ce"] = (float((loss.detach() - ce_refs[dp][0]).abs() / ce_refs[dp][0].abs()),
+                           _rel(hs.grad, ce_refs[dp][1]), _rel(weight_grad(), ce_w_ref))
+
+    # sequence parallelism under FSDP x TP: the hidden states reach the head as SequenceParallel
+    # leaves them (this TP rank's slice of the sequence, Shard(1)). The head is planned as
+    # torchtitan's "output" layer with loss parallelism (pytorch/torchtitan,
+    # torchtitan/models/llama3/infra/parallelize.py before 0.3.0: ColwiseParallel with
+    # input_layouts=Shard(1), DTensor logits Shard(-1); 0.3.0 declares the same S(0) weight and
+    # S(-1) logits in torchtitan/models/common/decoder_sharding.py, the sequence gathered one
+    # module earlier), then fully_shard over "dp". megaloss reads the weight only, so the
+    # input_layouts matter to the torchtitan peer below, which calls the head.
+    sp_head = Head(H, V, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        sp_head.weight.copy_(w)
+    parallelize_module(sp_head, mesh["tp"], ColwiseParallel(
+        input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False))
+    fully_shard(sp_head, mesh=mesh["dp"])
+    register_fsdp_forward_method(sp_head, "loss_sp")
+    t = T // mesh["tp"].size()
+    sl = slice(mesh.get_local_rank("tp") * t, (mesh.get_local_rank("tp") + 1) * t)
+    hs_sp = h[:, sl].clone().requires_grad_()
+    sp_loss = sp_head.loss_sp(hs_sp, y[:, sl].contiguous())
+    sp_loss.backward()
+    sp_w_grad = weight_grad(sp_head)
+    out["errors"]["ce sequence-parallel"] = (
+        float((sp_loss.detach() - ce_refs[dp][0]).abs() / ce_refs[dp][0].abs()),
+        _rel(hs_sp.grad, ce_refs[dp][1][:, sl]), _rel(sp_w_grad, ce_w_ref))
+
+    # torchtitan as a peer: its own vocab-parallel CE (torchtitan/components/loss.py,
+    # cross_entropy_loss: sum over the tokens, on the DTensor logits the head's forward returns)
+    # divided by the valid tokens, against megaloss's SP CE above. Its DTensor-logits branch
+    # asserts the "partial_dtensor" spmd backend (DTensor on the model-parallel axes only), which
+    # torchtitan's trainer would set from its parallelism config (torchtitan/trainer.py).
+    try:
+        from torchtitan.components.loss import cross_entropy_loss
+        from torchtitan.distributed import utils as tt_utils
+    except ImportError as err:
+        out["torchtitan"] = f"not importable: {err!r}"
+    else:
+        backend = tt_utils.get_spmd_backend()
+        tt_utils.set_spmd_backend("partial_dtensor")
+        try:
+            hs_tt = h[:, sl].clone().requires_grad_()
+            logits = sp_head(hs_tt)
+            assert isinstance(logits, DTensor) and logits.placements == (Shard(2),), logits
+            tt_loss = cross_entropy_loss(logits, y) / (y != -100).sum()
+            tt_loss.backward()
+        finally:
+            tt_utils.set_spmd_backend(backend)
+        out["torchtitan"] = (
+            float((tt_loss.detach() - sp_loss.detach()).abs() / sp_loss.detach().abs()),
+            _rel(hs_tt.grad, hs_sp.grad), _rel(weight_grad(sp_head), sp_w_grad))
 
     # log-probs and entropies (values per token), gradients of per-token coefficients
     hs = h.clone().requires_grad_()
@@ -467,12 +532,25 @@ def fsdp_tp():
 def test_dtensor_tp_under_fsdp2_2d_mesh(fsdp_tp):
     """CE, log-probs with entropy and token-calibrated distillation on the TP-sharded head."""
     for rank, out in enumerate(fsdp_tp):
-        assert set(out["errors"]) == {"ce", "log_probs+entropy", "distillation calibrated"}
+        assert set(out["errors"]) == {"ce", "ce sequence-parallel", "log_probs+entropy",
+                                      "distillation calibrated"}
         for case, errs in out["errors"].items():
             assert max(errs) <= TOL, (rank, case, errs)
         assert "register_fsdp_forward_method" in out.get("refusal", ""), out.get("refusal")
     print("FSDP x TP worst:", {case: f"{max(max(o['errors'][case]) for o in fsdp_tp):.1e}"
                                for case in fsdp_tp[0]["errors"]})
+
+
+def test_fsdp_tp_2d_mesh_sequence_parallel_ce_equals_torchtitan(fsdp_tp):
+    """torchtitan's CE on the head's DTensor logits (sequence-parallel inputs) equals megaloss's
+    within PEER_TOL: torchtitan casts the logits to float32 (``.float()``) before its softmax."""
+    pytest.importorskip("torchtitan.components.loss")
+    for rank, out in enumerate(fsdp_tp):
+        errs = out["torchtitan"]
+        assert isinstance(errs, tuple), (rank, errs)
+        assert max(errs) <= PEER_TOL, (rank, errs)
+    print("torchtitan vs megaloss (loss, grad h, grad w):",
+          tuple(f"{max(o['torchtitan'][i] for o in fsdp_tp):.1e}" for i in range(3)))
 
 
 def test_fsdp_tp_2d_mesh_training_equals_float64_reference(fsdp_tp):

@@ -33,11 +33,8 @@ from megaloss.losses import (
     DPOOptions,
     KTOOptions,
     ORPOOptions,
-    cpo_loss,
-    dpo_loss,
-    kto_loss,
-    orpo_loss,
     sequence_log_probs,
+    sequence_preference_loss,
 )
 
 from .preference_data import Pairs, completion_batch, pair_batch
@@ -112,21 +109,12 @@ def _loss(spec: PreferenceLoss, seq: torch.Tensor, ref: Optional[torch.Tensor],
           lengths: torch.Tensor, weights: Optional[torch.Tensor],
           nll_weight: Optional[torch.Tensor], kl: Optional[torch.Tensor]):
     """The loss's output (``loss``, ``stats``) on one micro-batch: rows ``[:P]`` chosen,
-    ``[P:]`` rejected."""
-    p = seq.shape[0] // 2
-    c, r, n_c, n_r = seq[:p], seq[p:], lengths[:p], lengths[p:]
-    if spec.name == "dpo":
-        return dpo_loss(c, r, ref[:p], ref[p:], chosen_lengths=n_c, rejected_lengths=n_r,
-                        pair_weights=weights, options=spec.options, return_stats=True)
-    if spec.name in ("simpo", "cpo"):
-        return cpo_loss(c, r, chosen_lengths=n_c, rejected_lengths=n_r, pair_weights=weights,
-                        nll_weight=nll_weight, options=spec.options, return_stats=True)
-    if spec.name == "orpo":
-        return orpo_loss(c, r, chosen_lengths=n_c, rejected_lengths=n_r, pair_weights=weights,
-                         nll_weight=nll_weight, options=spec.options, return_stats=True)
-    desirable = torch.arange(seq.shape[0], device=seq.device) < p  # chosen rows: desirable
-    return kto_loss(seq, ref, desirable, kl=kl, sample_weights=weights, options=spec.options,
-                    return_stats=True)
+    ``[P:]`` rejected (KTO: every row one example, the chosen ones desirable); the same
+    dispatch as the training step's (:func:`megaloss.losses.sequence_preference_loss`)."""
+    desirable = torch.arange(seq.shape[0], device=seq.device) < seq.shape[0] // 2
+    return sequence_preference_loss(seq, spec.options, lengths=lengths, ref_log_probs=ref,
+                                    desirable=desirable, kl=kl, weights=weights,
+                                    nll_weight=nll_weight, return_stats=True)
 
 
 def implicit_rewards(spec: PreferenceLoss, seq: torch.Tensor, ref: Optional[torch.Tensor],

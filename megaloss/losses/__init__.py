@@ -37,6 +37,8 @@ has a vocab-parallel form, and ``forward(..., return_stats=False)``.
   (:func:`cpo_loss`, :func:`simpo_loss`).
 - :mod:`.kto`: KTO (desirable / undesirable examples against a KL baseline) on sequence
   log-probs (:func:`kto_loss`, :func:`kto_kl_baseline`).
+- :mod:`.preference`: DPO, CPO / SimPO, ORPO and KTO behind one call, the loss chosen by its
+  options' type (:func:`sequence_preference_loss`, :func:`preference_loss_kind`).
 - :mod:`.grad_cache`: GradCache, a contrastive loss over a batch embedded a mini-batch at a time
   (:func:`grad_cache_step`, :func:`split_rows`).
 
@@ -87,6 +89,13 @@ from .policy import (
     policy_loss_weights,
     policy_metrics,
 )
+from .preference import (
+    PREFERENCE_LOSSES,
+    PREFERENCE_OPTIONS,
+    PreferenceOptions,
+    preference_loss_kind,
+    sequence_preference_loss,
+)
 from .simpo import (
     CPO_LOSS_TYPES,
     CPO_METRICS,
@@ -117,4 +126,6 @@ __all__ = [
     "CPO_METRICS",
     "kto_loss", "kto_kl_baseline", "kto_metrics", "KTOOptions", "KTOOutput", "KTO_LOSS_TYPES",
     "KTO_METRICS",
+    "sequence_preference_loss", "preference_loss_kind", "PreferenceOptions",
+    "PREFERENCE_OPTIONS", "PREFERENCE_LOSSES",
 ]

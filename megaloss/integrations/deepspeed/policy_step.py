@@ -25,16 +25,16 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ...calibration import LossCalibrator
 from ...calibration.weights import split_for_sequence_parallel
 from ...losses._preference import preference_weights
-from ...losses.dpo import dpo_loss, dpo_metrics, sequence_log_probs
-from ...losses.kto import KTOOptions, kto_kl_baseline, kto_loss, kto_metrics
-from ...losses.orpo import ORPOOptions, orpo_loss, orpo_metrics
+from ...losses.dpo import dpo_metrics, sequence_log_probs
+from ...losses.kto import kto_kl_baseline, kto_metrics
+from ...losses.orpo import orpo_metrics
 from ...losses.policy import (
     completion_labels,
     policy_calibrator,
@@ -42,7 +42,12 @@ from ...losses.policy import (
     policy_loss_weights,
     policy_metrics,
 )
-from ...losses.simpo import CPOOptions, cpo_loss, cpo_metrics
+from ...losses.preference import (
+    PreferenceOptions,
+    preference_loss_kind,
+    sequence_preference_loss,
+)
+from ...losses.simpo import cpo_metrics
 from ...ops.labels import causal_shift
 from ...ops.options import DPOOptions, PolicyLossOptions
 from .engine import MegalossEngine
@@ -58,9 +63,6 @@ from .train_step import batch_to_device, peak_memory_mib, reduced_grad_norm
 
 __all__ = ["PolicyStepMetrics", "policy_train_step", "dpo_train_step", "preference_train_step",
            "PreferenceOptions"]
-
-# the options classes preference_train_step dispatches on
-PreferenceOptions = Union[DPOOptions, CPOOptions, ORPOOptions, KTOOptions]
 
 
 @dataclass
@@ -294,8 +296,6 @@ def dpo_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]
     return preference_train_step(me, micro_batches, options=opts, log=log)
 
 
-_PREFERENCE_OPTIONS = ((DPOOptions, "dpo"), (CPOOptions, "cpo"), (ORPOOptions, "orpo"),
-                       (KTOOptions, "kto"))
 _PREFERENCE_KEYS = {"dpo": ("input_ids", "completion_mask", "ref_chosen_log_probs",
                             "ref_rejected_log_probs"),
                     "cpo": ("input_ids", "completion_mask"),
@@ -330,9 +330,10 @@ def preference_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[st
                           options: Optional[PreferenceOptions] = None,
                           log: bool = True) -> PolicyStepMetrics:
     """One calibrated optimizer step of a preference loss on sequence log-probs, chosen by the
-    type of ``options``: :class:`~megaloss.DPOOptions` -> :func:`megaloss.dpo_loss` (DPO, IPO
-    and TRL's other pairwise types), :class:`~megaloss.losses.CPOOptions` ->
-    :func:`megaloss.losses.cpo_loss` (CPO, and SimPO with ``loss_type="simpo"``),
+    type of ``options`` (:func:`megaloss.losses.sequence_preference_loss`):
+    :class:`~megaloss.DPOOptions` -> :func:`megaloss.dpo_loss` (DPO, IPO and TRL's other pairwise
+    types), :class:`~megaloss.losses.CPOOptions` -> :func:`megaloss.losses.cpo_loss` (CPO, and
+    SimPO with ``loss_type="simpo"``),
     :class:`~megaloss.losses.ORPOOptions` -> :func:`megaloss.losses.orpo_loss`,
     :class:`~megaloss.losses.KTOOptions` -> :func:`megaloss.losses.kto_loss` (the math and its
     sources in those functions' modules: arXiv:2305.18290, 2401.08417, 2405.14734,
@@ -384,10 +385,7 @@ def preference_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[st
             rank: the same error everywhere, naming the failed ranks).
     """
     opts = me.config.preference_options() if options is None else options
-    kind = next((name for cls, name in _PREFERENCE_OPTIONS if isinstance(opts, cls)), None)
-    if kind is None:
-        raise TypeError("options must be a DPOOptions, CPOOptions, ORPOOptions or KTOOptions, "
-                        f"got {type(opts).__name__}")
+    kind = preference_loss_kind(opts)
     gas = _check_micro_batches(me, micro_batches, _PREFERENCE_KEYS[kind],
                                partial(check_preference_micro_batch, loss=kind))
     t0 = time.perf_counter()
@@ -407,19 +405,12 @@ def preference_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[st
         seq, lengths = sequence_log_probs(log_probs, mb["completion_mask"],
                                           sp_group=me.topology.sp_group, return_lengths=True)
         w = preference_weights(step, i, ignore_index=ignore)
-        p = labels.shape[0] // 2
-        pair = dict(chosen_lengths=lengths[:p], rejected_lengths=lengths[p:],
-                    pair_weights=w.pair_weights, options=opts, return_stats=True)
-        if kind == "dpo":
-            out = dpo_loss(seq[:p], seq[p:], mb["ref_chosen_log_probs"],
-                           mb["ref_rejected_log_probs"], **pair)
-        elif kind == "cpo":
-            out = cpo_loss(seq[:p], seq[p:], nll_weight=w.nll_weight, **pair)
-        elif kind == "orpo":
-            out = orpo_loss(seq[:p], seq[p:], nll_weight=w.nll_weight, **pair)
-        else:
-            out = kto_loss(seq, mb["ref_log_probs"], mb["desirable"], kl=z0,
-                           sample_weights=w.pair_weights, options=opts, return_stats=True)
+        ref = (torch.cat([mb["ref_chosen_log_probs"], mb["ref_rejected_log_probs"]])
+               if kind == "dpo" else mb.get("ref_log_probs"))
+        out = sequence_preference_loss(seq, opts, lengths=lengths, ref_log_probs=ref,
+                                       desirable=mb.get("desirable"), kl=z0,
+                                       weights=w.pair_weights, nll_weight=w.nll_weight,
+                                       return_stats=True)
         engine.backward(step.loss_for_backward(out.loss))
         stats.append(out.stats)
         if i == gas - 1 and engine.zero_optimization_stage() == 0:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
+from ...losses.preference import PREFERENCE_LOSSES
 from ...parallel.comm import raise_on_every_rank
 from ...parallel.topology import Topology
 
@@ -177,7 +178,6 @@ def check_dpo_micro_batch(i: int, mb: Mapping[str, Any]) -> None:
         _floating(f"{where}['{name}']", mb.get(name), [(shape[0] // 2,)])
 
 
-PREFERENCE_LOSSES = ("dpo", "cpo", "orpo", "kto")
 KTO_KL_KEYS = ("kl_input_ids", "kl_completion_mask", "ref_kl_log_probs")
 
 

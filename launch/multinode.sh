@@ -14,6 +14,7 @@
 # $TMPDIR when none is given: in this form its names are only labels). Without a node rank but with HOSTFILE:
 # this one launcher starts every node over ssh (pdsh). DRY_RUN=1 prints the command instead.
 export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
+source "${REPO}/launch/_stop_status.sh"
 NUM_PROCS_SET="${NUM_PROCS:+1}"
 NUM_PROCS="${NUM_PROCS:-2}"
 NNODES="${NNODES:-${PET_NNODES:-${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-}}}}"
@@ -68,26 +69,9 @@ run() {  # run the launcher command "$@" (DRY_RUN: print it)
   local rc=$?
   set -e
   trap - INT USR1 TERM
-  # Stopped on request (SIGTERM / SIGINT / SIGUSR1) and saved on every rank of this node, no
-  # rank failed: status 75 (EX_TEMPFAIL, "try again": continue with --resume), whatever status
-  # the launcher got from how the signal reached it.
-  if ls "${MEGALOSS_ERROR_FILE}".stopped* >/dev/null 2>&1 \
-      && ! ls "${MEGALOSS_ERROR_FILE}".rank* >/dev/null 2>&1; then
-    echo "stopped on request after a checkpoint on every rank: exit status 75 (continue with" \
-      "--resume)" >&2
-    rm -f "${MEGALOSS_ERROR_FILE}" "${MEGALOSS_ERROR_FILE}".stopped* "${MEGALOSS_ERROR_FILE}".left*
-    exit 75
-  fi
-  if (( rc != 0 )); then
-    local first
-    first="$(ls "${MEGALOSS_ERROR_FILE}".rank* 2>/dev/null | sort | head -n 1)"
-    if [[ -n "${first}" ]]; then
-      echo "error: $(cat "${first}")" >&2
-    fi
-  fi
-  rm -f "${MEGALOSS_ERROR_FILE}" "${MEGALOSS_ERROR_FILE}".rank* "${MEGALOSS_ERROR_FILE}".stopped* \
-    "${MEGALOSS_ERROR_FILE}".left*
-  exit "${rc}"
+  # Stopped on request and saved on every rank of this node, no rank failed: status 75, else
+  # the launcher's status (launch/_stop_status.sh)
+  exit_with_run_status "${rc}"
 }
 
 slurm_hosts() {  # one host per line from SLURM_JOB_NODELIST (scontrol where present)

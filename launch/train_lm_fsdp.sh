@@ -12,6 +12,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 JOB="${REPO}/launch/train_lm_fsdp.py"
 export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
+source "${REPO}/launch/_stop_status.sh"
 NUM_PROCS="${NUM_PROCS:-2}"
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
@@ -58,22 +59,5 @@ rc=$?
 while (( rc > 128 )) && kill -0 "${child}" 2>/dev/null; do wait "${child}"; rc=$?; done
 set -e
 trap - INT USR1 TERM
-cleanup() {
-  rm -f "${MEGALOSS_ERROR_FILE}" "${MEGALOSS_ERROR_FILE}".rank* "${MEGALOSS_ERROR_FILE}".stopped* \
-    "${MEGALOSS_ERROR_FILE}".left*
-}
-# Stopped on request (SIGTERM / SIGINT / SIGUSR1) and saved on every rank, no rank failed:
-# status 75 (EX_TEMPFAIL: continue with --resume).
-if ls "${MEGALOSS_ERROR_FILE}".stopped* >/dev/null 2>&1 \
-    && ! ls "${MEGALOSS_ERROR_FILE}".rank* >/dev/null 2>&1; then
-  echo "stopped on request after a checkpoint on every rank: exit status 75 (continue with" \
-    "--resume)" >&2
-  cleanup
-  exit 75
-fi
-if (( rc != 0 )); then
-  first="$(ls "${MEGALOSS_ERROR_FILE}".rank* 2>/dev/null | sort | head -n 1)"
-  if [[ -n "${first}" ]]; then echo "error: $(cat "${first}")" >&2; fi
-fi
-cleanup
-exit "${rc}"
+# 75 when stopped on request and saved everywhere, else torchrun's status (launch/_stop_status.sh)
+exit_with_run_status "${rc}"

@@ -23,7 +23,9 @@ exit_with_run_status() {
   fi
   if (( rc != 0 )); then
     local first
-    first="$(ls "${MEGALOSS_ERROR_FILE}".rank* 2>/dev/null | sort | head -n 1)"
+    # `|| true`: where no rank wrote its error (the launcher itself failed), a failed ls would
+    # end the callers' `set -euo pipefail` script with status 2 instead of RC
+    first="$(ls "${MEGALOSS_ERROR_FILE}".rank* 2>/dev/null | sort | head -n 1 || true)"
     if [[ -n "${first}" ]]; then
       echo "error: $(cat "${first}")" >&2
     fi

@@ -215,3 +215,22 @@ def test_two_launchers_on_loopback_equal_one_node(shared_launch):
     assert (s2["dp"], s2["tp"], s2["zero_stage"]) == (1, 2, 2)
     assert s2["eval_after"] == s1["eval_after"] and s2["eval_before"] == s1["eval_before"]
     assert s2["last_loss"] < s2["first_loss"]
+
+
+@pytest.mark.parametrize("rank_error", [False, True])
+def test_run_status_when_the_launcher_fails(tmp_path, rank_error):
+    """launch/_stop_status.sh under the launchers' ``set -euo pipefail``: a failed launcher's
+    status comes through as it is, after the lowest failed rank's message where one wrote it;
+    with none written it still does (it used to end with 2, the failed ls's), and the ranks'
+    files are removed either way."""
+    err = tmp_path / "errors"
+    err.write_text("")
+    if rank_error:
+        (tmp_path / "errors.rank1").write_text("ValueError: rank 1's message")
+    script = (f"set -euo pipefail; MEGALOSS_ERROR_FILE={shlex.quote(str(err))}; "
+              f"source {shlex.quote(str(REPO / 'launch' / '_stop_status.sh'))}; "
+              "exit_with_run_status 3")
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 3, done
+    assert ("error: ValueError: rank 1's message" in done.stderr) == rank_error, done.stderr
+    assert list(tmp_path.iterdir()) == []

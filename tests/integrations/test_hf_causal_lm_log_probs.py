@@ -3,7 +3,8 @@ init, untied and tied) and Gemma 2 (``final_logit_softcapping``), per-token log-
 entropies equal ``log_softmax(model(input_ids).logits / T)`` gathered (1e-12) and so do all
 parameter gradients (1e-10); TP = 2 on two gloo processes equals the single-process result; a
 config that scales its logits is refused naming the field; the model's own forward and
-``generate`` still work on the replaced head."""
+``generate`` still work on the replaced head, and on the CE and distillation wrappers' heads
+(single process and, gathered, TP = 2)."""
 import pytest
 import torch
 
@@ -125,18 +126,33 @@ def test_forward_options_shift_labels_and_temperature_switch():
         CausalLMWithLogProbs(_llama(), options=megaloss.CrossEntropyOptions())
 
 
-def test_the_models_own_forward_and_generate_still_work():
+def _wrappers():
+    """Every loss wrapper that replaces the lm_head, by name, built on a model."""
+    from megaloss import DistillationOptions
+    from megaloss.integrations.hf import CausalLMWithDistillation, CausalLMWithLoss
+    return {"log_probs": CausalLMWithLogProbs,
+            "ce": CausalLMWithLoss,
+            "distillation": lambda model, **kw: CausalLMWithDistillation(
+                model, None, options=DistillationOptions(reduction="sum"), **kw)}
+
+
+@pytest.mark.parametrize("wrapper_name", ["log_probs", "ce", "distillation"])
+def test_the_models_own_forward_and_generate_still_work(wrapper_name):
+    """Called without labels, each loss head is the nn.Linear it replaced: the wrapped model's
+    own logits are bitwise those of before, and generate runs on them."""
     model = _llama()
     ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = model(input_ids=ids).logits
-        wrapper = CausalLMWithLogProbs(model)
+        wrapper = _wrappers()[wrapper_name](model)
         torch.testing.assert_close(wrapper.model(input_ids=ids).logits, before, rtol=0, atol=0)
         out = wrapper.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                      max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 8)
-    assert wrapper.config is model.config  # the HF model API reaches the wrapped model
-    assert set(wrapper.state_dict()) == {"model." + k for k in _llama().state_dict()}
+    assert wrapper.model.config is model.config
+    if wrapper_name == "log_probs":
+        assert wrapper.config is model.config  # the HF model API reaches the wrapped model
+        assert set(wrapper.state_dict()) == {"model." + k for k in _llama().state_dict()}
 
 
 @pytest.mark.parametrize("field, value", [("logit_scale", 0.0625), ("logits_scaling", 4.0)])
@@ -179,8 +195,15 @@ def _tp_run(tie, tp_group):
         emb_grad = None if tie else wrapper.model.get_input_embeddings().weight.grad.clone()
     with torch.no_grad():
         logits = wrapper.model(input_ids=ids, attention_mask=mask).logits
+        # the CE and distillation heads gather the same logits without labels (the
+        # distillation wrapper refuses a tied lm_head under TP)
+        others = {f"logits_{name}": make(_llama(TP_VOCAB, tie=tie, seed=1), tp_group=tp_group)
+                  .model(input_ids=ids, attention_mask=mask).logits
+                  for name, make in _wrappers().items()
+                  if name == "ce" or (name == "distillation" and not tie)}
     return dict(log_probs=out.log_probs.detach(), entropy=out.entropy.detach(), grads=grads,
-                head_grad=head_grad, rows=(start, stop), emb_grad=emb_grad, logits=logits)
+                head_grad=head_grad, rows=(start, stop), emb_grad=emb_grad, logits=logits,
+                **others)
 
 
 def _tp_worker(rank, world_size, tie):
@@ -196,7 +219,8 @@ def test_tp2_equals_the_single_process_result(tie):
     ranks = run_distributed(_tp_worker, 2, tie, timeout=240)
     worst = 0.0
     for r in ranks:
-        for key in ("log_probs", "entropy", "logits"):
+        for key in ("log_probs", "entropy", "logits", "logits_ce") + (
+                () if tie else ("logits_distillation",)):
             torch.testing.assert_close(r[key], ref[key], rtol=1e-12, atol=1e-12, msg=key)
             worst = max(worst, (r[key] - ref[key]).abs().max().item())
         for name, g in ref["grads"].items():

@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy
@@ -45,43 +46,92 @@ from ...losses.vocab_parallel_embedding import VocabParallelEmbedding
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.labels import causal_shift
 from ...ops.options import CrossEntropyOptions
-from ...ops.validation import is_dtensor
+from ...ops.validation import check_not_dtensor, is_dtensor
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_size
 from .head_config import model_softcapping
 
 __all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "HF_MODEL_API", "causal_shift"]
 
 
-class LinearCrossEntropyHead(nn.Module):
+class LinearHead(nn.Module):
+    """What every loss head that replaces an unsharded ``nn.Linear`` lm_head shares: the
+    original ``weight [V, H]`` (and ``bias [V]``) Parameter objects, so tied input embeddings
+    stay tied and the state-dict names stay ``lm_head.weight``; and :meth:`logits`, what the
+    head returns when called without labels, as the ``nn.Linear`` it replaces: the model's own
+    forward (``model(input_ids).logits``) and ``model.generate`` keep working on the very
+    weights being trained.
+
+    Raises:
+        TypeError: ``linear`` is not an ``nn.Linear``.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear lm_head, got {type(linear).__name__}")
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states [..., H] @ W.T + b`` -> ``[..., V]``, in the weight's dtype.
+
+        Raises:
+            TypeError: the weight is a DTensor (FSDP2's shard, read outside the forward of the
+                unit that owns it; :func:`megaloss.ops.validation.check_not_dtensor`).
+        """
+        check_not_dtensor("lm_head.weight", self.weight)
+        return F.linear(hidden_states, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        v, h = self.weight.shape
+        return f"vocab_size={v}, hidden_size={h}"
+
+
+class GatheredLogits:
+    """For the loss heads over a :class:`megaloss.VocabParallelLMHead` shard: called without
+    labels, the full ``[..., V]`` logits gathered over the TP group (no gradient: for
+    ``generate`` and evaluation), so the model's own forward keeps working under TP."""
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
+            raise RuntimeError(
+                f"the full logits of a vocab-parallel lm_head (tp={self.tp_size}) are gathered "
+                "without gradient (generate, evaluation): run under torch.no_grad(), or train "
+                "through the megaloss wrapper's forward(input_ids, labels=...)")
+        local = F.linear(hidden_states, self.weight, self.bias).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local, group=self.tp_group)
+        return torch.cat(parts, dim=-1)[..., :self.vocab_size]
+
+
+class LinearCrossEntropyHead(LinearHead):
     """The (unsharded) lm_head plus :func:`megaloss.linear_cross_entropy`, as one module.
 
-    Keeps the original ``nn.Linear``'s ``weight [V, H]`` (and ``bias [V]``) Parameter objects, so
-    tied input embeddings stay tied. ``forward(hidden_states [..., H], labels [...],
-    loss_weights=None [...])`` takes *shifted* labels and returns
-    :class:`megaloss.CrossEntropyOutput` under ``options`` (a
-    :class:`~megaloss.ops.options.CrossEntropyOptions`).
+    ``forward(hidden_states [..., H], labels [...], loss_weights=None [...])`` takes *shifted*
+    labels and returns :class:`megaloss.CrossEntropyOutput` under ``options`` (a
+    :class:`~megaloss.ops.options.CrossEntropyOptions`); without labels, the logits
+    (:meth:`LinearHead.logits`).
 
     Raises:
         TypeError: ``linear`` is not an ``nn.Linear``.
     """
 
     def __init__(self, linear: nn.Linear, options: CrossEntropyOptions) -> None:
-        super().__init__()
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear lm_head, got {type(linear).__name__}")
-        self.weight = linear.weight
-        self.bias = linear.bias
+        super().__init__(linear)
         self.options = options
 
-    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
-                loss_weights: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
+    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                loss_weights: Optional[torch.Tensor] = None):
+        if labels is None:
+            return self.logits(hidden_states)
         return linear_cross_entropy(hidden_states, self.weight, labels, bias=self.bias,
                                     loss_weights=loss_weights, options=self.options,
                                     return_stats=True)
 
     def extra_repr(self) -> str:
-        v, h = self.weight.shape
-        return f"vocab_size={v}, hidden_size={h}, {self.options!r}"
+        return f"{super().extra_repr()}, {self.options!r}"
 
 
 def linear_lm_head(model: nn.Module) -> nn.Linear:
@@ -178,12 +228,15 @@ def _tied_embedding(inp: nn.Module, head: VocabParallelLMHead) -> VocabParallelE
     return VocabParallelEmbedding.tied_to(head, padding_idx=inp.padding_idx, scale=scale)
 
 
-class _VocabParallelHead(VocabParallelLMHead):
+class _VocabParallelHead(GatheredLogits, VocabParallelLMHead):
     """:class:`megaloss.VocabParallelLMHead` whose module call returns the stats too (the
-    z-loss part is logged), so ZeRO-3's hooks around the call gather the shard."""
+    z-loss part is logged), so ZeRO-3's hooks around the call gather the shard; without labels
+    the gathered logits (:class:`GatheredLogits`)."""
 
-    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
-                loss_weights: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
+    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                loss_weights: Optional[torch.Tensor] = None):
+        if labels is None:
+            return self.logits(hidden_states)
         return super().forward(hidden_states, labels, loss_weights=loss_weights,
                                return_stats=True)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...losses.log_probs import LogProbsOutput, linear_log_probs
@@ -24,7 +23,9 @@ from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.options import LogProbsOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike
 from .causal_lm import (
+    GatheredLogits,
     HeadWrapper,
+    LinearHead,
     linear_lm_head,
     shifted_targets,
     wrapper_options,
@@ -33,31 +34,21 @@ from .causal_lm import (
 __all__ = ["CausalLMWithLogProbs", "LinearLogProbsHead"]
 
 
-class LinearLogProbsHead(nn.Module):
-    """The (unsharded) lm_head plus :func:`megaloss.linear_log_probs`, as one module.
-
-    Keeps the original ``nn.Linear``'s ``weight [V, H]`` (and ``bias [V]``) Parameter objects, so
-    tied input embeddings stay tied and the state-dict names stay ``lm_head.weight``.
+class LinearLogProbsHead(LinearHead):
+    """The (unsharded) lm_head plus :func:`megaloss.linear_log_probs`, as one module
+    (:class:`~megaloss.integrations.hf.causal_lm.LinearHead`).
     ``forward(hidden_states [..., H], labels=None [...], *, options)``: with *shifted* labels a
     :class:`megaloss.LogProbsOutput` under ``options`` (a
-    :class:`~megaloss.ops.options.LogProbsOptions`); without, the logits ``F.linear(hidden, W,
-    b)``, as the ``nn.Linear`` it replaces (the model's own forward and ``generate``).
+    :class:`~megaloss.ops.options.LogProbsOptions`); without, the logits.
 
     Raises:
         TypeError: ``linear`` is not an ``nn.Linear``.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear lm_head, got {type(linear).__name__}")
-        self.weight = linear.weight
-        self.bias = linear.bias
-
     def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
                 options: Optional[LogProbsOptions] = None):
         if labels is None:
-            return F.linear(hidden_states, self.weight, self.bias)
+            return self.logits(hidden_states)
         out = linear_log_probs(hidden_states, self.weight, labels, bias=self.bias,
                                options=options)
         # FSDP2 hooks the backward through this module's outputs; an in-place op on an output
@@ -67,12 +58,8 @@ class LinearLogProbsHead(nn.Module):
         return out._replace(**{k: v.clone() for k, v in out._asdict().items()
                                if isinstance(v, torch.Tensor) and v._is_view()})
 
-    def extra_repr(self) -> str:
-        v, h = self.weight.shape
-        return f"vocab_size={v}, hidden_size={h}"
 
-
-class _VocabParallelLogProbsHead(VocabParallelLMHead):
+class _VocabParallelLogProbsHead(GatheredLogits, VocabParallelLMHead):
     """This TP rank's lm_head shard (:class:`megaloss.VocabParallelLMHead`'s layout and
     parameter tags) whose forward returns the vocab-parallel log-probs, or without labels the
     full logits gathered over the TP group (no gradient: for ``generate`` and evaluation)."""
@@ -80,22 +67,9 @@ class _VocabParallelLogProbsHead(VocabParallelLMHead):
     def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
                 options: Optional[LogProbsOptions] = None):
         if labels is None:
-            return self._gathered_logits(hidden_states)
+            return self.logits(hidden_states)
         return linear_log_probs(hidden_states, self.weight, labels, bias=self.bias,
                                 options=options, vocab_parallel_options=self.parallel)
-
-    def _gathered_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
-            raise RuntimeError(
-                f"the full logits of a vocab-parallel lm_head (tp={self.tp_size}) are gathered "
-                "without gradient (generate, evaluation): run under torch.no_grad(), or train "
-                "through CausalLMWithLogProbs.forward(input_ids, labels=...)")
-        local = F.linear(hidden_states, self.weight, self.bias).contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
-        dist.all_gather(parts, local, group=self.tp_group)
-        return torch.cat(parts, dim=-1)[..., :self.vocab_size]
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, "

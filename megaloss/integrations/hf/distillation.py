@@ -28,45 +28,56 @@ from ...losses.vocab_parallel import vocab_shard_range
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.options import CrossEntropyOptions, DistillationOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
-from .causal_lm import first_dtensor_parameter, linear_lm_head, shifted_targets, wrapper_options
+from .causal_lm import (
+    GatheredLogits,
+    LinearHead,
+    first_dtensor_parameter,
+    linear_lm_head,
+    shifted_targets,
+    wrapper_options,
+)
 from .head_config import model_softcapping
 
 __all__ = ["CausalLMWithDistillation", "LinearDistillationHead"]
 
 
-class LinearDistillationHead(nn.Module):
+class LinearDistillationHead(LinearHead):
     """The student's (unsharded) lm_head plus :func:`megaloss.linear_distillation_loss`, as one
-    module; keeps the original ``nn.Linear``'s Parameter objects (tied embeddings stay tied).
+    module (:class:`~megaloss.integrations.hf.causal_lm.LinearHead`: the original
+    ``nn.Linear``'s Parameter objects, tied embeddings stay tied).
     ``forward(hidden_states, labels, *, loss_weights=None, **teacher)`` returns a
     :class:`megaloss.DistillationOutput`; ``teacher`` are the teacher keywords of
-    :func:`megaloss.linear_distillation_loss`.
+    :func:`megaloss.linear_distillation_loss`. Without labels, the student's logits.
 
     Raises:
         TypeError: ``linear`` is not an ``nn.Linear``.
     """
 
     def __init__(self, linear: nn.Linear, options: DistillationOptions) -> None:
-        super().__init__()
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear lm_head, got {type(linear).__name__}")
-        self.weight, self.bias, self.options = linear.weight, linear.bias, options
+        super().__init__(linear)
+        self.options = options
 
-    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
-                loss_weights: Optional[torch.Tensor] = None, **teacher) -> DistillationOutput:
+    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                loss_weights: Optional[torch.Tensor] = None, **teacher):
+        if labels is None:
+            return self.logits(hidden_states)
         return linear_distillation_loss(hidden_states, self.weight, labels, bias=self.bias,
                                         loss_weights=loss_weights, options=self.options,
                                         return_stats=True, **teacher)
 
 
-class _VocabParallelDistillationHead(VocabParallelLMHead):
-    """This TP rank's student lm_head shard plus the vocab-parallel distillation loss."""
+class _VocabParallelDistillationHead(GatheredLogits, VocabParallelLMHead):
+    """This TP rank's student lm_head shard plus the vocab-parallel distillation loss; without
+    labels the student's gathered logits (:class:`GatheredLogits`)."""
 
     def __init__(self, *args, distillation_options: DistillationOptions, **kwargs) -> None:
         super().__init__(*args, options=CrossEntropyOptions(), **kwargs)
         self.distillation_options = distillation_options
 
-    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
-                loss_weights: Optional[torch.Tensor] = None, **teacher) -> DistillationOutput:
+    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                loss_weights: Optional[torch.Tensor] = None, **teacher):
+        if labels is None:
+            return self.logits(hidden_states)
         return linear_distillation_loss(
             hidden_states, self.weight, labels, bias=self.bias, loss_weights=loss_weights,
             options=self.distillation_options, vocab_parallel_options=self.parallel,

@@ -63,6 +63,20 @@ def test_vocab_parallel_example_matches_one_device():
         assert loss == pytest.approx(ref, rel=1e-10)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_fsdp2_example_matches_one_process():
+    """``examples/fsdp2.py``'s rank function on 2 gloo ranks (the session's shared ranks), as
+    the vocab-parallel example: its own asserts compare every FSDP2 gradient with the float64
+    single-process one."""
+    from examples import fsdp2
+    from megaloss.testing import run_distributed
+    results = run_distributed(fsdp2.fsdp_rank, 2)
+    assert len(results) == 2
+    for loss, ref in results:
+        assert loss == pytest.approx(ref, rel=1e-10)
+
+
 DEEPSPEED_EXAMPLES = [REPO / "examples" / "deepspeed_calibration.py",
                       REPO / "examples" / "hf_causal_lm.py"]
 
@@ -95,5 +109,6 @@ def test_hf_causal_lm_example_trains(deepspeed_examples):
 
 
 def test_every_example_is_run():
-    run = {*SINGLE_PROCESS_EXAMPLES, "vocab_parallel.py", *(p.name for p in DEEPSPEED_EXAMPLES)}
+    run = {*SINGLE_PROCESS_EXAMPLES, "vocab_parallel.py", "fsdp2.py",
+           *(p.name for p in DEEPSPEED_EXAMPLES)}
     assert {p.name for p in EXAMPLES} == run, "an example in examples/ that no test runs"

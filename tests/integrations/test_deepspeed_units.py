@@ -155,6 +155,9 @@ def test_checkpoint_helpers(tmp_path):
     assert latest_tag(tmp_path) == "step_4"
     assert resolve_checkpoint(tmp_path) == (tmp_path, "step_4")
     assert resolve_checkpoint(tmp_path / "step_6") == (tmp_path, "step_6")
+    (tmp_path / "step_6" / "dcp").mkdir()  # a folder inside a checkpoint: the checkpoint named
+    with pytest.raises(FileNotFoundError, match=r"did you mean .*step_6, the checkpoint"):
+        resolve_checkpoint(tmp_path / "step_6" / "dcp")
     prune_checkpoints(tmp_path, 1)  # keeps the newest and the one latest names
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_4", "step_6"]
     (tmp_path / "latest").write_text("step_9")

@@ -117,9 +117,13 @@ def resolve_checkpoint(path: PathLike) -> Tuple[Path, str]:
         return path, tag
     if path.is_dir() and any(p.name.endswith("model_states.pt") for p in path.iterdir()):
         return path.parent, path.name
+    # a folder inside a checkpoint (the FSDP job's step_<k>/dcp): name the checkpoint
+    hint = (f" (did you mean {path.parent}, the checkpoint that holds it?)"
+            if any(path.parent.glob("*model_states.pt")) else "")
     raise FileNotFoundError(f"no checkpoint at {path}: expected a folder of checkpoints with a "
-                            "'latest' file, or one checkpoint folder holding "
-                            "*model_states.pt files")
+                            "'latest' file (.../checkpoints), or one checkpoint folder "
+                            "(.../checkpoints/step_<k>, holding *model_states.pt files)"
+                            f"{hint}")
 
 
 def check_checkpoint_files(path: PathLike) -> Path:

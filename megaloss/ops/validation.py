@@ -35,17 +35,14 @@ def check_not_dtensor(name: str, t) -> None:
         placements = getattr(t, "placements", None)
         raise TypeError(
             f"{name} is a DTensor (placements {placements}, global shape {tuple(t.shape)}); "
-            "megaloss does not take DTensors. A parameter sharded by FSDP2's fully_shard, read "
-            "outside the forward of the FSDP module that owns it: compute the loss inside an "
-            "FSDP-managed forward, where the weight is unsharded in the MixedPrecisionPolicy's "
-            "param_dtype: use the heads of megaloss.integrations.hf (CausalLMWithLoss & co., "
-            "built *before* fully_shard), or put the call in a method of the lm_head's module "
-            "and register it with "
-            "torch.distributed.fsdp.register_fsdp_forward_method(module, 'method_name'). A "
-            "tensor-parallel lm_head split over the vocabulary (torch's ColwiseParallel: Shard(0) "
-            "over the TP mesh dimension): w, opts = "
-            "megaloss.VocabParallelOptions.from_dtensor(weight), then the loss of (..., w, ..., "
-            "vocab_parallel_options=opts), w this rank's local rows")
+            "megaloss takes this rank's plain tensors. If it is\n"
+            "- a parameter sharded by FSDP2's fully_shard, read outside the forward of its "
+            "unit: compute the loss in an FSDP-managed forward (megaloss.integrations.hf's "
+            "heads, built before fully_shard, or a method of the lm_head's module registered "
+            "with torch.distributed.fsdp.register_fsdp_forward_method);\n"
+            "- a tensor-parallel lm_head (ColwiseParallel, Shard(0) over the TP mesh "
+            "dimension): w, opts = megaloss.VocabParallelOptions.from_dtensor(weight), then "
+            "the loss of (..., w, ..., vocab_parallel_options=opts)")
 
 
 def check_ce_tensors(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -1,6 +1,7 @@
 """What a user copies is what CI ran: every ``python`` code block of the READMEs is, verbatim, one
 of the scripts in ``examples/``, and every example runs to its own checks (each asserts its result
 against a float64 single-device reference)."""
+import os
 import re
 import runpy
 import sys
@@ -8,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers.launch_helpers import REPO, run_deepspeed_launcher
+from tests.helpers.launch_helpers import REPO
 
 READMES = [REPO / "README.md", REPO / "launch" / "README.md"]
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))
@@ -81,27 +82,63 @@ DEEPSPEED_EXAMPLES = [REPO / "examples" / "deepspeed_calibration.py",
                       REPO / "examples" / "hf_causal_lm.py"]
 
 
+def _worker_main(argv):
+    """In the shared Trainer launch (``shared_launch_hf``, ``deepspeed --num_gpus 2``): each
+    DeepSpeed example named in ``argv``, in turn, as ``python <script>`` would run it
+    (``__main__``, its own ``sys.argv``), in the launch's ranks; an example's failing assert
+    fails the launch. An example ends with ``destroy_process_group()``, as a script run on its
+    own must; here that call destroys only the subgroups (the launch's default group serves the
+    later jobs; initialising it again in one process is not reliable), and DeepSpeed's cached
+    groups are reset between the examples (``deepspeed_state.fresh_deepspeed_state``)."""
+    import torch.distributed as dist
+
+    from megaloss.integrations.deepspeed import freeze_imported_objects
+    from megaloss.testing import destroy_subgroups
+    from tests.helpers.deepspeed_state import fresh_deepspeed_state
+
+    destroy, calls, argv_before = dist.destroy_process_group, [], sys.argv
+
+    def destroy_process_group(group=None):
+        if group is not None:
+            return destroy(group)
+        calls.append(True)
+        destroy_subgroups()
+
+    dist.destroy_process_group = destroy_process_group
+    try:
+        for i, script in enumerate(argv, start=1):
+            sys.argv = [script, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}"]
+            freeze_imported_objects()  # the earlier examples' imports, out of DeepSpeed's gc
+            with fresh_deepspeed_state():
+                runpy.run_path(script, run_name="__main__")
+            assert len(calls) == i, f"{script} did not end with destroy_process_group()"
+    finally:
+        dist.destroy_process_group, sys.argv = destroy, argv_before
+
+
+def shared_launch_hf_jobs(tmp_path):
+    """Both DeepSpeed examples, one after the other, in the shared Trainer launch (its working
+    directory is its own folder: hf_causal_lm.py writes ``runs/mine`` there)."""
+    return [{"worker": __file__, "argv": [str(p) for p in DEEPSPEED_EXAMPLES]}]
+
+
 @pytest.fixture(scope="module")
-def deepspeed_examples():
-    """Both DeepSpeed examples in ONE ``deepspeed --num_gpus 2`` launch, one after the other in
-    the same ranks (``examples_in_one_launch.py``); the launch must exit with status 0, so an
-    assert failing in either example fails both tests. Their stdout lines differ (``rank r:
-    loss ... worst relative update error ...`` vs rank 0's ``step k: loss ...``)."""
-    driver = REPO / "tests" / "examples" / "examples_in_one_launch.py"
-    return run_deepspeed_launcher(driver, [str(p) for p in DEEPSPEED_EXAMPLES],
-                                  timeout=560).stdout
+def deepspeed_examples(shared_launch_hf):
+    """Rank 0's stdout of the examples. Their lines differ (``rank r: loss ... worst relative
+    update error ...`` vs rank 0's ``step k: loss ...``)."""
+    return shared_launch_hf["test_examples"].outputs[0]
 
 
 @pytest.mark.deepspeed
-@pytest.mark.xdist_group("deepspeed_examples")  # one launch for both, on one worker
-@pytest.mark.timeout(600)
+@pytest.mark.xdist_group("shared_launch_hf")
+@pytest.mark.timeout(900)  # the first test using the shared launch waits for it
 def test_deepspeed_calibration_example_gives_the_single_device_update(deepspeed_examples):
     assert deepspeed_examples.count("worst relative update error") == 2, deepspeed_examples
 
 
 @pytest.mark.deepspeed
-@pytest.mark.xdist_group("deepspeed_examples")  # one launch for both, on one worker
-@pytest.mark.timeout(600)
+@pytest.mark.xdist_group("shared_launch_hf")
+@pytest.mark.timeout(900)
 def test_hf_causal_lm_example_trains(deepspeed_examples):
     losses = [float(x) for x in re.findall(r"^step \d+: loss ([0-9.]+)$", deepspeed_examples,
                                            flags=re.M)]

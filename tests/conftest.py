@@ -49,7 +49,6 @@ collection, and again before pytest's closing gc passes, are frozen out of the c
 """
 import os
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 # Bytecode caches for this checkout even where PYTHONDONTWRITEBYTECODE is set (as on this
@@ -65,6 +64,7 @@ import torch  # noqa: E402
 
 from megaloss.integrations.deepspeed.compat import freeze_imported_objects  # noqa: E402
 from megaloss.testing import shared_process_groups  # noqa: E402
+from tests.helpers.launch_helpers import lower_priority  # noqa: E402
 
 # The launches that test files of every folder share (tests/helpers/shared_launches.py). The
 # shared helpers are the package ``tests.helpers`` and the launch jobs the package ``launch``,
@@ -75,7 +75,6 @@ pytest_plugins = ["tests.helpers.shared_launches"]
 # shared with other processes a second OpenMP thread mostly spins (measured: a [1, 8] x [8, 16]
 # bf16 matmul 0.005 ms with one thread, 1-14 ms with two on a loaded 2-core machine).
 torch.set_num_threads(1)
-BACKGROUND_NICE = 10  # the background jobs' priority (see _lower_priority)
 
 
 def pytest_configure(config):
@@ -153,15 +152,6 @@ def _megaloss_cache(tmp_path_factory):
         os.environ.pop("MEGALOSS_CACHE", None)
 
 
-def _lower_priority():
-    # Linux: the nice value is per thread and inherited by the processes a thread starts, so
-    # the jobs' subprocesses take the cores when the tests leave them idle and yield otherwise.
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-    except (AttributeError, OSError):  # not Linux: same priority, still one job at a time
-        pass
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _background_jobs(request, tmp_path_factory, _megaloss_cache):
     """``start((module, job name)) -> Future`` of a selected test's background job; outside
@@ -172,7 +162,7 @@ def _background_jobs(request, tmp_path_factory, _megaloss_cache):
         marker = item.get_closest_marker("background")
         if marker is not None:
             wanted.setdefault(item.module, []).append(marker.args[0])
-    lane = ThreadPoolExecutor(1, thread_name_prefix="background", initializer=_lower_priority)
+    lane = ThreadPoolExecutor(1, thread_name_prefix="background", initializer=lower_priority)
     env = dict(os.environ)
     jobs, futures = {}, {}
     for module, names in wanted.items():

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, List, Mapping, Optional, Sequence
@@ -19,6 +20,18 @@ from typing import Callable, List, Mapping, Optional, Sequence
 from megaloss.testing import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+BACKGROUND_NICE = 10  # the priority of the suite's background work (lower_priority)
+
+
+def lower_priority() -> None:
+    """The calling thread's nice value raised to ``BACKGROUND_NICE`` (a ``ThreadPoolExecutor``'s
+    initializer). Linux: the nice value is per thread and inherited by the processes a thread
+    starts, so background work's subprocesses take the cores the tests leave idle and yield
+    otherwise; elsewhere a no-op."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def launcher_env(**extra: str) -> dict:

@@ -36,12 +36,13 @@ The three launches, one fixture each, and the function a module defines to join:
 How a launch runs: its jobs are those of every joining module collected in this session (so
 running one file alone launches only that file's jobs), module by module in collection order,
 jobs with an ``"env"`` (wandb) last, in one launch. A job that fails fails the launch, and every
-test that reads it gets the launch's output in its failure. The first time a test asks for any
-of the fixtures, every launch the session's modules need is started, at most two at a time (the
-one asked for first), in background threads: their start-up (the launcher and
+test that reads it gets the launch's output in its failure. Every launch the session's selected
+modules need starts with the session, at most two at a time, in background threads at a lower
+priority (nice 10, ``launch_helpers.lower_priority``): they take the core the single-process
+tests leave idle and yield to the tests otherwise, their start-up (the launcher and
 ``deepspeed.launcher.launch`` start one after the other on one core) and single-rank phases
-overlap on the suite's 2 cores, and a test asking for another launch waits only for the rest of
-that launch. Under pytest-xdist each worker starts only the launches its tests ask for; the
+overlap on the suite's 2 cores, and a test asking for a launch waits only for the rest of it.
+Under pytest-xdist each worker starts only the launches its tests ask for, when they ask; the
 tests mark ``xdist_group("<fixture name>")`` (``--dist loadgroup``: one worker runs a launch for
 all of them).
 """
@@ -53,7 +54,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from tests.helpers.launch_helpers import job_outputs, run_jobs_in_one_launch
+from tests.helpers.launch_helpers import job_outputs, lower_priority, run_jobs_in_one_launch
 
 # fixture name -> (the modules' function giving its jobs, processes, runs in its own folder)
 LAUNCHES = {"shared_launch": ("shared_launch_jobs", 2, False),
@@ -127,7 +128,8 @@ def _launches(request, tmp_path_factory):
     """``start(fixture)``: the launch ``fixture``, started (with, outside pytest-xdist, every
     other launch the session's modules need) on its first call."""
     started: Dict[str, _Launch] = {}
-    pool = ThreadPoolExecutor(MAX_CONCURRENT, thread_name_prefix="shared-launch")
+    pool = ThreadPoolExecutor(MAX_CONCURRENT, thread_name_prefix="shared-launch",
+                              initializer=lower_priority)
 
     def start(fixture: str) -> _Launch:
         if fixture not in started:
@@ -143,6 +145,19 @@ def _launches(request, tmp_path_factory):
 
     yield start
     pool.shutdown(wait=True, cancel_futures=True)  # a queued launch no test waited for: dropped
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _launches_with_the_session(request, _launches) -> None:
+    """Outside pytest-xdist, the launches the selected tests need start with the session (at
+    ``lower_priority``): they take the core the single-process tests leave idle instead of
+    starting when their first test asks, which then waits with one core idle."""
+    if hasattr(request.config, "workerinput"):
+        return
+    for fixture in LAUNCHES:  # a selected test that reads one (the fast tier reads none)
+        if any(fixture in getattr(item, "fixturenames", ()) for item in request.session.items):
+            _launches(fixture)  # starts every launch the session needs, two at a time
+            return
 
 
 @pytest.fixture(scope="session")

@@ -163,16 +163,11 @@ def _zero3_partitioned(model: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def _fully_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` is under PyTorch FSDP2 (``fully_shard``: DTensor parameters,
-    all-gathered in each unit's forward, reduce-scattered in its backward)."""
-    return any(is_dtensor(p) for p in model.parameters())
-
-
 def _collective_forwards(model: nn.Module) -> bool:
     """Whether ``model``'s forwards and backwards are collectives every rank must run: DeepSpeed
-    ZeRO-3 (all-gathers per module forward) or PyTorch FSDP2 (:func:`_fully_sharded`)."""
-    return _zero3_partitioned(model) or _fully_sharded(model)
+    ZeRO-3 (all-gathers per module forward) or PyTorch FSDP2 (``fully_shard``: DTensor
+    parameters, all-gathered in each unit's forward, reduce-scattered in its backward)."""
+    return _zero3_partitioned(model) or any(is_dtensor(p) for p in model.parameters())
 
 
 def _placeholder_row(features: Dict[str, Any]) -> Dict[str, Any]:

@@ -151,7 +151,7 @@ def build_sentence_transformer(tokenizer, args: argparse.Namespace):
 def build_loss(model, mnr, mini_batch_size: Optional[int]):
     """megaloss's gathered MNR as a sentence-transformers loss, or its cached (GradCache)
     variant when ``mini_batch_size`` is given (imported only then). ``mnr`` is the ds_config's
-    :class:`megaloss.integrations.deepspeed.config.MNRConfig`."""
+    :class:`megaloss.integrations.config.MNRConfig`."""
     if not mnr.local_loss:
         raise SystemExit("megaloss.mnr.local_loss=false is not available with the "
                          "sentence-transformers loss (it scores this rank's rows, the same value "

@@ -90,8 +90,8 @@ from .parallel import (
 
 # loaded on first use (they import deepspeed / transformers)
 _LAZY = {
-    "MegalossConfig": "megaloss.integrations.deepspeed.config",
-    "load_megaloss_config": "megaloss.integrations.deepspeed.config",
+    "MegalossConfig": "megaloss.integrations.config",
+    "load_megaloss_config": "megaloss.integrations.config",
     "CausalLMWithLoss": "megaloss.integrations.hf.causal_lm",
     "CausalLMWithLogProbs": "megaloss.integrations.hf.causal_lm_log_probs",
     "CausalLMWithDistillation": "megaloss.integrations.hf.distillation",

@@ -145,7 +145,7 @@ def check_ds_config(job: str, args: argparse.Namespace, world_size: Optional[int
     path = getattr(args, "deepspeed_config", None)
     if not path:
         return
-    from megaloss.integrations.deepspeed.config import ds_config_autotp_size, load_megaloss_config
+    from megaloss.integrations.config import ds_config_autotp_size, load_megaloss_config
 
     cfg = json.loads(Path(path).read_text(encoding="utf-8"))  # parse_args checked it is JSON
     where = f"--deepspeed_config {path}"

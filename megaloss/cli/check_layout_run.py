@@ -146,7 +146,7 @@ def full_parameters(me, topology) -> Dict[str, Any]:
     shards gathered (:func:`_autotp_full_parameters`). Collective."""
     import deepspeed
 
-    from megaloss.integrations.deepspeed.config import ds_config_autotp_size
+    from megaloss.integrations.config import ds_config_autotp_size
     from megaloss.parallel import all_gather_dim0, is_tensor_parallel
     module = me.engine.module
     if ds_config_autotp_size(me.ds_config) > 1:  # ZeRO-3 is refused with AutoTP

@@ -100,9 +100,9 @@ def reference_config(layout: Dict[str, Any], dp: int) -> Dict[str, Any]:
 
 def layout_tp_size(cfg: Dict[str, Any]) -> int:
     """The TP size of a layout config: DeepSpeed AutoTP's ``tensor_parallel.autotp_size`` when
-    above 1 (:func:`megaloss.integrations.deepspeed.config.ds_config_autotp_size`), else
+    above 1 (:func:`megaloss.integrations.config.ds_config_autotp_size`), else
     ``megaloss.tensor_parallel_size``."""
-    from megaloss.integrations.deepspeed.config import ds_config_autotp_size
+    from megaloss.integrations.config import ds_config_autotp_size
 
     autotp = ds_config_autotp_size(cfg)
     return autotp if autotp > 1 else int(cfg.get("megaloss", {}).get("tensor_parallel_size", 1)
@@ -146,14 +146,14 @@ def make_spec(args: argparse.Namespace, out_dir: Path, index: int = 0) -> Dict[s
     override_json = overrides[index if len(overrides) > 1 else 0]
     user = read_user_config(path)
     layout = layout_config(user, args.job, args.num_procs)
-    from megaloss.integrations.deepspeed.config import ds_config_autotp_size
+    from megaloss.integrations.config import ds_config_autotp_size
 
     autotp = ds_config_autotp_size(layout) > 1
     tp = layout_tp_size(layout)
     pp = int(layout["megaloss"].get("pipeline_parallel_size", 1))
     name = path or "zero2.json (shipped)"
     if autotp:  # what megaloss refuses under AutoTP (ZeRO-3, both TP schemes, ...): said here
-        from megaloss.integrations.deepspeed.config import load_megaloss_config
+        from megaloss.integrations.config import load_megaloss_config
         try:
             load_megaloss_config(layout)
         except (TypeError, ValueError) as err:

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from megaloss.integrations.deepspeed.config import CEConfig, MegalossConfig, load_megaloss_config
+from megaloss.integrations.config import CEConfig, MegalossConfig, load_megaloss_config
 
 EXAMPLE = {"megaloss": {"ce": {"chunk_size": 1024, "z_loss": 1e-4, "label_smoothing": 0.0,
                                "logit_softcapping": None, "loss_reduction": "token"},

@@ -232,7 +232,7 @@ def _run_case(rank, world, out_dir, name):
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import megaloss.integrations.hf.causal_lm as causal_lm
-    from megaloss.integrations.deepspeed.config import load_megaloss_config
+    from megaloss.integrations.config import load_megaloss_config
     from megaloss.integrations.hf import CausalLMWithLoss
     from megaloss.integrations.hf.trainer import MegalossTrainer
     from megaloss.ops.validation import is_dtensor

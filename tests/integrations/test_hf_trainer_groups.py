@@ -86,7 +86,7 @@ def test_tensor_and_sequence_parallelism_are_refused_with_the_reason(tmp_path, s
 def test_accelerate_parallelism_config_is_refused_with_the_reason(tmp_path):
     from transformers import TrainingArguments
 
-    from megaloss.integrations.deepspeed.config import MegalossConfig
+    from megaloss.integrations.config import MegalossConfig
     from megaloss.integrations.hf.trainer import _refuse_model_parallelism
 
     class Parallelism:  # the fields of accelerate's ParallelismConfig that matter here

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from megaloss.integrations.deepspeed.config import CEConfig, MNRConfig, load_megaloss_config
+from megaloss.integrations.config import CEConfig, MNRConfig, load_megaloss_config
 from megaloss.integrations.hf.embedding import EmbeddingModelWithMNR
 from megaloss.ops.options import CrossEntropyOptions, MNROptions
 

@@ -34,7 +34,7 @@ from .autotp import (
 )
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from .compat import configure_launched_process, freeze_imported_objects, skip_cpu_shm_comm_build
-from .config import (
+from ..config import (
     CEConfig,
     DistillationConfig,
     DPOConfig,

@@ -45,7 +45,7 @@ from ...losses.vocab_parallel import VocabParallelOptions
 from ...ops.options import CrossEntropyOptions
 from ...parallel.groups import GroupLike, group_size
 from ...parallel.topology import Topology
-from .config import ds_config_autotp_size
+from ..config import ds_config_autotp_size
 
 __all__ = ["autotp_lm_head", "autotp_topology", "autotp_vocab_parallel_options",
            "autotp_causal_lm_loss", "AutoTPCausalLMWithLoss", "ds_config_autotp_size"]

@@ -32,7 +32,7 @@ from ...calibration import EngineScale, LossCalibrator, loss_weight_dtype
 from ...parallel.topology import Topology
 from .autotp import ds_config_autotp_size
 from .compat import skip_cpu_shm_comm_build
-from .config import MegalossConfig, load_megaloss_config
+from ..config import MegalossConfig, load_megaloss_config
 from .mpu import DeepSpeedMPU
 from .probe import probe_deepspeed
 

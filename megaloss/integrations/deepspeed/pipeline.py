@@ -44,7 +44,7 @@ from ...parallel.comm import all_reduce_max_
 from ...parallel.groups import group_ranks
 from ...parallel.topology import Topology
 from .compat import skip_cpu_shm_comm_build
-from .config import MegalossConfig
+from ..config import MegalossConfig
 from .engine import load_ds_config
 from .monitor import write_metrics
 from .pipeline_layout import (

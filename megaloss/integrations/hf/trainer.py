@@ -132,7 +132,7 @@ from ...calibration.weights import (
 from ...ops.labels import causal_shift
 from ...ops.validation import is_dtensor
 from ...parallel.groups import SINGLE_RANK
-from ..deepspeed.config import MegalossConfig, ds_config_autotp_size, load_megaloss_config
+from ..config import MegalossConfig, ds_config_autotp_size, load_megaloss_config
 from ..deepspeed.probe import engine_reduce_group
 from .causal_lm import CausalLMWithLoss
 

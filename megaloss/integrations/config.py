@@ -53,10 +53,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ...losses.kto import KTOOptions
-from ...losses.orpo import ORPOOptions
-from ...losses.simpo import CPOOptions
-from ...ops.options import (
+from ..losses.kto import KTOOptions
+from ..losses.orpo import ORPOOptions
+from ..losses.simpo import CPOOptions
+from ..ops.options import (
     DPO_LOSS_TYPES,
     CrossEntropyOptions,
     DistillationOptions,

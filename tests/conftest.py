@@ -22,7 +22,7 @@ and ``xdist_group(name)`` (pytest-xdist's, declared so that a run without xdist 
 Process groups: ``megaloss.testing.run_distributed`` inside a test runs on a pool of spawned gloo
 ranks per world size, started once per session and shared by the tests (reseeded before each
 case, its subgroups destroyed after it, respawned after a failure or timeout; see
-``megaloss/testing.py``); the fixture ``_shared_process_groups`` below routes the calls there.
+``tests/helpers/pools.py``); the fixture ``_shared_process_groups`` below routes the calls there.
 Tests marked ``deepspeed`` or ``fresh_processes`` get freshly spawned ranks instead (or, in
 tests/integrations, DeepSpeed-only pools). Launches that several test files read
 (``shared_launch``, ``shared_launch_hf``, ``shared_launch_4procs``) are the plugin
@@ -63,8 +63,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megaloss.integrations.deepspeed.compat import freeze_imported_objects  # noqa: E402
-from megaloss.testing import shared_process_groups  # noqa: E402
 from tests.helpers.launch_helpers import lower_priority  # noqa: E402
+from tests.helpers.pools import shared_process_groups  # noqa: E402
 
 # The launches that test files of every folder share (tests/helpers/shared_launches.py). The
 # shared helpers are the package ``tests.helpers`` and the launch jobs the package ``launch``,

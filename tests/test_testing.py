@@ -1,12 +1,16 @@
-"""megaloss.testing: fresh spawned ranks per call, and the shared pool (reused ranks, reseeded
-cases, fresh ranks after a failure or a timeout)."""
+"""megaloss.testing: fresh spawned ranks per call; and the suite's shared pool
+(tests/helpers/pools.py: reused ranks, reseeded cases, fresh ranks after a failure or a
+timeout, ``run_distributed`` rerouted inside a block and put back after it)."""
 import contextlib
 import os
+import sys
 
 import pytest
 import torch
 
-from megaloss.testing import ProcessGroupPool, run_distributed, shared_process_groups
+import megaloss.testing
+from megaloss.testing import run_distributed
+from tests.helpers.pools import ProcessGroupPool, shared_process_groups
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -154,6 +158,24 @@ def test_run_distributed_uses_the_active_pool(pool):
     assert [r[2] for r in first] == [r[2] for r in second] == [r[2] for r in
                                                               pool.run(_identity, timeout=60)]
     assert set(pools) == {(2, 1)}
+
+
+def test_a_block_reroutes_every_binding_of_the_runner_and_puts_it_back():
+    """Inside a block the module attribute and this module's own binding are the pooled runner
+    (blocks nest); after it, the runner the block replaced (no process is started here)."""
+    this = sys.modules[__name__]
+    before = megaloss.testing.run_distributed
+    assert this.run_distributed is before
+    with shared_process_groups() as outer:
+        pooled = megaloss.testing.run_distributed
+        assert pooled is not before and this.run_distributed is pooled
+        with shared_process_groups() as inner:
+            assert megaloss.testing.run_distributed not in (before, pooled)
+            assert this.run_distributed is megaloss.testing.run_distributed
+        assert megaloss.testing.run_distributed is pooled and this.run_distributed is pooled
+    assert megaloss.testing.run_distributed is before and this.run_distributed is before
+    assert outer == {} and inner == {}  # no call, no pool
+    assert not hasattr(megaloss.testing, "ProcessGroupPool")  # the pools ship outside the wheel
 
 
 @pytest.mark.fresh_processes

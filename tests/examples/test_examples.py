@@ -93,8 +93,8 @@ def _worker_main(argv):
     import torch.distributed as dist
 
     from megaloss.integrations.deepspeed import freeze_imported_objects
-    from megaloss.testing import destroy_subgroups
     from tests.helpers.deepspeed_state import fresh_deepspeed_state
+    from tests.helpers.pools import destroy_subgroups
 
     destroy, calls, argv_before = dist.destroy_process_group, [], sys.argv
 

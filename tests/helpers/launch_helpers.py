@@ -194,8 +194,8 @@ def _drive() -> None:
     """Under the launcher (:func:`run_jobs_in_one_launch`): each job's ``main`` in turn, as in a
     fresh process (DeepSpeed's globals reset), the groups it built destroyed after it (their
     gloo threads would poll through the rest of the launch)."""
-    from megaloss.testing import destroy_subgroups
     from tests.helpers.deepspeed_state import fresh_deepspeed_state
+    from tests.helpers.pools import destroy_subgroups
 
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=0)

@@ -26,7 +26,8 @@ Under pytest-xdist ``--dist loadgroup`` the pooled tests carry
 
 import pytest
 
-from megaloss.testing import DEFAULT_TIMEOUT_S, ProcessGroupPool, shared_process_groups
+from megaloss.testing import DEFAULT_TIMEOUT_S
+from tests.helpers.pools import ProcessGroupPool, shared_process_groups
 
 # A collective of these tests never waits this long; a deadlock still fails at the case's own
 # (shorter) run_distributed timeout.

@@ -5,7 +5,7 @@ example a row)."""
 import pytest
 import torch
 
-from megaloss.integrations.deepspeed import step_checks
+from megaloss.integrations.step import preference as step_checks
 from megaloss.losses import (
     PREFERENCE_LOSSES,
     CPOOptions,

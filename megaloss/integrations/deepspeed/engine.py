@@ -35,6 +35,7 @@ from .compat import skip_cpu_shm_comm_build
 from ..config import MegalossConfig, load_megaloss_config
 from .mpu import DeepSpeedMPU
 from .probe import probe_deepspeed
+from .step_engine import DeepSpeedStepEngine
 
 __all__ = ["MegalossEngine", "load_ds_config", "initialize", "needs_output_dir",
            "default_output_dir"]
@@ -127,8 +128,9 @@ def default_output_dir() -> str:
 
 
 @dataclass
-class MegalossEngine:
-    """What :func:`initialize` returns.
+class MegalossEngine(DeepSpeedStepEngine):
+    """What :func:`initialize` returns; the DeepSpeed engine's adapter to the one calibrated
+    step (:class:`~.step_engine.DeepSpeedStepEngine`: ``run_step(me, loss, micro_batches)``).
 
     Attributes:
         engine: the ``deepspeed.DeepSpeedEngine``.

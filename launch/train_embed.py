@@ -200,7 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         peak_memory_mib,
         write_metrics,
     )
-    from megaloss.integrations.deepspeed.grad_cache import inner_replay_backward
+    from megaloss.integrations.grad_cache import inner_replay_backward
     from megaloss.integrations.hf import (
         EmbeddingModelWithMNR,
         cached_mnr_forward,

@@ -126,8 +126,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = parse_args(argv)
     t_start = time.perf_counter()
     from megaloss import CausalLMWithLoss, Topology
+    from megaloss.integrations.config import ds_config_autotp_size
     from megaloss.integrations.deepspeed import evaluate, initialize, load_ds_config, train_step
-    from megaloss.integrations.deepspeed.autotp import ds_config_autotp_size
     from megaloss.integrations.hf.ulysses import enable_ulysses_attention
 
     rank, _ = start_process(args.local_rank, args.output_dir)

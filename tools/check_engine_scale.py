@@ -4,8 +4,8 @@
 
 Spawns ``--world`` CPU processes (gloo, :func:`megaloss.testing.run_distributed`) and runs
 megaloss's start-up probe (:mod:`megaloss.calibration.engine_scale`,
-:func:`megaloss.integrations.deepspeed.probe_deepspeed`) for each engine path; prints, for rank 0,
-the gradient factor ``c`` (final grad = c * sum of all ranks' micro-batch gradients; the raw
+:func:`megaloss.calibration.deepspeed_scale.probe_deepspeed`) for each engine path; prints, for
+rank 0, the gradient factor ``c`` (final grad = c * sum of all ranks' micro-batch gradients; the raw
 measurement in brackets) and the loss multiplier.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@
   ``loss_reduction``) normalised by one global denominator (one all-reduce per optimizer step).
 - :mod:`.engine_scale`: measure, with a probe through the real engine path, the factor an engine
   (none, DDP) applies to gradients, and the per-rank loss multiplier undoing it (the DeepSpeed
-  probe is :func:`megaloss.integrations.deepspeed.probe_deepspeed`).
+  probe is :func:`megaloss.calibration.deepspeed_scale.probe_deepspeed`).
 - :mod:`.fsdp_scale`: the same for PyTorch FSDP2 (``fully_shard``, 1-D or HSDP):
   :func:`probe_fsdp`.
 - :mod:`.calibrator`: :class:`LossCalibrator` / :class:`StepCalibration`, the per-step object a

@@ -152,7 +152,7 @@ class LossCalibrator:
         loss_reduction: ``"token"``, ``"sample"`` or ``"square"`` (see :mod:`.weights`; XTuner's
             name and definitions).
         engine_scale: measured gradient factor of the engine path (``probe_ddp``,
-            ``megaloss.integrations.deepspeed.probe_deepspeed``, ...); default
+            ``megaloss.calibration.deepspeed_scale.probe_deepspeed``, ...); default
             :meth:`EngineScale.identity` (one process, plain ``backward``). It must have been
             measured over the topology's ``dp x sp`` group.
         ignore_index: label of tokens without loss.

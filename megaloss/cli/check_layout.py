@@ -19,7 +19,7 @@ read relative to the current one, and nothing of a megaloss checkout is needed.
    process groups from the config's ``megaloss.tensor_parallel_size`` (``DP = N / TP``), or,
    with DeepSpeed AutoTP (``"tensor_parallel": {"autotp_size": TP, "vocab_parallel_lm_head":
    true}``, LM job), lets ``deepspeed.initialize`` shard the model and make the groups (megaloss's
-   loss on AutoTP's lm_head shard, :mod:`megaloss.integrations.deepspeed.autotp`), and
+   loss on AutoTP's lm_head shard, :mod:`megaloss.integrations.autotp`), and
    trains K optimizer steps through the path megaloss users train with:
    ``megaloss.integrations.deepspeed.initialize`` (the engine, the measured engine scale, the
    calibrator) and ``train_step`` for the LM job; for the embedding job the loop of

@@ -171,13 +171,13 @@ def run_training(spec: Dict[str, Any], role: str) -> Dict[str, Any]:
     import torch.distributed as dist
 
     from megaloss import Topology
+    from megaloss.calibration.deepspeed_scale import engine_reduce_group
     from megaloss.integrations.deepspeed import (
         freeze_imported_objects,
         initialize,
         load_ds_config,
         train_step,
     )
-    from megaloss.integrations.deepspeed.probe import engine_reduce_group
     from megaloss.parallel import group_ranks
 
     if role == "layout" and spec.get("pp", 1) > 1:

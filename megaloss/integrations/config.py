@@ -53,6 +53,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ..calibration.deepspeed_scale import ds_config_autotp_size
 from ..losses.kto import KTOOptions
 from ..losses.orpo import ORPOOptions
 from ..losses.simpo import CPOOptions
@@ -603,7 +604,7 @@ def _with_deepspeed_keys(ds_config: Mapping[str, Any], section: Mapping[str, Any
     - ``"tensor_parallel": {"autotp_size": N > 1}`` makes DeepSpeed shard the model's linear
       layers itself (AutoTP, deepspeed 0.19.8 ``deepspeed/runtime/engine.py``). megaloss
       computes its loss on AutoTP's lm_head shard
-      (:mod:`megaloss.integrations.deepspeed.autotp`) when that head is a
+      (:mod:`megaloss.integrations.autotp`) when that head is a
       ``VocabParallelLinear``: ``"vocab_parallel_lm_head": true`` is required (DeepSpeed's
       ``null`` default makes it one only for a tied head under a Hugging Face
       ``embedding_rowwise`` plan, and ``false`` keeps full-vocabulary logits). Refused, with the
@@ -631,16 +632,6 @@ def _with_deepspeed_keys(ds_config: Mapping[str, Any], section: Mapping[str, Any
     if autotp > 1:
         _check_autotp(ds_config, ds_config["tensor_parallel"], autotp, ml)
     return ml
-
-
-def ds_config_autotp_size(ds_config: Any) -> int:
-    """``tensor_parallel.autotp_size`` of a ds_config dict (DeepSpeed's older spelling
-    ``tensor_parallel.tp_size`` too); 1 when absent or not an int."""
-    section = ds_config.get("tensor_parallel") if isinstance(ds_config, Mapping) else None
-    if not isinstance(section, Mapping):
-        return 1
-    size = section.get("autotp_size", section.get("tp_size", 1))
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
 
 
 def _check_autotp(ds_config: Mapping[str, Any], tp_section: Mapping[str, Any], autotp: int,

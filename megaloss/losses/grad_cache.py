@@ -27,7 +27,7 @@ the forward's autocast state (as ``torch.utils.checkpoint`` does). An engine tha
 replay as its own backward pass (DeepSpeed ZeRO-2/3 stop on a second gradient per parameter
 within one ``engine.backward``) passes ``backward``: :func:`grad_cache_step` then hands every
 replay but the last to it (the engine's "inside an accumulation window" backward, e.g.
-:func:`megaloss.integrations.deepspeed.grad_cache.inner_replay_backward`) and returns the last one
+:func:`megaloss.integrations.grad_cache.inner_replay_backward`) and returns the last one
 as ``surrogate``, to be back-propagated exactly as the non-cached loss would be
 (``engine.backward(surrogate)``, or returned to a Trainer); there the scale of the caller's
 backward cannot reach the replays already run, so it is checked against theirs in that backward
@@ -188,7 +188,7 @@ def grad_cache_step(encode: Encode, mini_batches: Sequence[Any],
             every replay but the last right here, at the scale the caller's backward will apply
             to ``surrogate`` (e.g. ``lambda t: (t / window).backward()`` for a caller that
             divides its loss by its accumulation window; under DeepSpeed
-            :func:`megaloss.integrations.deepspeed.grad_cache.inner_replay_backward`).
+            :func:`megaloss.integrations.grad_cache.inner_replay_backward`).
         empty_embeddings: for a rank with no mini-batches: columns with 0 rows whose graph
             reaches every trainable parameter (a zero gradient; required then).
         loss_parameters: tensors that ``loss_fn`` itself trains (a learnable temperature): their

@@ -5,7 +5,7 @@ A tiny ``transformers.LlamaForCausalLM`` (hidden 16, 2 layers, untied, vocab 37:
 splits the lm_head 19 + 18 rows, not megaloss's padded 19 + 19) is sharded by
 ``deepspeed.initialize`` on 2 gloo ranks (TP 2, DP 1), ZeRO 0, 1 and 2, plus vocab 100 with
 ``tp_grain_size`` 64 (64 + 36 rows), in one spawn; the loss is
-:func:`megaloss.integrations.deepspeed.autotp.autotp_causal_lm_loss` (decoder, then
+:func:`megaloss.integrations.autotp.autotp_causal_lm_loss` (decoder, then
 ``linear_cross_entropy`` on the ``VocabParallelLinear`` shard, no logits), a few SGD steps. The
 reference: the same initial state dict in float64 on one process, full logits,
 ``F.cross_entropy``, gradients clipped to global norm 1 (DeepSpeed's default clipping, active
@@ -59,7 +59,7 @@ def _data(vocab):
 def _reference(vocab, tied, state, ids, labels):
     import torch.nn.functional as F
 
-    from megaloss.integrations.hf.causal_lm import shifted_targets
+    from megaloss.integrations.lm_head import shifted_targets
 
     model = _llama(vocab, tied).double()
     model.load_state_dict({k: v.double() for k, v in state.items()})
@@ -80,7 +80,7 @@ def _reference(vocab, tied, state, ids, labels):
 def _train(stage, vocab, grain, tied, state, ids, labels):
     import deepspeed
 
-    from megaloss.integrations.deepspeed.autotp import (
+    from megaloss.integrations.autotp import (
         autotp_causal_lm_loss,
         autotp_lm_head,
         autotp_topology,
@@ -157,7 +157,7 @@ def test_autotp_vocab_parallel_head_matches_single_process_float64_training():
 
 
 def test_a_model_without_autotp_vocab_parallel_head_is_named_with_the_key():
-    from megaloss.integrations.deepspeed.autotp import autotp_lm_head
+    from megaloss.integrations.autotp import autotp_lm_head
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 5))
     with pytest.raises(ValueError, match=r"found 0.*\"vocab_parallel_lm_head\": true"):

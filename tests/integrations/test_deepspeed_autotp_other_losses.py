@@ -4,7 +4,7 @@ DeepSpeed's own AutoTP loss as a second reference for megaloss's cross-entropy.
 A tiny ``LlamaForCausalLM`` (vocab 37, untied) is sharded by ``deepspeed.initialize`` with
 ``"tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": true}`` on 2 gloo ranks
 (DeepSpeed's split: 19 + 18 rows). Then, with the options
-:func:`~megaloss.integrations.deepspeed.autotp.autotp_vocab_parallel_options` reads from that
+:func:`~megaloss.integrations.autotp.autotp_vocab_parallel_options` reads from that
 ``VocabParallelLinear``:
 
 - float64 hidden states on the head's shard (cast to float64): ``linear_log_probs`` (log-probs
@@ -106,7 +106,7 @@ def _shard_losses(head, opts, group):
 def _worker(rank, world):
     import deepspeed
 
-    from megaloss.integrations.deepspeed.autotp import (
+    from megaloss.integrations.autotp import (
         autotp_causal_lm_loss,
         autotp_lm_head,
         autotp_topology,

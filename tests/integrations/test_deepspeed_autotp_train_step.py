@@ -88,7 +88,7 @@ def _rows(steps, dp_rank):
 def _reference(state, steps, loss_reduction, tied=False, dp=1):
     import torch.nn.functional as F
 
-    from megaloss.integrations.hf.causal_lm import shifted_targets
+    from megaloss.integrations.lm_head import shifted_targets
 
     model = _llama(tied).double()
     model.load_state_dict({k: v.double() for k, v in state.items()})

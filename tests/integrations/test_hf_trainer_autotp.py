@@ -75,7 +75,7 @@ def train_case(out_dir, case, per_device):
     from transformers import TrainingArguments
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    from megaloss.integrations.deepspeed.autotp import autotp_lm_head
+    from megaloss.integrations.autotp import autotp_lm_head
     from megaloss.integrations.hf.trainer import MegalossTrainer
     unset_hf_deepspeed_config()
     model = tiny_llama()

@@ -25,15 +25,14 @@ gradient factor, the engine set-up, the calibrated training step and metrics thr
 
 Importing this package does not import ``deepspeed``; the functions import it when called.
 """
-from .autotp import (
+from ...calibration.deepspeed_scale import probe_deepspeed
+from ..autotp import (
     AutoTPCausalLMWithLoss,
     autotp_causal_lm_loss,
     autotp_lm_head,
     autotp_topology,
     autotp_vocab_parallel_options,
 )
-from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
-from .compat import configure_launched_process, freeze_imported_objects, skip_cpu_shm_comm_build
 from ..config import (
     CEConfig,
     DistillationConfig,
@@ -44,6 +43,8 @@ from ..config import (
     check_top_level_keys,
     load_megaloss_config,
 )
+from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from .compat import configure_launched_process, freeze_imported_objects, skip_cpu_shm_comm_build
 from .engine import MegalossEngine, initialize, keep_wandb_cache_in_run_dir, load_ds_config
 from .monitor import (
     MONITOR_SECTIONS,
@@ -59,7 +60,6 @@ from .policy_step import (
     policy_train_step,
     preference_train_step,
 )
-from .probe import probe_deepspeed
 from .train_step import EvalResult, StepMetrics, evaluate, peak_memory_mib, train_step
 
 __all__ = [

@@ -29,12 +29,11 @@ import torch
 from torch import nn
 
 from ...calibration import EngineScale, LossCalibrator, loss_weight_dtype
+from ...calibration.deepspeed_scale import ds_config_autotp_size, probe_deepspeed
 from ...parallel.topology import Topology
-from .autotp import ds_config_autotp_size
-from .compat import skip_cpu_shm_comm_build
 from ..config import MegalossConfig, load_megaloss_config
+from .compat import skip_cpu_shm_comm_build
 from .mpu import DeepSpeedMPU
-from .probe import probe_deepspeed
 from .step_engine import DeepSpeedStepEngine
 
 __all__ = ["MegalossEngine", "load_ds_config", "initialize", "needs_output_dir",
@@ -176,10 +175,11 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
             ``sp`` of size 1. ``None`` (and only ``None``) under DeepSpeed AutoTP
             (``"tensor_parallel": {"autotp_size": N, "vocab_parallel_lm_head": true}``): the
             groups are AutoTP's, built inside ``deepspeed.initialize``
-            (:func:`~.autotp.autotp_topology`); ``module`` is then a ``*ForCausalLM`` (wrapped
-            here in :class:`~.autotp.AutoTPCausalLMWithLoss` with the config's CE options) or
-            that wrapper, sharded by AutoTP, the loss computed on its lm_head shard, and the
-            gradient factor measured on a probe engine with AutoTP's groups.
+            (:func:`megaloss.integrations.autotp.autotp_topology`); ``module`` is then a
+            ``*ForCausalLM`` (wrapped here in
+            :class:`megaloss.integrations.autotp.AutoTPCausalLMWithLoss` with the config's CE
+            options) or that wrapper, sharded by AutoTP, the loss computed on its lm_head
+            shard, and the gradient factor measured on a probe engine with AutoTP's groups.
         optimizer: a ``torch.optim`` optimizer, or None to let the ds_config's ``"optimizer"``
             section build one (use ``"torch_adam": true`` on CPU: DeepSpeed's fused/CPU Adam
             would JIT-compile an op). Under AutoTP a callable ``params -> optimizer`` instead of
@@ -258,7 +258,8 @@ def _initialize_autotp(module: nn.Module, cfg: Dict[str, Any], ml: MegalossConfi
     AutoTP's groups), then the engine and the topology read from its groups."""
     import deepspeed
 
-    from .autotp import AutoTPCausalLMWithLoss, autotp_topology
+    from ..autotp import AutoTPCausalLMWithLoss, autotp_topology
+    from ..lm_head import is_loss_head
 
     if topology is not None:
         raise ValueError("under AutoTP (ds_config tensor_parallel.autotp_size > 1) the process "
@@ -270,11 +271,11 @@ def _initialize_autotp(module: nn.Module, cfg: Dict[str, Any], ml: MegalossConfi
                         "'optimizer' section: AutoTP replaces the sharded layers' Parameters "
                         "inside deepspeed.initialize, so an optimizer built before holds the "
                         "unsharded ones")
-    from ..hf.causal_lm import CausalLMWithLoss
-
-    if isinstance(module, CausalLMWithLoss):
+    head = getattr(module, "get_output_embeddings", lambda: None)()
+    if is_loss_head(head):
         raise TypeError("under AutoTP pass the *ForCausalLM itself (or AutoTPCausalLMWithLoss): "
-                        "CausalLMWithLoss replaced its nn.Linear lm_head, which AutoTP shards")
+                        f"{type(module).__name__} replaced its nn.Linear lm_head, which AutoTP "
+                        "shards")
     if not isinstance(module, AutoTPCausalLMWithLoss):
         if not (hasattr(module, "base_model") and hasattr(module, "get_output_embeddings")):
             raise TypeError(f"under AutoTP the module must be a Hugging Face *ForCausalLM (or "

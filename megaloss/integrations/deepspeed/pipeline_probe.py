@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from ...calibration import EngineScale, EngineScaleError
+from ...calibration.deepspeed_scale import DROPPED_DS_KEYS
 from ...calibration.engine_scale import measure_grad_scale, probe_coefficients, snap_scale
 from ...parallel.comm import all_reduce_max_
 from .compat import skip_cpu_shm_comm_build
 from .pipeline_layout import PipelineLayout
-from .probe import DROPPED_DS_KEYS
 
 __all__ = ["PipelineScale", "probe_pipeline"]
 

@@ -75,8 +75,8 @@ def policy_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, A
             wrong shape, no ``ref_log_probs`` with ``beta > 0``, an ``attention_mask`` with
             zeros under sequence parallelism; see
             :func:`megaloss.policy_loss`. The micro-batch checks are agreed on by every rank
-            before the step's first collective (:mod:`megaloss.integrations.step.checks`): the same error on every
-            rank, naming the failed ranks.
+            before the step's first collective (:mod:`megaloss.integrations.step.checks`): the
+            same error on every rank, naming the failed ranks.
         TypeError: non-integer ``input_ids``, non-floating ``advantages`` or log-probs (agreed
             on likewise); ``options`` not a ``PolicyLossOptions``.
     """

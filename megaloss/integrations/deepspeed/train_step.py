@@ -90,11 +90,11 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
             ``position_ids`` or a top-k teacher of another shape than ``input_ids``; a
             distillation module under sequence parallelism whose teacher module was not given
             to :func:`megaloss.integrations.hf.ulysses.enable_ulysses_attention` (it would see
-            only this rank's slice). The
-            micro-batch checks are agreed on by every rank before the step's first collective
-            (:mod:`megaloss.integrations.step.checks`): the same error on every rank, naming the failed ranks. So
-            are the loss's own checks in each forward (a label outside the vocabulary, NaN or
-            inf hidden states: :func:`megaloss.integrations.step.checks.agreed_forward`), before its backward.
+            only this rank's slice). The micro-batch checks are agreed on by every rank before
+            the step's first collective (:mod:`megaloss.integrations.step.checks`): the same
+            error on every rank, naming the failed ranks. So are the loss's own checks in each
+            forward (a label outside the vocabulary, NaN or inf hidden states:
+            :func:`megaloss.integrations.step.checks.agreed_forward`), before its backward.
         TypeError: non-integer ``input_ids`` / targets / top-k ids, non-floating top-k
             log-probs (agreed on likewise).
     """

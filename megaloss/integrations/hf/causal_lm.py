@@ -38,7 +38,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy
@@ -46,64 +45,17 @@ from ...losses.vocab_parallel_embedding import VocabParallelEmbedding
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.labels import causal_shift
 from ...ops.options import CrossEntropyOptions
-from ...ops.validation import check_not_dtensor, is_dtensor
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_size
-from .head_config import model_softcapping
+from ..head_config import model_softcapping
+from ..lm_head import (
+    GatheredLogits,
+    LinearHead,
+    linear_lm_head,
+    shifted_targets,
+    wrapper_options,
+)
 
 __all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "HF_MODEL_API", "causal_shift"]
-
-
-class LinearHead(nn.Module):
-    """What every loss head that replaces an unsharded ``nn.Linear`` lm_head shares: the
-    original ``weight [V, H]`` (and ``bias [V]``) Parameter objects, so tied input embeddings
-    stay tied and the state-dict names stay ``lm_head.weight``; and :meth:`logits`, what the
-    head returns when called without labels, as the ``nn.Linear`` it replaces: the model's own
-    forward (``model(input_ids).logits``) and ``model.generate`` keep working on the very
-    weights being trained.
-
-    Raises:
-        TypeError: ``linear`` is not an ``nn.Linear``.
-    """
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear lm_head, got {type(linear).__name__}")
-        self.weight = linear.weight
-        self.bias = linear.bias
-
-    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``hidden_states [..., H] @ W.T + b`` -> ``[..., V]``, in the weight's dtype.
-
-        Raises:
-            TypeError: the weight is a DTensor (FSDP2's shard, read outside the forward of the
-                unit that owns it; :func:`megaloss.ops.validation.check_not_dtensor`).
-        """
-        check_not_dtensor("lm_head.weight", self.weight)
-        return F.linear(hidden_states, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        v, h = self.weight.shape
-        return f"vocab_size={v}, hidden_size={h}"
-
-
-class GatheredLogits:
-    """For the loss heads over a :class:`megaloss.VocabParallelLMHead` shard: called without
-    labels, the full ``[..., V]`` logits gathered over the TP group (no gradient: for
-    ``generate`` and evaluation), so the model's own forward keeps working under TP."""
-
-    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
-            raise RuntimeError(
-                f"the full logits of a vocab-parallel lm_head (tp={self.tp_size}) are gathered "
-                "without gradient (generate, evaluation): run under torch.no_grad(), or train "
-                "through the megaloss wrapper's forward(input_ids, labels=...)")
-        local = F.linear(hidden_states, self.weight, self.bias).contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
-        dist.all_gather(parts, local, group=self.tp_group)
-        return torch.cat(parts, dim=-1)[..., :self.vocab_size]
 
 
 class LinearCrossEntropyHead(LinearHead):
@@ -132,84 +84,6 @@ class LinearCrossEntropyHead(LinearHead):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.options!r}"
-
-
-def linear_lm_head(model: nn.Module) -> nn.Linear:
-    """``model``'s output embedding, the lm_head a loss wrapper replaces.
-
-    Raises:
-        TypeError: ``model`` has no base model (``model.base_model`` missing or ``model`` itself)
-            or its output embedding is not an ``nn.Linear``.
-    """
-    base = getattr(model, "base_model", None)
-    if base is None or base is model:
-        raise TypeError(f"model must be a *ForCausalLM with a base model, got "
-                        f"{type(model).__name__}")
-    lm_head = model.get_output_embeddings()
-    if not isinstance(lm_head, nn.Linear):
-        raise TypeError(f"model's output embedding must be an nn.Linear, got "
-                        f"{type(lm_head).__name__}")
-    refuse_fully_sharded(model, "model")
-    return lm_head
-
-
-def first_dtensor_parameter(model: nn.Module) -> Optional[str]:
-    """The name of ``model``'s first DTensor parameter (FSDP2's or DTensor TP's shard), or
-    ``None``."""
-    return next((n for n, p in model.named_parameters() if is_dtensor(p)), None)
-
-
-def refuse_fully_sharded(model: nn.Module, what: str) -> None:
-    """Refuse a ``model`` already under FSDP2's ``fully_shard`` (a DTensor parameter): a loss
-    wrapper calls ``model.base_model`` and its new head directly, so the hooks of a
-    ``fully_shard(model)`` or ``fully_shard(model.lm_head)`` applied *before* wrapping never run
-    and those parameters would reach the decoder and the loss as shards.
-
-    Raises:
-        ValueError: a parameter of ``model`` is a DTensor.
-    """
-    name = first_dtensor_parameter(model)
-    if name is not None:
-        raise ValueError(
-            f"{what} is already sharded by FSDP2's fully_shard ({name} is a DTensor): wrap it "
-            "first, then apply fully_shard to the wrapper's modules (each decoder layer, "
-            "optionally the wrapper's lm_head head module, then the wrapper itself as the root), "
-            "so the loss runs inside an FSDP-managed forward")
-
-
-def wrapper_options(options, cls: type):
-    """A wrapper's loss options: ``options``, or ``cls(reduction="sum")`` when ``None`` (the
-    calibrated training step weights tokens itself).
-
-    Raises:
-        TypeError: ``options`` is not a ``cls``.
-    """
-    options = options if options is not None else cls(reduction="sum")
-    if not isinstance(options, cls):
-        raise TypeError(f"options must be a {cls.__name__}, got {type(options).__name__}")
-    return options
-
-
-def shifted_targets(input_ids: torch.Tensor, labels: Optional[torch.Tensor],
-                   shift_labels: Optional[torch.Tensor], ignore_index: int) -> torch.Tensor:
-    """The ``[B, T]`` shifted targets of a wrapper's forward: ``causal_shift(labels)`` (Hugging
-    Face's unshifted labels) or ``shift_labels`` as given; exactly one of the two.
-
-    Raises:
-        ValueError: neither or both given; a shape other than that of ``input_ids``.
-    """
-    if (labels is None) == (shift_labels is None):
-        raise ValueError("pass exactly one of labels (unshifted, Hugging Face convention) and "
-                         "shift_labels (already shifted)")
-    if shift_labels is None:
-        if labels.shape != input_ids.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
-                             f"{tuple(input_ids.shape)}")
-        return causal_shift(labels, ignore_index)
-    if shift_labels.shape != input_ids.shape:
-        raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must have the shape of "
-                         f"input_ids {tuple(input_ids.shape)}")
-    return shift_labels
 
 
 def _is_tied(model: nn.Module, lm_head: nn.Linear) -> bool:

@@ -22,21 +22,21 @@ from ...losses.log_probs import LogProbsOutput, linear_log_probs
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.options import LogProbsOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike
-from .causal_lm import (
+from ..lm_head import (
     GatheredLogits,
-    HeadWrapper,
     LinearHead,
     linear_lm_head,
     shifted_targets,
     wrapper_options,
 )
+from .causal_lm import HeadWrapper
 
 __all__ = ["CausalLMWithLogProbs", "LinearLogProbsHead"]
 
 
 class LinearLogProbsHead(LinearHead):
     """The (unsharded) lm_head plus :func:`megaloss.linear_log_probs`, as one module
-    (:class:`~megaloss.integrations.hf.causal_lm.LinearHead`).
+    (:class:`~megaloss.integrations.lm_head.LinearHead`).
     ``forward(hidden_states [..., H], labels=None [...], *, options)``: with *shifted* labels a
     :class:`megaloss.LogProbsOutput` under ``options`` (a
     :class:`~megaloss.ops.options.LogProbsOptions`); without, the logits.

@@ -28,7 +28,8 @@ from ...losses.vocab_parallel import vocab_shard_range
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.options import CrossEntropyOptions, DistillationOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
-from .causal_lm import (
+from ..head_config import model_softcapping
+from ..lm_head import (
     GatheredLogits,
     LinearHead,
     first_dtensor_parameter,
@@ -36,14 +37,13 @@ from .causal_lm import (
     shifted_targets,
     wrapper_options,
 )
-from .head_config import model_softcapping
 
 __all__ = ["CausalLMWithDistillation", "LinearDistillationHead"]
 
 
 class LinearDistillationHead(LinearHead):
     """The student's (unsharded) lm_head plus :func:`megaloss.linear_distillation_loss`, as one
-    module (:class:`~megaloss.integrations.hf.causal_lm.LinearHead`: the original
+    module (:class:`~megaloss.integrations.lm_head.LinearHead`: the original
     ``nn.Linear``'s Parameter objects, tied embeddings stay tied).
     ``forward(hidden_states, labels, *, loss_weights=None, **teacher)`` returns a
     :class:`megaloss.DistillationOutput`; ``teacher`` are the teacher keywords of

@@ -16,7 +16,7 @@ queries only when every micro-batch holds the same global number of queries. The
 (:func:`step_loss_weights`, one all-reduce per step) weights micro-batch m by
 ``w_m = (n_m / N) * M / D``, ``n_m`` its global queries, ``N`` the step's, ``M`` the engine's
 loss multiplier (``1 / c``, measured on the real engine by
-:func:`megaloss.integrations.deepspeed.probe_deepspeed`; ``G * D`` for ``engine.backward``, so
+:func:`megaloss.calibration.deepspeed_scale.probe_deepspeed`; ``G * D`` for ``engine.backward``, so
 ``w_m = G n_m / N``). The step gradient is then that of ``sum_m (n_m / N) L_m``, the query mean
 over the whole step, as the token calibration does for language models.
 
@@ -208,7 +208,7 @@ def cached_mnr_forward(model: nn.Module, batch: Dict[str, torch.Tensor], *,
             ``out.loss``, each scaled by its upstream gradient, so any caller scale (``loss /
             window``, a ``GradScaler``'s) is exact (under DDP every replay is reduced: correct,
             as reduction is linear, at ``num_replays`` times the traffic). Under DeepSpeed
-            :func:`megaloss.integrations.deepspeed.grad_cache.inner_replay_backward` (``engine.
+            :func:`megaloss.integrations.grad_cache.inner_replay_backward` (``engine.
             backward(out.loss)``; with ``scale=s`` for ``engine.backward(s * out.loss,
             scale_wrt_gas=False)``): it back-propagates every replay but the last here, at the
             scale the caller's backward applies to ``out.loss``; a mismatch raises a ValueError
@@ -221,7 +221,7 @@ def cached_mnr_forward(model: nn.Module, batch: Dict[str, torch.Tensor], *,
         every replay; with a ``backward`` it carries the last replay's graph and
         ``engine.backward(out.loss)`` completes the micro-step exactly as the non-cached
         ``engine.backward(engine(**batch).loss)`` would, with the same ``loss_weight`` (the
-        engine scale is unchanged, :mod:`megaloss.integrations.deepspeed.grad_cache`), after
+        engine scale is unchanged, :mod:`megaloss.integrations.grad_cache`), after
         ``backward`` ran ``num_replays - 1`` times on every rank.
 
     A window shorter than the ds_config's ``gradient_accumulation_steps`` ``G`` (an epoch's

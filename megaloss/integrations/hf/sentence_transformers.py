@@ -327,7 +327,7 @@ class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankin
     - under a DeepSpeed engine: ZeRO-2 and ZeRO-3 stop on replays inside one backward
       ("Gradient computed twice for this partition"), so every replay but the last runs here as
       its own ``engine.backward`` outside the accumulation boundary
-      (:mod:`megaloss.integrations.deepspeed.grad_cache`) at the scale the Trainer will apply
+      (:mod:`megaloss.integrations.grad_cache`) at the scale the Trainer will apply
       (:func:`caller_loss_scale`: ``1 / `` the micro-batches of the current window, also in an
       epoch's shorter last one), and the last replay is returned: the Trainer's own backward
       completes the micro-step. A caller there that scales otherwise gets a ValueError from its
@@ -363,7 +363,7 @@ class CachedGatheredMultipleNegativesRankingLoss(GatheredMultipleNegativesRankin
         linear, at ``num_replays`` times the traffic; none inside ``no_sync``)."""
         if not hasattr(self.model, "set_gradient_accumulation_boundary"):  # no DeepSpeed engine
             return None
-        from ..deepspeed.grad_cache import inner_replay_backward
+        from ..grad_cache import inner_replay_backward
         return inner_replay_backward(self.model, scale=caller_loss_scale(deepspeed=True))
 
     def forward(self, sentence_features: Iterable[Dict[str, Any]],

@@ -30,7 +30,7 @@ What :class:`MegalossTrainer` does instead:
   (:mod:`megaloss.calibration.engine_scale`, as megaloss's own loop does): the engine exists only
   once ``trainer.train()`` has let accelerate build it, so the probe runs then, DeepSpeed's on a
   tiny engine from the real engine's final ds_config and groups
-  (:func:`megaloss.integrations.deepspeed.probe_deepspeed`, times the probe's ``G``, which
+  (:func:`megaloss.calibration.deepspeed_scale.probe_deepspeed`, times the probe's ``G``, which
   ``scale_wrt_gas=False`` skips), DDP's over its ``process_group``
   (:func:`megaloss.calibration.probe_ddp`); ``M`` is the data-parallel size for the engines of
   today. The engine then leaves ``sum over ranks and micro-batches of sum_t w_t grad l_t``: the
@@ -66,7 +66,7 @@ give the ranks of one TP group the same batches (``accelerate/data_loader.py``, 
 ``// tp``); transformers' ``get_tp_size`` reads ``autotp_size`` (used by the stock
 ``num_items_in_batch`` / loss scale, which this class replaces). The stock loss would run on
 AutoTP's vocab-parallel head without gathering its logits; here the model is wrapped in
-:class:`~megaloss.integrations.deepspeed.autotp.AutoTPCausalLMWithLoss` instead (its
+:class:`~megaloss.integrations.autotp.AutoTPCausalLMWithLoss` instead (its
 ``nn.Linear`` lm_head is what AutoTP shards into a ``VocabParallelLinear``; megaloss's CE then
 runs on that shard), the calibration's all-reduce runs over the engine's data-parallel group
 (AutoTP's, without the TP peers, which hold the same batch), and the engine scale is measured
@@ -123,6 +123,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from ...calibration.deepspeed_scale import engine_reduce_group
 from ...calibration.weights import (
     LOSS_REDUCTIONS,
     compute_loss_weights,
@@ -133,7 +134,6 @@ from ...ops.labels import causal_shift
 from ...ops.validation import is_dtensor
 from ...parallel.groups import SINGLE_RANK
 from ..config import MegalossConfig, ds_config_autotp_size, load_megaloss_config
-from ..deepspeed.probe import engine_reduce_group
 from .causal_lm import CausalLMWithLoss
 
 try:
@@ -365,7 +365,7 @@ class MegalossTrainer(Trainer):
     def _autotp_model(model: Optional[torch.nn.Module], cfg: MegalossConfig):
         """The model under DeepSpeed AutoTP: ``AutoTPCausalLMWithLoss`` of the ``*ForCausalLM``
         (AutoTP shards its ``nn.Linear`` lm_head inside ``deepspeed.initialize``)."""
-        from ..deepspeed.autotp import AutoTPCausalLMWithLoss
+        from ..autotp import AutoTPCausalLMWithLoss
 
         if model is None or isinstance(model, AutoTPCausalLMWithLoss):
             return model
@@ -464,7 +464,7 @@ class MegalossTrainer(Trainer):
         elif engine is None or self._dp_group() is SINGLE_RANK:
             multiplier = 1.0
         elif hasattr(engine, "set_gradient_accumulation_boundary"):
-            from ..deepspeed.probe import probe_deepspeed
+            from ...calibration.deepspeed_scale import probe_deepspeed
             config = getattr(getattr(engine, "_config", None), "_param_dict", None) \
                 or engine.config
             # under AutoTP the engine's mpu is deepspeed.utils.groups, made by the engine from

@@ -29,8 +29,8 @@ from .checks import check_floating, check_same_shape, integer_tensor
 from .loop import StepLoss, StepOutcome, batch_to_device
 from .metrics import EvalResult, StepMetrics
 
-__all__ = ["LanguageModelLoss", "NLLLoss", "TOPK_KEYS", "check_lm_micro_batch", "micro_batch_targets",
-           "sample_boundaries", "model_inputs", "evaluate_lm"]
+__all__ = ["LanguageModelLoss", "NLLLoss", "TOPK_KEYS", "check_lm_micro_batch",
+           "micro_batch_targets", "sample_boundaries", "model_inputs", "evaluate_lm"]
 
 # a stored top-k teacher's keys of an LM micro-batch
 TOPK_KEYS = ("teacher_topk_ids", "teacher_topk_log_probs")

@@ -1,5 +1,11 @@
 """Measure the gradient factor of a DeepSpeed engine (:mod:`megaloss.calibration.engine_scale`
-explains the probe), on a tiny engine built from the training engine's ds_config and groups.
+explains the probe), on a tiny engine built from the training engine's ds_config and groups;
+beside DDP's (:func:`~megaloss.calibration.probe_ddp`) and FSDP2's
+(:func:`~megaloss.calibration.probe_fsdp`), so that every engine adapter (megaloss's DeepSpeed
+loop, the Hugging Face Trainer on accelerate's DeepSpeed engine) measures the same way. What
+building that engine needs is here too: the ds_config's AutoTP size
+(:func:`ds_config_autotp_size`) and, on CPU, no JIT build of DeepSpeed's shared-memory op
+(:func:`skip_cpu_shm_comm_build`).
 
 The group the probe accounts for is the one DeepSpeed itself reduces over: the engine's
 sequence-data-parallel group (``engine.seq_data_parallel_group`` in DeepSpeed 0.19's
@@ -13,13 +19,12 @@ from typing import Any, Mapping
 
 import torch
 
-from ...calibration.engine_scale import EngineScale, ProbeModule, measure_grad_scale
-from ...parallel.comm import all_reduce_max_
-from ...parallel.groups import GroupLike, group_ranks
-from .autotp import ds_config_autotp_size
-from .compat import skip_cpu_shm_comm_build
+from ..parallel.comm import all_reduce_max_
+from ..parallel.groups import GroupLike, group_ranks
+from .engine_scale import EngineScale, ProbeModule, measure_grad_scale
 
-__all__ = ["probe_deepspeed", "engine_reduce_group"]
+__all__ = ["probe_deepspeed", "engine_reduce_group", "ds_config_autotp_size",
+           "skip_cpu_shm_comm_build", "DROPPED_DS_KEYS"]
 
 # Sections that do not change the effective factor but would change what the probe reads or
 # build things (optimizers, monitors): mixed precision is unscaled inside step(), clipping
@@ -29,6 +34,40 @@ DROPPED_DS_KEYS = ("optimizer", "scheduler", "fp16", "bf16", "amp", "gradient_cl
                    "wall_clock_breakdown", "checkpoint", "megaloss")
 
 _UNSET = object()
+
+
+def skip_cpu_shm_comm_build() -> bool:
+    """On DeepSpeed's CPU accelerator, do not JIT-compile its optional shared-memory all-reduce.
+
+    DeepSpeed 0.19.8 builds ``deepspeed_shm_comm`` (a C++ op, ~1-3 minutes on 2 busy cores, then
+    cached under ``~/.cache/torch_extensions``) the first time its comm backend starts on CPU.
+    It is only a faster intra-node all-reduce; gloo does the same work. Marking the op
+    incompatible in DeepSpeed's own cache of op compatibility (``deepspeed.ops.__compatible_ops__``,
+    which ``deepspeed.comm.torch.build_shm_op`` consults) keeps start-up free of compilation.
+    Call it before the first ``deepspeed.init_distributed`` / ``deepspeed.initialize``; a no-op on
+    other accelerators, and idempotent.
+
+    Returns:
+        True when the build was disabled (CPU accelerator), False otherwise.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return False
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return True
+
+
+def ds_config_autotp_size(ds_config: Any) -> int:
+    """``tensor_parallel.autotp_size`` of a ds_config dict (DeepSpeed's older spelling
+    ``tensor_parallel.tp_size`` too); 1 when absent or not an int."""
+    section = ds_config.get("tensor_parallel") if isinstance(ds_config, Mapping) else None
+    if not isinstance(section, Mapping):
+        return 1
+    size = section.get("autotp_size", section.get("tp_size", 1))
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
 
 
 def engine_reduce_group(engine: Any) -> Any:

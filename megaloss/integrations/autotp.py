@@ -40,12 +40,14 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ...losses.cross_entropy import linear_cross_entropy
-from ...losses.vocab_parallel import VocabParallelOptions
-from ...ops.options import CrossEntropyOptions
-from ...parallel.groups import GroupLike, group_size
-from ...parallel.topology import Topology
-from ..config import ds_config_autotp_size
+from ..calibration.deepspeed_scale import ds_config_autotp_size
+from ..losses.cross_entropy import linear_cross_entropy
+from ..losses.vocab_parallel import VocabParallelOptions
+from ..ops.options import CrossEntropyOptions
+from ..parallel.groups import GroupLike, group_size
+from ..parallel.topology import Topology
+from .head_config import model_softcapping
+from .lm_head import linear_lm_head, shifted_targets, wrapper_options
 
 __all__ = ["autotp_lm_head", "autotp_topology", "autotp_vocab_parallel_options",
            "autotp_causal_lm_loss", "AutoTPCausalLMWithLoss", "ds_config_autotp_size"]
@@ -149,7 +151,7 @@ def autotp_causal_lm_loss(model: Any, input_ids: torch.Tensor,
         model: the engine or its module (a transformers ``*ForCausalLM`` AutoTP sharded).
         input_ids: ``[B, T]``.
         labels / shift_labels: exactly one: Hugging Face's unshifted ``labels`` or the already
-            shifted targets (:func:`megaloss.integrations.hf.causal_lm.shifted_targets`).
+            shifted targets (:func:`megaloss.integrations.lm_head.shifted_targets`).
         options: :class:`CrossEntropyOptions` (megaloss's defaults when ``None``).
         attention_mask, position_ids: passed to the decoder.
         loss_weights: per-token weights ``[B, T]`` of the shifted targets.
@@ -179,8 +181,6 @@ def _head_and_options(module: nn.Module, tp_group: GroupLike) -> tuple:
 def _loss_on_head(module, head, parallel, input_ids, labels, shift_labels, options,
                   attention_mask, position_ids, loss_weights, return_stats):
     """:func:`autotp_causal_lm_loss` once the head and its options are known."""
-    from ..hf.causal_lm import shifted_targets
-
     options = CrossEntropyOptions() if options is None else options
     targets = shifted_targets(input_ids, labels, shift_labels, options.ignore_index)
     out = module.base_model(input_ids=input_ids, attention_mask=attention_mask,
@@ -230,9 +230,6 @@ class AutoTPCausalLMWithLoss(nn.Module):
     """
 
     def __init__(self, model: nn.Module, *, options: Optional[CrossEntropyOptions] = None) -> None:
-        from ..hf.causal_lm import linear_lm_head, wrapper_options
-        from ..hf.head_config import model_softcapping
-
         super().__init__()
         linear_lm_head(model)  # raises TypeError without an nn.Linear lm_head
         options = wrapper_options(options, CrossEntropyOptions)

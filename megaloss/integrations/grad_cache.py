@@ -1,4 +1,5 @@
-"""GradCache replays as DeepSpeed accumulation passes, so ZeRO 0-3 accept them.
+"""GradCache replays as an engine's accumulation passes, so DeepSpeed's ZeRO 0-3 accept them
+(used by megaloss's DeepSpeed loop and by the sentence-transformers loss under a DeepSpeed engine).
 
 :func:`megaloss.losses.grad_cache.grad_cache_step` back-propagates one mini-batch at a time.
 Inside one

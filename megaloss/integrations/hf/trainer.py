@@ -13,10 +13,13 @@ What :class:`MegalossTrainer` does instead:
 
 - the model is wrapped in :class:`megaloss.CausalLMWithLoss` (lm_head replaced by the chunked
   linear CE head: no logits; z-loss, label smoothing, softcapping and ``loss_reduction`` from the
-  ds_config's ``"megaloss"`` section, :func:`megaloss.integrations.deepspeed.load_megaloss_config`);
-- ``get_batch_samples``: the step's micro-batches are calibrated together
-  (:func:`megaloss.calibration.compute_loss_weights`, one all-reduce of 3 numbers over the
-  data-parallel group): every batch gets ``shift_labels`` (HF's ``labels`` shifted, or the
+  ds_config's ``"megaloss"`` section, :func:`megaloss.integrations.config.load_megaloss_config`);
+- the Trainer's micro-batch loop runs megaloss's one calibrated step in two halves
+  (:class:`megaloss.integrations.step.CalibratedStep`, the LM family of
+  :mod:`megaloss.integrations.step.lm`); the Trainer keeps its own backward and optimizer step;
+- ``get_batch_samples``: the step's micro-batches are checked (agreed on by every rank) and
+  calibrated together (one all-reduce of 3 numbers over the data-parallel group): every batch
+  gets ``shift_labels`` (HF's ``labels`` shifted, or the
   collator's ``shift_labels`` as they are) and ``loss_weights`` ``w_t = u_t / D`` (``u_t`` 1,
   ``1/n_s`` or ``1/sqrt(n_s)``, ``D`` the global sum of ``u_t`` over the step's micro-batches and
   ranks: XTuner v1's ``token`` / ``sample`` / ``square``);
@@ -24,14 +27,15 @@ What :class:`MegalossTrainer` does instead:
   sequence-data-parallel group, DDP's ``process_group``; one rank when the Trainer is not
   distributed, even with ``torch.distributed`` initialized), never assumed to be the world:
   the calibration's all-reduce and the logs' run over it;
-- ``compute_loss`` returns ``M * sum_t w_t l_t`` and :attr:`loss_is_scaled_for_ga` is True, so
-  the Trainer neither divides by the accumulation steps nor lets DeepSpeed do it
-  (``scale_wrt_gas=False``). ``M = 1 / c`` is *measured* on the first training micro-batch
-  (:mod:`megaloss.calibration.engine_scale`, as megaloss's own loop does): the engine exists only
-  once ``trainer.train()`` has let accelerate build it, so the probe runs then, DeepSpeed's on a
-  tiny engine from the real engine's final ds_config and groups
-  (:func:`megaloss.calibration.deepspeed_scale.probe_deepspeed`, times the probe's ``G``, which
-  ``scale_wrt_gas=False`` skips), DDP's over its ``process_group``
+- ``compute_loss`` returns ``M * sum_t w_t l_t`` (the step's
+  :meth:`~megaloss.integrations.step.CalibratedStep.micro_batch_loss`) and
+  :attr:`loss_is_scaled_for_ga` is True, so the Trainer neither divides by the accumulation
+  steps nor lets DeepSpeed do it (``scale_wrt_gas=False``). ``M = 1 / c`` is *measured* before
+  the first training step (:mod:`megaloss.calibration.engine_scale`, as megaloss's own loop
+  does): the engine exists only once ``trainer.train()`` has let accelerate build it, so the
+  probe runs then, DeepSpeed's on a tiny engine from the real engine's final ds_config and
+  groups (:func:`megaloss.calibration.deepspeed_scale.probe_deepspeed`, times the probe's ``G``,
+  which ``scale_wrt_gas=False`` skips), DDP's over its ``process_group``
   (:func:`megaloss.calibration.probe_ddp`); ``M`` is the data-parallel size for the engines of
   today. The engine then leaves ``sum over ranks and micro-batches of sum_t w_t grad l_t``: the
   single-device gradient of the global loss. The Trainer's logged ``loss`` (mean over ranks of
@@ -123,17 +127,17 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from ...calibration.calibrator import LossCalibrator, StepCalibration
 from ...calibration.deepspeed_scale import engine_reduce_group
-from ...calibration.weights import (
-    LOSS_REDUCTIONS,
-    compute_loss_weights,
-    loss_weight_dtype,
-    raw_token_weights,
-)
+from ...calibration.engine_scale import EngineScale
+from ...calibration.weights import LOSS_REDUCTIONS, loss_weight_dtype, raw_token_weights
 from ...ops.labels import causal_shift
 from ...ops.validation import is_dtensor
-from ...parallel.groups import SINGLE_RANK
+from ...parallel.groups import SINGLE_RANK, group_ranks, group_size
+from ...parallel.topology import Topology
 from ..config import MegalossConfig, ds_config_autotp_size, load_megaloss_config
+from ..step.lm import LanguageModelLoss
+from ..step.loop import CalibratedStep
 from .causal_lm import CausalLMWithLoss
 
 try:
@@ -145,6 +149,47 @@ except ImportError as err:  # pragma: no cover - transformers is the hf extra
 __all__ = ["MegalossTrainer", "megaloss_config_from_args"]
 
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+# where get_batch_samples marks a batch with its index in the step (compute_loss reads it)
+MICRO_BATCH_KEY = "megaloss_micro_batch"
+
+
+class TrainerCausalLMLoss(LanguageModelLoss):
+    """The Trainer's batches as the calibrated step's LM family
+    (:class:`megaloss.integrations.step.lm.LanguageModelLoss`): labels as collators give them
+    (Hugging Face's unshifted ``labels`` or ``shift_labels``, tensors or lists), moved to the
+    Trainer's ``device``; ``position_ids`` mark packed samples; a step with no batch left on
+    this rank still calibrated (its all-reduce entered with one ignored label); a micro-batch's
+    stats are its CE and z-loss parts (float64, CPU) for the Trainer's logs."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def check(self, i: int, mb: Mapping[str, Any], topology: Topology) -> None:
+        if "shift_labels" not in mb and "labels" not in mb:
+            raise ValueError("MegalossTrainer needs 'labels' (or 'shift_labels') in every "
+                             "batch (DataCollatorForLanguageModeling(mlm=False) gives them)")
+
+    def calibrate(self, calibrator: LossCalibrator,
+                  micro_batches: List[Mapping[str, Any]]) -> StepCalibration:
+        ignore, device = calibrator.ignore_index, self.device
+        shifted = [torch.as_tensor(b["shift_labels"]).to(device) if "shift_labels" in b else
+                   causal_shift(torch.as_tensor(b["labels"]).to(device), ignore)
+                   for b in micro_batches]
+        if not shifted:
+            return calibrator.begin_step([torch.full((1,), ignore, dtype=torch.long,
+                                                     device=device)])
+        positions = [b.get("position_ids") for b in micro_batches]
+        positions = None if all(p is None for p in positions) else [
+            None if p is None else torch.as_tensor(p).to(device) for p in positions]
+        return calibrator.begin_step(shifted, position_ids=positions)
+
+    def loss(self, forward, step: StepCalibration, i: int, mb: Mapping[str, Any]):
+        kwargs = {k: mb[k] for k in ("attention_mask", "position_ids") if mb.get(k) is not None}
+        out = forward(mb["input_ids"], shift_labels=step.local_labels(i),
+                      loss_weights=step.weights(i), **kwargs)
+        z = out.z_loss.detach().double()
+        return out.loss, torch.stack([out.loss.detach().double() - z, z]).cpu()
 
 
 def megaloss_config_from_args(args: Any) -> MegalossConfig:
@@ -295,8 +340,8 @@ class MegalossTrainer(Trainer):
             FSDP1; a partly sharded wrapper (the root not ``fully_shard``-ed, a trainable
             parameter not sharded); a ``*ForCausalLM`` sharded before wrapping
             (``CausalLMWithLoss``'s refusal); a mesh whose ranks are not the Trainer's processes
-            (on the first training micro-batch).
-        megaloss.calibration.EngineScaleError: on the first training micro-batch, an engine
+            (before the first training step).
+        megaloss.calibration.EngineScaleError: before the first training step, an engine
             whose gradient scale megaloss cannot compensate.
     """
 
@@ -327,6 +372,7 @@ class MegalossTrainer(Trainer):
         self._parts_steps = 0
         self._eval_parts = torch.zeros(4, dtype=torch.float64)  # sum u*l, sum u*z, sum u, tokens
         self._engine_scale: Optional[tuple] = None  # (id of the engine, measured 1 / c)
+        self._step: Optional[CalibratedStep] = None  # the optimizer step being trained
         self._fsdp_group_cache: Optional[tuple] = None  # (id of the model, its mesh's group)
         super().__init__(model=model, args=args, **kwargs)
         self._setup_fsdp2(presharded)
@@ -448,7 +494,7 @@ class MegalossTrainer(Trainer):
         real engine's final ds_config (``engine.backward`` with ``scale_wrt_gas`` divides by its
         ``G``, the Trainer's ``scale_wrt_gas=False`` does not: ``G / c``), DDP by a probe over
         its ``process_group``, FSDP2 by :func:`~megaloss.calibration.probe_fsdp` on the sharded
-        model, 1 without an engine. Collective on the first training micro-batch (every rank
+        model, 1 without an engine. Collective before the first training step (every rank
         runs it)."""
         fsdp = self._fsdp2_model()
         engine = self._engine() if fsdp is None else fsdp
@@ -494,12 +540,31 @@ class MegalossTrainer(Trainer):
         return t.cpu()
 
     # calibration ---------------------------------------------------------------------------------
+    def _calibrator(self) -> LossCalibrator:
+        """The step's :class:`~megaloss.LossCalibrator`: over the engine's data-parallel group,
+        with the measured loss multiplier (:meth:`_loss_multiplier`, collective on the first
+        call)."""
+        group = self._dp_group()
+        multiplier = float(self._loss_multiplier())
+        size = group_size(group)
+        scale = EngineScale("transformers.Trainer", 1.0 / multiplier, multiplier, 1, size,
+                            1.0 / multiplier, tuple(group_ranks(group)))
+        return LossCalibrator(Topology(dp_group=group, dp_sp_group=group),
+                              loss_reduction=self.loss_reduction, engine_scale=scale,
+                              ignore_index=self.megaloss_config.ce.options().ignore_index,
+                              weight_dtype=loss_weight_dtype(self.model))
+
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: torch.device) -> tuple:
-        """Fetch the step's micro-batches and attach ``shift_labels`` / ``loss_weights``.
+        """Fetch the step's micro-batches and calibrate them: the one calibrated step's first
+        half (:class:`megaloss.integrations.step.CalibratedStep`; :meth:`compute_loss` runs its
+        per-micro-batch half). Every batch gets ``shift_labels`` and ``loss_weights``.
 
         Every rank calls this once per optimizer step (also with fewer or no batches left), so
-        the one all-reduce of :func:`compute_loss_weights` is matched.
+        the checks' all-gather and the calibration's one all-reduce are matched.
+
+        Raises:
+            ValueError: a batch without ``labels`` / ``shift_labels`` (on every rank alike).
         """
         batches: List[Dict[str, Any]] = []
         for _ in range(num_batches):
@@ -507,67 +572,55 @@ class MegalossTrainer(Trainer):
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
-        ignore = self.megaloss_config.ce.options().ignore_index
-        shifted = []
-        for b in batches:
-            if "shift_labels" in b:
-                shifted.append(torch.as_tensor(b["shift_labels"]).to(device))
-            elif "labels" in b:
-                shifted.append(causal_shift(torch.as_tensor(b["labels"]).to(device), ignore))
-            else:
-                raise ValueError("MegalossTrainer needs 'labels' (or 'shift_labels') in every "
-                                 "batch (DataCollatorForLanguageModeling(mlm=False) gives them)")
-        positions = [b.get("position_ids") for b in batches]
-        positions = None if all(p is None for p in positions) else [
-            None if p is None else torch.as_tensor(p).to(device) for p in positions]
-        labels_for_weights = shifted or [torch.full((1,), ignore, dtype=torch.long, device=device)]
-        lw = compute_loss_weights(labels_for_weights, self.loss_reduction, group=self._dp_group(),
-                                  ignore_index=ignore, position_ids=positions
-                                  if shifted else None, dtype=loss_weight_dtype(self.model))
+        self._step = CalibratedStep(TrainerCausalLMLoss(device), self._calibrator(), batches)
+        calibration = self._step.calibration
         for i, b in enumerate(batches):
             b.pop("labels", None)
-            b["shift_labels"] = shifted[i]
-            b["loss_weights"] = lw.weights[i]
+            b["shift_labels"] = calibration.local_labels(i)
+            b["loss_weights"] = calibration.weights(i)
+            b[MICRO_BATCH_KEY] = i
         if batches:
-            self._parts[2] += float(lw.num_tokens)
+            self._parts[2] += float(calibration.num_tokens)
             self._parts_steps += 1
-        return batches, lw.num_tokens
+        return batches, calibration.num_tokens
 
     def compute_loss(self, model: torch.nn.Module, inputs: Dict[str, Any],
                      return_outputs: bool = False,
                      num_items_in_batch: Optional[Any] = None) -> Any:
-        """Training (inputs carry ``loss_weights``): ``W * sum_t w_t l_t``, its CE and z-loss
-        parts accumulated for :meth:`log`. Evaluation: ``sum_t u_t l_t / sum_t u_t`` of the
+        """Training (a batch of :meth:`get_batch_samples`): the calibrated step's micro-batch
+        loss, ``M * sum_t w_t l_t`` (:meth:`CalibratedStep.micro_batch_loss
+        <megaloss.integrations.step.CalibratedStep.micro_batch_loss>`), its CE and z-loss parts
+        accumulated for :meth:`log`. Evaluation: ``sum_t u_t l_t / sum_t u_t`` of the
         micro-batch (``u_t`` the unnormalised ``loss_reduction`` weights), the sums accumulated
         for :meth:`evaluation_loop`."""
+        if MICRO_BATCH_KEY in inputs:
+            def forward(input_ids: torch.Tensor, **kwargs: Any) -> Any:
+                return model(input_ids=input_ids, **kwargs)
+
+            loss = self._step.micro_batch_loss(int(inputs[MICRO_BATCH_KEY]), forward,
+                                               micro_batch=inputs)
+            if model.training:
+                ce, z = self._step.stats[-1].tolist()
+                self._parts[0] += ce
+                self._parts[1] += z
+            return (loss, {}) if return_outputs else loss
         kwargs = {k: inputs[k] for k in _MODEL_INPUTS if inputs.get(k) is not None}
-        weights = inputs.get("loss_weights")
+        ignore = self.megaloss_config.ce.options().ignore_index
         if "shift_labels" in inputs:
             shift_labels = inputs["shift_labels"]
         else:
-            shift_labels = causal_shift(inputs["labels"], self.megaloss_config.ce.options()
-                                        .ignore_index)
-        if weights is None:  # evaluation: u_t unnormalised, summed over the set in _eval_parts
-            shift_labels = self._without_repeated_eval_rows(shift_labels)
-            positions = inputs.get("position_ids")
-            raw = raw_token_weights(shift_labels, self.loss_reduction,
-                                    ignore_index=self.megaloss_config.ce.options().ignore_index,
-                                    position_ids=positions, dtype=loss_weight_dtype(model))
-            out = model(shift_labels=shift_labels, loss_weights=raw, **kwargs)
-            den = raw.detach().double().sum().cpu()
-            self._eval_parts += torch.stack([out.loss.detach().double().cpu(),
-                                             out.z_loss.detach().double().cpu(), den,
-                                             out.num_valid_tokens.detach().double().cpu()])
-            loss = out.loss / den.to(out.loss).clamp_min(torch.finfo(torch.float32).tiny)
-            return (loss, {}) if return_outputs else loss
-        # FSDP2: the probe's fully_shard-ed backward runs before the model's forward
-        multiplier = self._loss_multiplier() if self._fsdp2_model() is not None else None
-        out = model(shift_labels=shift_labels, loss_weights=weights, **kwargs)
-        loss = out.loss * (self._loss_multiplier() if multiplier is None else multiplier)
-        if model.training:
-            z = out.z_loss.detach().double().cpu()
-            self._parts[0] += float(out.loss.detach().double().cpu() - z)
-            self._parts[1] += float(z)
+            shift_labels = causal_shift(inputs["labels"], ignore)
+        # evaluation: u_t unnormalised, summed over the set in _eval_parts
+        shift_labels = self._without_repeated_eval_rows(shift_labels)
+        raw = raw_token_weights(shift_labels, self.loss_reduction, ignore_index=ignore,
+                                position_ids=inputs.get("position_ids"),
+                                dtype=loss_weight_dtype(model))
+        out = model(shift_labels=shift_labels, loss_weights=raw, **kwargs)
+        den = raw.detach().double().sum().cpu()
+        self._eval_parts += torch.stack([out.loss.detach().double().cpu(),
+                                         out.z_loss.detach().double().cpu(), den,
+                                         out.num_valid_tokens.detach().double().cpu()])
+        loss = out.loss / den.to(out.loss).clamp_min(torch.finfo(torch.float32).tiny)
         return (loss, {}) if return_outputs else loss
 
     @contextlib.contextmanager

@@ -221,15 +221,19 @@ class CalibratedStep:
     def __len__(self) -> int:
         return len(self.micro_batches)
 
-    def micro_batch_loss(self, i: int, forward: Forward) -> torch.Tensor:
+    def micro_batch_loss(self, i: int, forward: Forward, *,
+                         micro_batch: Optional[Mapping[str, Any]] = None) -> torch.Tensor:
         """Micro-batch ``i``'s loss to backward: the family's local weighted sum through
         ``forward`` (the module's forward through its loss), times the engine's measured loss
         multiplier (:meth:`~megaloss.calibration.StepCalibration.loss_for_backward`). Its
-        detached value and stats are kept for :meth:`finish`."""
+        detached value and stats are kept for :meth:`finish`. ``micro_batch``: the micro-batch
+        as the caller's loop prepared it (the Trainer's ``_prepare_inputs``), default the one
+        given."""
         if not self._prepared:
             self.loss.prepare(forward, self.calibration, self.micro_batches)
             self._prepared = True
-        local, stats = self.loss.loss(forward, self.calibration, i, self.micro_batches[i])
+        mb = self.micro_batches[i] if micro_batch is None else micro_batch
+        local, stats = self.loss.loss(forward, self.calibration, i, mb)
         self.stats.append(stats)
         return self.calibration.loss_for_backward(local)
 

@@ -28,13 +28,24 @@ tiny pipeline engine of the same ds_config and layout (:func:`probe_pipeline`, t
 returns. The last stage's loss then has the *value* ``local x`` (logged-loss multiplier) and the
 *gradient* of ``local x`` (gradient multiplier): the gradients are the single-device ones and
 ``train_batch()`` returns the global loss.
+
+What this shares with the one calibrated step (:mod:`megaloss.integrations.step`) and what it
+cannot: the micro-batch checks agreed on by every rank and the calibration are the step's first
+half (:class:`~megaloss.integrations.step.CalibratedStep` with the LM family), and the learning
+rate, gradient norm, counts and monitor writes are the DeepSpeed adapter's
+(:class:`~.step_engine.DeepSpeedStepEngine`). The micro-batch loop itself is the pipeline
+engine's schedule (``train_batch()`` interleaves the stages' forwards and backwards and calls the
+loss on the last stage), so the forward, the loss for backward
+(:class:`PipelineCrossEntropyLoss`, scaled by the measured factors above, not
+:meth:`~megaloss.calibration.StepCalibration.loss_for_backward`) and the global loss (the last
+stage's float64 sums, :func:`~.pipeline_loss.last_stage_sums`) stay here.
 """
 from __future__ import annotations
 
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -44,6 +55,9 @@ from ...parallel.comm import all_reduce_max_
 from ...parallel.groups import group_ranks
 from ...parallel.topology import Topology
 from ..config import MegalossConfig
+from ..step.lm import LanguageModelLoss, micro_batch_targets
+from ..step.loop import CalibratedStep, batch_to_device
+from ..step.metrics import EvalResult, StepMetrics, peak_memory_mib
 from .compat import skip_cpu_shm_comm_build
 from .engine import load_ds_config
 from .monitor import write_metrics
@@ -55,13 +69,7 @@ from .pipeline_layout import (
 )
 from .pipeline_loss import CrossEntropyHeadStage, PipelineCrossEntropyLoss, last_stage_sums
 from .pipeline_probe import PipelineScale, probe_pipeline
-from .train_step import (
-    EvalResult,
-    StepMetrics,
-    batch_to_device,
-    micro_batch_targets,
-    peak_memory_mib,
-)
+from .step_engine import DeepSpeedStepEngine
 
 __all__ = ["PipelineLayout", "build_pipeline_layout", "PipelineScale", "probe_pipeline",
            "CrossEntropyHeadStage", "PipelineCrossEntropyLoss", "MegalossPipelineEngine",
@@ -71,8 +79,9 @@ __all__ = ["PipelineLayout", "build_pipeline_layout", "PipelineScale", "probe_pi
 
 # engine -----------------------------------------------------------------------------------------
 @dataclass
-class MegalossPipelineEngine:
-    """What :func:`initialize_pipeline` returns.
+class MegalossPipelineEngine(DeepSpeedStepEngine):
+    """What :func:`initialize_pipeline` returns (its learning rate, gradient norm, counts and
+    monitors those of :class:`~.step_engine.DeepSpeedStepEngine`).
 
     Attributes:
         engine: DeepSpeed's ``PipelineEngine``.
@@ -328,11 +337,16 @@ class PipelineStepMetrics(StepMetrics):
 _UNSUPPORTED_KEYS = ("attention_mask", "position_ids", "cu_seqlens")
 
 
-def _check_micro_batch(mb: Mapping[str, Any]) -> None:
-    extra = [k for k in _UNSUPPORTED_KEYS if mb.get(k) is not None]
-    if extra:
-        raise ValueError(f"the pipeline stages take input_ids only; micro-batch keys {extra} "
-                         "are not passed between stages (use full causal rows)")
+class _PipelineLoss(LanguageModelLoss):
+    """The LM family's checks and calibration, for micro-batches of ``input_ids`` and labels
+    only (what the stages carry)."""
+
+    def check(self, i: int, mb: Mapping[str, Any], topology: Topology) -> None:
+        extra = [k for k in _UNSUPPORTED_KEYS if mb.get(k) is not None]
+        if extra:
+            raise ValueError(f"the pipeline stages take input_ids only; micro-batch keys {extra} "
+                             "are not passed between stages (use full causal rows)")
+        super().check(i, mb, topology)
 
 
 def pipeline_train_step(me: MegalossPipelineEngine,
@@ -358,37 +372,26 @@ def pipeline_train_step(me: MegalossPipelineEngine,
         ValueError: a wrong number of micro-batches, or keys the stages do not carry.
     """
     engine = me.engine
-    gas = int(engine.gradient_accumulation_steps())
-    if len(micro_batches) != gas:
-        raise ValueError(f"micro_batches must hold gradient_accumulation_steps={gas} entries, got "
-                         f"{len(micro_batches)}")
-    for mb in micro_batches:
-        _check_micro_batch(mb)
     t0 = time.perf_counter()
-    device = engine.device
-    mbs = [batch_to_device(mb, device) for mb in micro_batches]
-    ignore = me.calibrator.ignore_index
-    step = me.calibrator.begin_step([micro_batch_targets(mb, ignore) for mb in mbs])
-    data = [(mb["input_ids"], (step.local_labels(i), step.weights(i))) for i, mb in enumerate(mbs)]
+    step = CalibratedStep(_PipelineLoss(), me.calibrator, micro_batches, device=engine.device,
+                          gradient_accumulation_steps=me.gradient_accumulation_steps())
+    cal = step.calibration
+    data = [(mb["input_ids"], (cal.local_labels(i), cal.weights(i)))
+            for i, mb in enumerate(step.micro_batches)]
     if me.loss is not None:
         me.loss.reset()
     logged = engine.train_batch(iter(data))
+    device = engine.device
     sums = last_stage_sums(None if me.loss is None else me.loss._sums, me.layout, device)
     elapsed = time.perf_counter() - t0
-    grad_norm = engine.get_global_grad_norm()
-    num_tokens = float(step.num_tokens)
+    num_tokens = float(cal.num_tokens)
     metrics = PipelineStepMetrics(
-        step=int(engine.global_steps), loss=float(sums[0]), z_loss=float(sums[1]),
-        num_tokens=num_tokens, lr=float(engine.get_lr()[0]),
-        grad_norm=None if grad_norm is None else float(grad_norm),
-        tokens_per_s=num_tokens / max(elapsed, 1e-9), peak_memory_mib=peak_memory_mib(device),
-        step_time_s=elapsed, samples=int(getattr(engine, "global_samples", 0)),
+        step=me.step_count(), loss=float(sums[0]), z_loss=float(sums[1]), num_tokens=num_tokens,
+        lr=me.lr(), grad_norm=me.grad_norm(), tokens_per_s=num_tokens / max(elapsed, 1e-9),
+        peak_memory_mib=peak_memory_mib(device), step_time_s=elapsed, samples=me.samples(),
         engine_loss=float(logged))
     if log:
-        d = asdict(metrics)
-        d["optimizer_step"] = d.pop("step")
-        d.pop("samples")
-        write_metrics(engine, d)
+        me.log(metrics)
     return metrics
 
 
@@ -410,7 +413,7 @@ def pipeline_evaluate(me: MegalossPipelineEngine,
         me.loss.reset()
     ignore = me.calibrator.ignore_index
     for mb in batches:
-        _check_micro_batch(mb)
+        _PipelineLoss().check(0, mb, me.topology)
         mb = batch_to_device(mb, device)
         labels = micro_batch_targets(mb, ignore)
         ones = (labels != ignore).to(torch.float32)

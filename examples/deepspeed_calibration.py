@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 
 import megaloss
-from megaloss.integrations.deepspeed import DeepSpeedMPU, probe_deepspeed, skip_cpu_shm_comm_build
+from megaloss.integrations.deepspeed import probe_deepspeed
+from megaloss.integrations.deepspeed.compat import skip_cpu_shm_comm_build
+from megaloss.integrations.deepspeed.mpu import DeepSpeedMPU
 
 VOCAB, HIDDEN, GAS, MICRO, SEQ = 50, 16, 2, 2, 8
 

@@ -4,12 +4,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from megaloss import CausalLMWithLoss, Topology
 from megaloss.configs import config_path  # the shipped ds_configs (package data)
-from megaloss.integrations.deepspeed import (
-    configure_launched_process,
-    initialize,
-    load_ds_config,
-    train_step,
-)
+from megaloss.integrations.deepspeed import initialize, load_ds_config, train_step
+from megaloss.integrations.deepspeed.compat import configure_launched_process
 
 configure_launched_process()  # quiet DeepSpeed; on CPU: threads per process, no JIT build
 deepspeed.init_distributed()

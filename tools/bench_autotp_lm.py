@@ -93,7 +93,7 @@ def _rank(rank: int, world: int, spec: Dict[str, Any]) -> Dict[str, Any]:
     import torch.distributed as dist
 
     from launch.jobs.models import build_llama
-    from megaloss.integrations.deepspeed import configure_launched_process
+    from megaloss.integrations.deepspeed.compat import configure_launched_process
 
     configure_launched_process()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)

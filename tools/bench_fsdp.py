@@ -10,7 +10,7 @@ Layouts (one ``torch.distributed.device_mesh.init_device_mesh("cpu", (2,))`` per
   each rank computes the mean CE of its own ``N`` tokens.
 
   - ``megaloss``: megaloss's head module owning the weight,
-    :class:`megaloss.integrations.hf.LinearCrossEntropyHead` (``megaloss/integrations/hf/
+    :class:`megaloss.integrations.hf.causal_lm.LinearCrossEntropyHead` (``megaloss/integrations/hf/
     causal_lm.py``; ``CrossEntropyOptions(chunk_size=--chunk-size)``), as the FSDP unit: the
     chunked CE runs inside the FSDP-managed forward, where the weight is unsharded (the layout
     ``tests/integrations/test_fsdp2_head.py`` checks against float64);
@@ -125,7 +125,7 @@ def _build(case: str, w, mesh, chunk):
     )
 
     import megaloss
-    from megaloss.integrations.hf import LinearCrossEntropyHead
+    from megaloss.integrations.hf.causal_lm import LinearCrossEntropyHead
     from megaloss.ops.options import CrossEntropyOptions
 
     layout, method = case.split("/")

@@ -23,7 +23,8 @@ def _worker(rank, world, gas):
 
 def _probe_all(gas):
     from megaloss.calibration import EngineScaleError, probe_ddp
-    from megaloss.integrations.deepspeed import probe_deepspeed, skip_cpu_shm_comm_build
+    from megaloss.integrations.deepspeed import probe_deepspeed
+    from megaloss.integrations.deepspeed.compat import skip_cpu_shm_comm_build
     # DeepSpeed's CPU backend would JIT-build an optional shared-memory all-reduce op.
     skip_cpu_shm_comm_build()
     rows = []

@@ -96,7 +96,7 @@ def _embed_step(me, mbs, dp_group, dp_size: int, multiplier: float):
     (global loss, gradient norm before clipping)."""
     import torch
 
-    from megaloss.integrations.hf import step_loss_weights
+    from megaloss.integrations.hf.embedding import step_loss_weights
     engine = me.engine
     weights = step_loss_weights([len(b["query_input_ids"]) for b in mbs], dp_group,
                                 loss_multiplier=multiplier, device=engine.device)
@@ -172,12 +172,8 @@ def run_training(spec: Dict[str, Any], role: str) -> Dict[str, Any]:
 
     from megaloss import Topology
     from megaloss.calibration.deepspeed_scale import engine_reduce_group
-    from megaloss.integrations.deepspeed import (
-        freeze_imported_objects,
-        initialize,
-        load_ds_config,
-        train_step,
-    )
+    from megaloss.integrations.deepspeed import initialize, load_ds_config, train_step
+    from megaloss.integrations.deepspeed.compat import freeze_imported_objects
     from megaloss.parallel import group_ranks
 
     if role == "layout" and spec.get("pp", 1) > 1:
@@ -247,7 +243,7 @@ def reference_key(spec: Dict[str, Any]) -> str:
 def init_single_process() -> None:
     import deepspeed
 
-    from megaloss.integrations.deepspeed import configure_launched_process
+    from megaloss.integrations.deepspeed.compat import configure_launched_process
     from megaloss.testing import free_port
     configure_launched_process(logging.ERROR)  # this process prints the report
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -261,7 +257,7 @@ def layout_worker(spec_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from megaloss.integrations.deepspeed import configure_launched_process
+    from megaloss.integrations.deepspeed.compat import configure_launched_process
     configure_launched_process()
     deepspeed.init_distributed()
     for spec in json.loads(Path(spec_path).read_text()):

@@ -191,7 +191,7 @@ def _measure_world(rank: int, world: int) -> List[Dict[str, Any]]:
         linear_cross_entropy,
         mnr_loss,
     )
-    from megaloss.integrations.hf import step_loss_weights
+    from megaloss.integrations.hf.embedding import step_loss_weights
     from megaloss.losses.vocab_parallel import vocab_shard_range
     from megaloss.ops.options import CrossEntropyOptions
     from megaloss.parallel import group_ranks

@@ -92,7 +92,7 @@ def _worker_main(argv):
     groups are reset between the examples (``deepspeed_state.fresh_deepspeed_state``)."""
     import torch.distributed as dist
 
-    from megaloss.integrations.deepspeed import freeze_imported_objects
+    from megaloss.integrations.deepspeed.compat import freeze_imported_objects
     from tests.helpers.deepspeed_state import fresh_deepspeed_state
     from tests.helpers.pools import destroy_subgroups
 

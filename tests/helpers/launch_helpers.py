@@ -245,7 +245,7 @@ def _run_worker(file: str, argv: List[str]) -> None:
     (a W&B case sets ``WANDB_*``) restored after it."""
     import importlib.util
 
-    from megaloss.integrations.deepspeed import freeze_imported_objects
+    from megaloss.integrations.deepspeed.compat import freeze_imported_objects
 
     folder = str(Path(file).resolve().parent)
     if folder not in sys.path:

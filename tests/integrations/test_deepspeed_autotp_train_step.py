@@ -117,7 +117,8 @@ def _reference(state, steps, loss_reduction, tied=False, dp=1):
 
 
 def _train(stage, loss_reduction, state, steps, tied=False, dp=1):
-    from megaloss.integrations.deepspeed import autotp_lm_head, initialize, train_step
+    from megaloss.integrations.autotp import autotp_lm_head
+    from megaloss.integrations.deepspeed import initialize, train_step
 
     model = _llama(tied)
     model.load_state_dict(state)
@@ -142,7 +143,7 @@ def _train(stage, loss_reduction, state, steps, tied=False, dp=1):
 def _worker(rank, world):
     import deepspeed
 
-    from megaloss.integrations.deepspeed import configure_launched_process
+    from megaloss.integrations.deepspeed.compat import configure_launched_process
 
     configure_launched_process()
     deepspeed.init_distributed(dist_backend="gloo")

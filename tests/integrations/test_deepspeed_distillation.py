@@ -56,7 +56,7 @@ def _states():
 
 
 def _data():
-    from megaloss.integrations.hf import causal_shift
+    from megaloss import causal_shift
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (STEPS, GLOBAL_ROWS, SEQ), generator=g)
     labels = causal_shift(ids)

@@ -46,7 +46,8 @@ def _llama(hidden, seed):
 
 @pytest.mark.slow  # imports transformers
 def test_wrapper_matches_the_reference():
-    from megaloss.integrations.hf import CausalLMWithDistillation, causal_shift
+    from megaloss import causal_shift
+    from megaloss.integrations.hf import CausalLMWithDistillation
     student, teacher = _llama(8, 0), _llama(12, 1)
     ids = torch.randint(0, 29, (2, 8), generator=torch.Generator().manual_seed(2))
     labels = causal_shift(ids)

@@ -44,7 +44,7 @@ def _initial_state():
 
 def _data():
     """[STEPS, GLOBAL_ROWS, SEQ] input ids and shifted labels with random ignored positions."""
-    from megaloss.integrations.hf import causal_shift
+    from megaloss import causal_shift
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (STEPS, GLOBAL_ROWS, SEQ), generator=g)
     labels = causal_shift(ids)

@@ -83,7 +83,7 @@ def _worker(rank, world):
     import deepspeed
     import torch.distributed as dist
 
-    from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
+    from megaloss.integrations.deepspeed.compat import skip_cpu_shm_comm_build
     from megaloss.integrations.grad_cache import inner_replay_backward
     from megaloss.integrations.hf.embedding import (
         EmbeddingModelWithMNR,

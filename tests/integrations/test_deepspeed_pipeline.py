@@ -60,7 +60,7 @@ def _initial_state(tied):
 def _data():
     """[STEPS, GLOBAL_ROWS, SEQ] input ids and shifted labels with random ignored positions;
     rows 0-1 of step 0 have none (a whole micro-batch when it holds <= 2 rows)."""
-    from megaloss.integrations.hf import causal_shift
+    from megaloss import causal_shift
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (STEPS, GLOBAL_ROWS, SEQ), generator=g)
     labels = causal_shift(ids)

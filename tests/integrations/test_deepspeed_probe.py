@@ -68,7 +68,7 @@ def _ds_worker(rank, world, toy_paths, layouts):
     out = {}
     # DeepSpeed's CPU comm backend JIT-builds an optional shared-memory all-reduce op; skip it
     # so no C++ build runs in the tests (gloo does the same work).
-    from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
+    from megaloss.integrations.deepspeed.compat import skip_cpu_shm_comm_build
     skip_cpu_shm_comm_build()
 
     from megaloss import SINGLE_RANK, Topology

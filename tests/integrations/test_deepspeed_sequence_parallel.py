@@ -89,11 +89,9 @@ def _run(rank, world, sp, tp, layouts):
 
     from megaloss import CausalLMWithLoss, CrossEntropyOptions, LossCalibrator, Topology
     from megaloss.calibration import split_for_sequence_parallel
-    from megaloss.integrations.deepspeed import (
-        DeepSpeedMPU,
-        probe_deepspeed,
-        skip_cpu_shm_comm_build,
-    )
+    from megaloss.integrations.deepspeed import probe_deepspeed
+    from megaloss.integrations.deepspeed.compat import skip_cpu_shm_comm_build
+    from megaloss.integrations.deepspeed.mpu import DeepSpeedMPU
     from megaloss.integrations.hf.ulysses import enable_ulysses_attention
 
     skip_cpu_shm_comm_build()

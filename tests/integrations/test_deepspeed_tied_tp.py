@@ -45,7 +45,7 @@ def _llama(tie):
 
 
 def _data():
-    from megaloss.integrations.hf import causal_shift
+    from megaloss import causal_shift
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, VOCAB, (STEPS, ROWS, SEQ), generator=g)
     labels = causal_shift(ids)

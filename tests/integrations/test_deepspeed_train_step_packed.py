@@ -92,7 +92,8 @@ def _worker(rank, world_size, reductions):
     import deepspeed
 
     from megaloss import Topology
-    from megaloss.integrations.deepspeed import configure_launched_process, initialize, train_step
+    from megaloss.integrations.deepspeed import initialize, train_step
+    from megaloss.integrations.deepspeed.compat import configure_launched_process
     configure_launched_process()
     deepspeed.init_distributed()
     out = {}

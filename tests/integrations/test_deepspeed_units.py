@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megaloss import Topology, init_dp_tp_mesh
-from megaloss.integrations.deepspeed import DeepSpeedMPU
+from megaloss.integrations.deepspeed.mpu import DeepSpeedMPU
 from megaloss.parallel import is_tensor_parallel, mark_tensor_parallel
 
 
@@ -74,7 +74,8 @@ class _FakeMonitor:
 def test_write_metrics_uses_the_sample_axis_deepspeed_uses():
     from types import SimpleNamespace
 
-    from megaloss.integrations.deepspeed import monitor_step, write_metrics
+    from megaloss.integrations.deepspeed import write_metrics
+    from megaloss.integrations.deepspeed.monitor import monitor_step
     engine = SimpleNamespace(monitor=_FakeMonitor(), global_samples=48, global_steps=3)
     assert monitor_step(engine) == 48
     write_metrics(engine, {"loss": 2.5, "grad_norm": None})
@@ -87,7 +88,7 @@ def test_write_metrics_uses_the_sample_axis_deepspeed_uses():
 def test_continue_monitors_truncates_csv_files_and_writes_no_second_header(tmp_path):
     from types import SimpleNamespace
 
-    from megaloss.integrations.deepspeed import continue_monitors
+    from megaloss.integrations.deepspeed.monitor import continue_monitors
     (tmp_path / "Train_megaloss_loss.csv").write_text("step,loss\n8,3.0\n16,2.5\n24,2.0\n")
     (tmp_path / "Eval_megaloss_loss.csv").write_text("step,loss\n0,4.0\n16,2.6\n")
     engine = SimpleNamespace(monitor=_FakeMonitor(tmp_path), global_samples=16)
@@ -117,7 +118,7 @@ def test_needs_output_dir_and_default_run_folder(tmp_path, monkeypatch):
 
 
 def test_wandb_cache_follows_wandb_dir_unless_user_set(tmp_path, monkeypatch):
-    from megaloss.integrations.deepspeed import keep_wandb_cache_in_run_dir
+    from megaloss.integrations.deepspeed.engine import keep_wandb_cache_in_run_dir
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "a"))
     monkeypatch.delenv("WANDB_CACHE_DIR", raising=False)
     keep_wandb_cache_in_run_dir()
@@ -133,10 +134,10 @@ def test_wandb_cache_follows_wandb_dir_unless_user_set(tmp_path, monkeypatch):
 def test_checkpoint_helpers(tmp_path):
     import random
 
-    from megaloss.integrations.deepspeed import resolve_checkpoint
     from megaloss.integrations.deepspeed.checkpoint import (
         latest_tag,
         prune_checkpoints,
+        resolve_checkpoint,
         rng_state,
         set_rng_state,
     )
@@ -171,7 +172,7 @@ def test_continue_monitors_purges_tensorboard_events_after_the_checkpoint(tmp_pa
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
-    from megaloss.integrations.deepspeed import continue_monitors
+    from megaloss.integrations.deepspeed.monitor import continue_monitors
     writer = SummaryWriter(log_dir=str(tmp_path))
     for x, v in ((8, 3.0), (16, 2.5), (24, 2.0)):  # the interrupted run got past its checkpoint
         writer.add_scalar("Train/megaloss/loss", v, x)
@@ -191,7 +192,7 @@ def test_freeze_imported_objects_collects_garbage_then_freezes_the_survivors():
     import gc
     import weakref
 
-    from megaloss.integrations.deepspeed import freeze_imported_objects
+    from megaloss.integrations.deepspeed.compat import freeze_imported_objects
 
     class Node:
         pass

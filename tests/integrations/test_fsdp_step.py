@@ -9,8 +9,6 @@ mean). Tolerance: 1e-10 relative (float64 sums in another order).
 Also single-process: the adapter's optimizer step (learning-rate schedule, clipping, step
 count) and the count check of ``gradient_accumulation_steps``.
 """
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,7 +53,7 @@ def _reference(world):
     with torch.no_grad():
         for p in model.parameters():
             p -= p.grad
-    return {n: p.detach() for n, p in model.named_parameters()}, float(loss)
+    return {n: p.detach() for n, p in model.named_parameters()}, float(loss.detach())
 
 
 def _step_rank(rank, world, engine_kind):

@@ -71,7 +71,7 @@ def _ds_worker(rank, world, stages):
     import deepspeed
     import torch.distributed as dist
 
-    from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
+    from megaloss.integrations.deepspeed.compat import skip_cpu_shm_comm_build
     from megaloss.integrations.hf.embedding import EmbeddingModelWithMNR, step_loss_weights
 
     skip_cpu_shm_comm_build()  # no JIT build of DeepSpeed's optional CPU shm all-reduce

@@ -195,7 +195,7 @@ def _worker_main(argv):  # ZeRO-3's zero.Init follows the latest TrainingArgumen
     parser.add_argument("--model_dir", required=True)
     parser.add_argument("--local_rank", type=int, default=0)
     a = parser.parse_args(argv)
-    from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
+    from megaloss.integrations.deepspeed.compat import skip_cpu_shm_comm_build
     skip_cpu_shm_comm_build()
     import deepspeed
     deepspeed.init_distributed()  # ZeRO-3 builds the model under zero.Init: comm first

@@ -362,7 +362,7 @@ def _worker_main(argv):
     parser.add_argument("--cases", default=",".join(DS_CASES))
     parser.add_argument("--local_rank", type=int, default=0)
     a = parser.parse_args(argv)
-    from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
+    from megaloss.integrations.deepspeed.compat import skip_cpu_shm_comm_build
     skip_cpu_shm_comm_build()
     rank = int(os.environ.get("RANK", "0"))
     for name in a.cases.split(","):

@@ -193,7 +193,7 @@ def _worker_main(argv):
     parser.add_argument("--procs", type=int, required=True)
     parser.add_argument("--local_rank", type=int, default=0)
     a = parser.parse_args(argv)
-    from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
+    from megaloss.integrations.deepspeed.compat import skip_cpu_shm_comm_build
     skip_cpu_shm_comm_build()
     rank = int(os.environ.get("RANK", "0"))
     for name, (case, per_device) in (CASES_2PROCS if a.procs == 2 else CASES_4PROCS).items():

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from megaloss import PolicyLossOptions, policy_loss
-from megaloss.integrations.hf import MegalossGRPOMixin, policy_options_from_grpo_args
+from megaloss.integrations.hf import MegalossGRPOMixin
+from megaloss.integrations.hf.trl_policy import policy_options_from_grpo_args
 
 pytestmark = pytest.mark.slow  # importing TRL's trainer (transformers, datasets, ...) takes ~7 s
 

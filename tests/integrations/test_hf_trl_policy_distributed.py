@@ -186,7 +186,7 @@ def _worker_main(argv):
     a = parser.parse_args(argv)
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
+    from megaloss.integrations.deepspeed.compat import skip_cpu_shm_comm_build
     skip_cpu_shm_comm_build()
     rank = int(os.environ.get("RANK", "0"))
     folder = os.path.join(a.worker, f"rank{rank}")

@@ -444,7 +444,7 @@ def _float64_gradient_reduce():
 def _worker(rank, world, layouts):
     import deepspeed
 
-    from megaloss.integrations.deepspeed import skip_cpu_shm_comm_build
+    from megaloss.integrations.deepspeed.compat import skip_cpu_shm_comm_build
     skip_cpu_shm_comm_build()
     deepspeed.init_distributed()
     mask, cases, distill_ids = _data()

@@ -7,9 +7,11 @@
   log-probs (and entropy) of the labels instead (policy-gradient and preference losses).
 - :mod:`.distillation`: :class:`CausalLMWithDistillation`, a ``*ForCausalLM`` student with the
   chunked / vocab-parallel distillation loss towards a frozen teacher (module or stored top-k).
-- :mod:`.head_config`: the logit transforms a model's config applies after its lm_head
-  (Gemma 2's final soft-cap, honoured; Cohere's and Granite's logit scales, refused), read by
-  both wrappers.
+- the engine-neutral pieces the wrappers share with the AutoTP wrapper live one level down:
+  :mod:`megaloss.integrations.lm_head` (the lm_head a wrapper replaces, the loss heads' base)
+  and :mod:`megaloss.integrations.head_config` (the logit transforms a model's config applies
+  after its lm_head: Gemma 2's final soft-cap, honoured; Cohere's and Granite's logit scales,
+  refused).
 - :mod:`.embedding`: :class:`EmbeddingModelWithMNR`, a mean-pooled bi-encoder with the gathered
   MNR loss, its gradient-cached forward, and the per-step gradient-accumulation weights of that
   loss.
@@ -28,22 +30,13 @@
 
 Importing this package does not import ``transformers``.
 """
-from .causal_lm import CausalLMWithLoss, LinearCrossEntropyHead, causal_shift
-from .causal_lm_log_probs import CausalLMWithLogProbs, LinearLogProbsHead
-from .distillation import CausalLMWithDistillation, LinearDistillationHead
-from .embedding import (
-    EmbeddingModelWithMNR,
-    EmbeddingOutput,
-    cached_mnr_forward,
-    mean_pool,
-    step_loss_weights,
-)
-from .trl_dpo import MegalossDPOMixin, dpo_options_from_dpo_args
-from .trl_policy import MegalossGRPOMixin, policy_options_from_grpo_args
+from .causal_lm import CausalLMWithLoss
+from .causal_lm_log_probs import CausalLMWithLogProbs
+from .distillation import CausalLMWithDistillation
+from .embedding import EmbeddingModelWithMNR, cached_mnr_forward
+from .trl_dpo import MegalossDPOMixin
+from .trl_policy import MegalossGRPOMixin
 
-__all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "causal_shift",
-           "CausalLMWithLogProbs", "LinearLogProbsHead",
-           "CausalLMWithDistillation", "LinearDistillationHead",
-           "EmbeddingModelWithMNR", "EmbeddingOutput", "cached_mnr_forward", "mean_pool",
-           "step_loss_weights", "MegalossGRPOMixin", "policy_options_from_grpo_args",
-           "MegalossDPOMixin", "dpo_options_from_dpo_args"]
+__all__ = ["CausalLMWithLoss", "CausalLMWithLogProbs", "CausalLMWithDistillation",
+           "EmbeddingModelWithMNR", "cached_mnr_forward", "MegalossGRPOMixin",
+           "MegalossDPOMixin"]

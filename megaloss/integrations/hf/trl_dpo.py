@@ -18,8 +18,9 @@ What it changes in TRL 1.16 (``trl/trainer/dpo_trainer.py``):
 
 - ``__init__``: the ``DPOConfig`` is checked before TRL builds anything (a field the hook does
   not reproduce is a ValueError naming it); the lm_head of the policy and of the reference
-  model becomes megaloss's :class:`~megaloss.integrations.hf.LinearLogProbsHead` (the same
-  weight Parameter; without labels it returns the logits, so the model's own forward and
+  model becomes megaloss's
+  :class:`~megaloss.integrations.hf.causal_lm_log_probs.LinearLogProbsHead` (the same weight
+  Parameter; without labels it returns the logits, so the model's own forward and
   ``generate`` are unchanged), and their forward takes ``megaloss_log_probs=True`` to return
   :class:`megaloss.LogProbsOutput` (decoder + chunked log-probs and entropy of the labels) while
   the forward still runs through the DDP / DeepSpeed wrapper that reduces the gradients.

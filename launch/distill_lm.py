@@ -286,13 +286,8 @@ class Phase:
         Returns:
             the phase's summary, ``"engine"`` (its :class:`MegalossEngine`) included.
         """
-        from megaloss.integrations.deepspeed import (
-            close_monitors,
-            evaluate,
-            initialize,
-            load_ds_config,
-            train_step,
-        )
+        from megaloss.integrations.deepspeed import evaluate, initialize, load_ds_config, train_step
+        from megaloss.integrations.deepspeed.monitor import close_monitors
 
         args, topo, log = self.args, self.topo, self.log
         phase_dir = self.out_dir / name

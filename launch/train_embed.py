@@ -194,18 +194,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     from megaloss import Topology
-    from megaloss.integrations.deepspeed import (
-        initialize,
-        load_ds_config,
-        peak_memory_mib,
-        write_metrics,
-    )
+    from megaloss.integrations.deepspeed import initialize, load_ds_config, write_metrics
     from megaloss.integrations.grad_cache import inner_replay_backward
-    from megaloss.integrations.hf import (
-        EmbeddingModelWithMNR,
-        cached_mnr_forward,
-        step_loss_weights,
-    )
+    from megaloss.integrations.hf import EmbeddingModelWithMNR, cached_mnr_forward
+    from megaloss.integrations.hf.embedding import step_loss_weights
+    from megaloss.integrations.step.metrics import peak_memory_mib
 
     rank, _ = start_process(args.local_rank, args.output_dir)
     torch.manual_seed(args.seed)

@@ -85,7 +85,7 @@ def resume_source(args: argparse.Namespace, out_dir: Path) -> Optional[Path]:
         SystemExit: ``--resume PATH`` does not exist; ``--resume latest`` where the folder holds
             a run but no checkpoint.
     """
-    from megaloss.integrations.deepspeed import resolve_checkpoint
+    from megaloss.integrations.deepspeed.checkpoint import resolve_checkpoint
 
     if args.resume is None:
         return None
@@ -176,8 +176,7 @@ def follow_branch(source: Path, ckpt_dir: Path) -> None:
     never takes the abandoned run's checkpoint for this run's. Checkpoint folders are left as
     they are (the branch's saves replace the abandoned run's of the same step). Call on one
     rank."""
-    from megaloss.integrations.deepspeed import resolve_checkpoint
-    from megaloss.integrations.deepspeed.checkpoint import latest_tag
+    from megaloss.integrations.deepspeed.checkpoint import latest_tag, resolve_checkpoint
 
     load_dir, tag = resolve_checkpoint(source)
     if not ckpt_dir.is_dir() or load_dir.resolve() != ckpt_dir.resolve():

@@ -43,7 +43,7 @@ def build_llama(args, vocab_size: int, attn_implementation: Optional[str] = None
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megaloss.integrations.deepspeed import freeze_imported_objects
+    from megaloss.integrations.deepspeed.compat import freeze_imported_objects
     freeze_imported_objects()  # transformers' modules, imported just now
     hidden, layers, heads, kv, ffn = LLAMA_SIZES[args.model_size]
     hidden = args.hidden_size or hidden
@@ -74,7 +74,7 @@ def build_encoder(size: str, vocab_size: int, max_len: int, pad_id: int,
     ``dropout`` on hidden states and attention probabilities (the caller seeds torch)."""
     from transformers import BertConfig, BertModel
 
-    from megaloss.integrations.deepspeed import freeze_imported_objects
+    from megaloss.integrations.deepspeed.compat import freeze_imported_objects
     freeze_imported_objects()  # transformers' modules, imported just now
     hidden, layers, heads, ffn = BERT_SIZES[size]
     config = BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,

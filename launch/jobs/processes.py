@@ -42,7 +42,10 @@ def start_process(local_rank: int, output_dir: Optional[os.PathLike] = None) -> 
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from megaloss.integrations.deepspeed import configure_launched_process, freeze_imported_objects
+    from megaloss.integrations.deepspeed.compat import (
+        configure_launched_process,
+        freeze_imported_objects,
+    )
     from megaloss.testing import free_port
 
     keep_tracebacks_in(output_dir)
@@ -76,7 +79,7 @@ def start_trainer_process(local_rank: int, report_to: str, out_dir: Path) -> Tup
     if report_to != "none":
         os.environ.setdefault("WANDB_DIR", str(out_dir.resolve()))  # <output_dir>/wandb
         os.environ.setdefault("WANDB_PROJECT", "megaloss")
-        from megaloss.integrations.deepspeed import keep_wandb_cache_in_run_dir
+        from megaloss.integrations.deepspeed.engine import keep_wandb_cache_in_run_dir
 
         keep_wandb_cache_in_run_dir()  # wandb-core's debug log too
     return rank, world

@@ -141,7 +141,7 @@ def finish_run(out_dir: Path, rank: int, write_outputs: Callable[[], Any],
     import torch.distributed as dist
 
     if engine is not None:
-        from megaloss.integrations.deepspeed import close_monitors
+        from megaloss.integrations.deepspeed.monitor import close_monitors
         close_monitors(engine)
     if rank == 0:
         write_outputs()

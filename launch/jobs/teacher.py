@@ -59,8 +59,10 @@ def load_teacher_state(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, An
         SystemExit: no checkpoint at ``path``; a file cut short or damaged; no model files; a
             ZeRO-3 checkpoint; model files of different TP layouts.
     """
-    from megaloss.integrations.deepspeed import resolve_checkpoint
-    from megaloss.integrations.deepspeed.checkpoint import check_checkpoint_files
+    from megaloss.integrations.deepspeed.checkpoint import (
+        check_checkpoint_files,
+        resolve_checkpoint,
+    )
 
     try:
         load_dir, tag = resolve_checkpoint(path)

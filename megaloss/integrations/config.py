@@ -53,17 +53,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ..losses.dpo import DPO_LOSS_TYPES, DPOOptions
 from ..losses.kto import KTOOptions
+from ..losses.mnr import MNROptions
 from ..losses.orpo import ORPOOptions
+from ..losses.policy_options import PolicyLossOptions
 from ..losses.simpo import CPOOptions
-from ..ops.options import (
-    DPO_LOSS_TYPES,
-    CrossEntropyOptions,
-    DistillationOptions,
-    DPOOptions,
-    MNROptions,
-    PolicyLossOptions,
-)
+from ..ops.cross_entropy_options import CrossEntropyOptions
+from ..ops.distillation_options import DistillationOptions
 
 __all__ = ["CEConfig", "MNRConfig", "PolicyConfig", "DPOConfig", "CPOConfig", "SimPOConfig",
            "ORPOConfig", "KTOConfig", "PREFERENCE_SECTIONS", "DistillationConfig",

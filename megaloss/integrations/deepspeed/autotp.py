@@ -42,7 +42,7 @@ from torch import nn
 
 from ...losses.cross_entropy import linear_cross_entropy
 from ...losses.vocab_parallel import VocabParallelOptions
-from ...ops.options import CrossEntropyOptions
+from ...ops.cross_entropy_options import CrossEntropyOptions
 from ...parallel.groups import GroupLike, group_size
 from ...parallel.topology import Topology
 from ..config import ds_config_autotp_size

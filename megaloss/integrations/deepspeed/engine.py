@@ -28,11 +28,12 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ...calibration import EngineScale, LossCalibrator, loss_weight_dtype
+from ...calibration import EngineScale, LossCalibrator
+from ...calibration.weights import loss_weight_dtype
 from ...parallel.topology import Topology
+from ..config import MegalossConfig, load_megaloss_config
 from .autotp import ds_config_autotp_size
 from .compat import skip_cpu_shm_comm_build
-from ..config import MegalossConfig, load_megaloss_config
 from .mpu import DeepSpeedMPU
 from .probe import probe_deepspeed
 

@@ -39,12 +39,13 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ...calibration import EngineScale, LossCalibrator, loss_weight_dtype
+from ...calibration import EngineScale, LossCalibrator
+from ...calibration.weights import loss_weight_dtype
 from ...parallel.comm import all_reduce_max_
 from ...parallel.groups import group_ranks
 from ...parallel.topology import Topology
-from .compat import skip_cpu_shm_comm_build
 from ..config import MegalossConfig
+from .compat import skip_cpu_shm_comm_build
 from .engine import load_ds_config
 from .monitor import write_metrics
 from .pipeline_layout import (

@@ -32,7 +32,7 @@ import torch
 from ...calibration import LossCalibrator
 from ...calibration.weights import split_for_sequence_parallel
 from ...losses._preference import preference_weights
-from ...losses.dpo import dpo_metrics, sequence_log_probs
+from ...losses.dpo import DPOOptions, dpo_metrics, sequence_log_probs
 from ...losses.kto import kto_kl_baseline, kto_metrics
 from ...losses.orpo import orpo_metrics
 from ...losses.policy import (
@@ -42,6 +42,7 @@ from ...losses.policy import (
     policy_loss_weights,
     policy_metrics,
 )
+from ...losses.policy_options import PolicyLossOptions
 from ...losses.preference import (
     PreferenceOptions,
     preference_loss_kind,
@@ -49,7 +50,6 @@ from ...losses.preference import (
 )
 from ...losses.simpo import cpo_metrics
 from ...ops.labels import causal_shift
-from ...ops.options import DPOOptions, PolicyLossOptions
 from .engine import MegalossEngine
 from .monitor import write_metrics
 from .step_checks import (

@@ -44,8 +44,8 @@ from torch import nn
 from ...losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy
 from ...losses.vocab_parallel_embedding import VocabParallelEmbedding
 from ...losses.vocab_parallel_head import VocabParallelLMHead
+from ...ops.cross_entropy_options import CrossEntropyOptions
 from ...ops.labels import causal_shift
-from ...ops.options import CrossEntropyOptions
 from ...ops.validation import check_not_dtensor, is_dtensor
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_size
 from .head_config import model_softcapping

@@ -20,7 +20,7 @@ from torch import nn
 
 from ...losses.log_probs import LogProbsOutput, linear_log_probs
 from ...losses.vocab_parallel_head import VocabParallelLMHead
-from ...ops.options import LogProbsOptions
+from ...ops.log_probs_options import LogProbsOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike
 from .causal_lm import (
     GatheredLogits,

@@ -26,7 +26,8 @@ from torch import nn
 from ...losses.distillation import DistillationOutput, linear_distillation_loss
 from ...losses.vocab_parallel import vocab_shard_range
 from ...losses.vocab_parallel_head import VocabParallelLMHead
-from ...ops.options import CrossEntropyOptions, DistillationOptions
+from ...ops.cross_entropy_options import CrossEntropyOptions
+from ...ops.distillation_options import DistillationOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
 from .causal_lm import (
     GatheredLogits,

@@ -33,8 +33,8 @@ from torch import nn
 
 from ..._deprecation import renamed_keywords
 from ...losses.grad_cache import grad_cache_step, split_rows
-from ...losses.mnr import mnr_loss
-from ...ops.options import MNROptions, resolve_options
+from ...losses.mnr import MNROptions, mnr_loss
+from ...ops.options import resolve_options
 from ...parallel.comm import all_reduce_sum_
 from ...parallel.groups import GroupLike, group_size
 

@@ -46,7 +46,7 @@ def fsdp_rank(rank, world_size):
     for layer in llama.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    engine_scale = megaloss.probe_fsdp(model, gas=GAS)  # FSDP2 averages over the ranks
+    engine_scale = megaloss.calibration.probe_fsdp(model, gas=GAS)  # FSDP2 averages the ranks
     calibrator = megaloss.LossCalibrator(megaloss.Topology.default(), loss_reduction="token",
                                          engine_scale=engine_scale,
                                          weight_dtype=torch.float64)  # default: float32

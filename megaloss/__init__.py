@@ -4,16 +4,17 @@ parallel layout, wired into DeepSpeed.
 The package is a stack; each layer imports only the layers above it in this list:
 
 - :mod:`megaloss.ops`: single-device math: the one chunk driver
-  (:mod:`~megaloss.ops.chunk_driver`) and each vocabulary-level loss's chunk kernel, the
-  InfoNCE rows, the options;
+  (:mod:`~megaloss.ops.chunk_driver`) and each vocabulary-level loss's chunk kernel and its
+  options, the InfoNCE rows;
 - :mod:`megaloss.parallel`: process groups (:class:`Topology`; ``group=None`` is torch's default
   group everywhere) and collectives;
 - :mod:`megaloss.calibration`: global loss calibration and the engine-factor probes;
 - :mod:`megaloss.losses`: the linear CE (:func:`linear_cross_entropy`, on one device or
   vocab-parallel), the per-token log-probabilities (:func:`linear_log_probs`), gathered MNR,
   GradCache, the policy-gradient losses (:func:`policy_loss`, normalised by the calibration),
-  DPO / IPO (:func:`dpo_loss`) and the linear distillation loss
-  (:func:`linear_distillation_loss`);
+  the preference losses (:func:`dpo_loss`, :func:`cpo_loss` / :func:`simpo_loss`,
+  :func:`orpo_loss`, :func:`kto_loss`) and the linear distillation loss
+  (:func:`linear_distillation_loss`), each with its options beside it;
 - :mod:`megaloss.integrations`: DeepSpeed (:mod:`~megaloss.integrations.deepspeed`) and Hugging
   Face (:mod:`~megaloss.integrations.hf`) adapters;
 - :mod:`megaloss.cli`: the console scripts (``megaloss-check-layout``, ``megaloss-comm-model``).
@@ -26,99 +27,40 @@ Return values: a loss function returns its loss tensor; ``return_stats=True`` re
 ``*Output`` NamedTuple (``loss`` first, then detached parts and counts). Per-token quantities
 (:func:`linear_log_probs`) come as their Output always.
 
-``import megaloss`` imports torch and nothing optional: the integration names below
+``__all__`` is what a user calls: the losses (functions, modules, options, ``*Output`` types,
+step weights and metrics), :class:`Topology`, :class:`LossCalibrator`, :func:`causal_shift`, the
+ds_config section :class:`MegalossConfig` and the Hugging Face wrappers. Everything else is
+imported from its subpackage or module (:mod:`megaloss.calibration`'s probes,
+:mod:`megaloss.parallel`'s meshes, ...); the names that left the top level still resolve as
+``megaloss.<name>`` for one release, with a warning naming their home
+(:data:`megaloss._deprecated.MOVED`).
+
+``import megaloss`` imports torch and nothing optional: the integration names
 (``MegalossConfig``, ``CausalLMWithLoss``, ...) are loaded on first use.
 """
 from importlib import import_module
 from typing import Any
 
 from . import _deprecated
-from .calibration import (
-    EngineScale,
-    EngineScaleError,
-    LossCalibrator,
-    StepCalibration,
-    compute_loss_weights,
-    probe_ddp,
-    probe_fsdp,
-    probe_no_engine,
-)
-from .losses import (
-    CrossEntropyOutput,
-    DistillationOutput,
-    DPOOptions,
-    DPOOutput,
-    GradCacheStep,
-    LinearCrossEntropyLoss,
-    LinearDistillationLoss,
-    LinearLogProbs,
-    LogProbsOutput,
-    MNROptions,
-    MNROutput,
-    MultipleNegativesRankingLoss,
-    PolicyLossOptions,
-    PolicyLossOutput,
-    PolicyLossWeights,
-    VocabParallelEmbedding,
-    VocabParallelLMHead,
-    VocabParallelOptions,
-    completion_labels,
-    dpo_loss,
-    dpo_metrics,
-    dpo_pair_weights,
-    grad_cache_step,
-    linear_cross_entropy,
-    linear_distillation_loss,
-    linear_log_probs,
-    mnr_loss,
-    policy_calibrator,
-    policy_loss,
-    policy_loss_weights,
-    policy_metrics,
-    sequence_log_probs,
-    split_rows,
-)
-from .ops import CrossEntropyOptions, DistillationOptions, LogProbsOptions
+from .calibration import LossCalibrator
+from .losses import *  # noqa: F403  (the losses' public names: megaloss.losses.__all__)
+from .losses import __all__ as _LOSSES
 from .ops.labels import causal_shift
-from .parallel import (
-    SINGLE_RANK,
-    Topology,
-    init_dp_tp_mesh,
-    init_parallel_mesh,
-    mark_tensor_parallel,
-)
+from .parallel import SINGLE_RANK, Topology
 
 # loaded on first use (they import deepspeed / transformers)
 _LAZY = {
     "MegalossConfig": "megaloss.integrations.config",
-    "load_megaloss_config": "megaloss.integrations.config",
     "CausalLMWithLoss": "megaloss.integrations.hf.causal_lm",
     "CausalLMWithLogProbs": "megaloss.integrations.hf.causal_lm_log_probs",
     "CausalLMWithDistillation": "megaloss.integrations.hf.distillation",
 }
 
 __all__ = [
-    # process groups
-    "Topology", "SINGLE_RANK", "init_parallel_mesh", "init_dp_tp_mesh", "mark_tensor_parallel",
-    # cross-entropy (one device or vocab-parallel)
-    "CrossEntropyOptions", "VocabParallelOptions", "linear_cross_entropy",
-    "LinearCrossEntropyLoss", "CrossEntropyOutput", "VocabParallelLMHead",
-    "VocabParallelEmbedding", "causal_shift",
-    # per-token log-probabilities (policy / preference losses)
-    "LogProbsOptions", "linear_log_probs", "LinearLogProbs", "LogProbsOutput",
-    # distillation
-    "DistillationOptions", "linear_distillation_loss", "LinearDistillationLoss",
-    "DistillationOutput",
-    # contrastive
-    "MNROptions", "mnr_loss", "MNROutput", "MultipleNegativesRankingLoss",
-    "grad_cache_step", "GradCacheStep", "split_rows",
-    # policy gradient and preference
-    "PolicyLossOptions", "PolicyLossOutput", "PolicyLossWeights", "policy_loss",
-    "policy_loss_weights", "policy_calibrator", "policy_metrics", "completion_labels",
-    "DPOOptions", "DPOOutput", "dpo_loss", "dpo_pair_weights", "dpo_metrics", "sequence_log_probs",
-    # calibration
-    "LossCalibrator", "StepCalibration", "compute_loss_weights", "EngineScale",
-    "EngineScaleError", "probe_no_engine", "probe_ddp", "probe_fsdp",
+    # process groups, calibration, labels
+    "Topology", "SINGLE_RANK", "LossCalibrator", "causal_shift",
+    # the losses, their options and outputs (megaloss.losses)
+    *_LOSSES,
     # integrations (loaded on first use)
     *_LAZY,
 ]

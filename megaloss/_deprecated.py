@@ -28,7 +28,8 @@ from .losses.distillation import DistillationOutput, linear_distillation_loss
 from .losses.grad_cache import grad_cache_step
 from .losses.mnr import MNROutput, mnr_loss
 from .losses.vocab_parallel import VocabParallelOptions
-from .ops.options import CrossEntropyOptions, resolve_options
+from .ops.cross_entropy_options import CrossEntropyOptions
+from .ops.options import resolve_options
 from .parallel.groups import GroupLike
 
 __all__ = ["linear_cross_entropy_with_stats", "linear_distillation_loss_with_stats",
@@ -129,8 +130,8 @@ grad_cache.__doc__ = ("Deprecated alias of :func:`megaloss.grad_cache_step` (sam
                       "result).")
 
 
-# Names that left the top level (each serves one integration): still reachable as
-# ``megaloss.<name>`` for one release, with a warning naming their home.
+# Names that left the top level (each serves one integration, or is a helper of a subpackage):
+# still reachable as ``megaloss.<name>`` for one release, with a warning naming their home.
 MOVED = {
     "CEConfig": "megaloss.integrations.deepspeed",
     "MNRConfig": "megaloss.integrations.deepspeed",
@@ -140,6 +141,18 @@ MOVED = {
     "DeepSpeedMPU": "megaloss.integrations.deepspeed",
     "probe_deepspeed": "megaloss.integrations.deepspeed",
     "EmbeddingModelWithMNR": "megaloss.integrations.hf",
+    "load_megaloss_config": "megaloss.integrations.config",
+    "init_parallel_mesh": "megaloss.parallel",
+    "init_dp_tp_mesh": "megaloss.parallel",
+    "mark_tensor_parallel": "megaloss.parallel",
+    "StepCalibration": "megaloss.calibration",
+    "EngineScale": "megaloss.calibration",
+    "EngineScaleError": "megaloss.calibration",
+    "probe_ddp": "megaloss.calibration",
+    "probe_fsdp": "megaloss.calibration",
+    "probe_no_engine": "megaloss.calibration.engine_scale",
+    "compute_loss_weights": "megaloss.calibration.weights",
+    "PolicyLossWeights": "megaloss.losses.policy",
 }
 
 

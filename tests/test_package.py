@@ -2,6 +2,7 @@
 DeepSpeed, which would replace the user's own build), one version source, the shipped configs
 and py.typed as package data, the console scripts. The wheel itself is built and installed into
 a fresh venv by ``tools/wheel_check.sh`` (CI)."""
+import inspect
 import re
 from pathlib import Path
 
@@ -75,3 +76,42 @@ def test_package_data_and_console_scripts():
     assert "py.typed" in data["megaloss"] and "*.json" in data["megaloss.configs"]
     assert (REPO / "LICENSE").read_text().lstrip().startswith("Apache License")
     assert PROJECT["license"] == "Apache-2.0"
+
+
+def test_import_megaloss_leaves_the_integrations_to_first_use():
+    """``import megaloss`` imports neither deepspeed nor transformers; its lazy names do, on
+    first use, and are then the integration modules' objects."""
+    import subprocess
+    import sys
+    code = ("import sys, megaloss; assert not {'deepspeed', 'transformers'} & set(sys.modules), "
+            "sorted({'deepspeed', 'transformers'} & set(sys.modules)); "
+            "from megaloss.integrations.hf.causal_lm import CausalLMWithLoss; "
+            "assert megaloss.CausalLMWithLoss is CausalLMWithLoss")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_the_public_surface():
+    """``megaloss.__all__`` is what a user calls: every name resolves, the losses' surface is in
+    it, and the subpackages export no helper beside it (the helpers are imported from their
+    modules); a name that left the top level still resolves, with a warning naming its home."""
+    import megaloss.calibration
+    import megaloss.configs
+    import megaloss.losses
+    import megaloss.ops
+    import megaloss.parallel
+    eager = [n for n in megaloss.__all__ if n not in megaloss._LAZY]
+    assert all(hasattr(megaloss, n) for n in eager)
+    assert set(megaloss.losses.__all__) <= set(megaloss.__all__)
+    assert {"Topology", "LossCalibrator", "MegalossConfig", "CausalLMWithLoss"} <= set(
+        megaloss.__all__)
+    for package in (megaloss.losses, megaloss.ops, megaloss.parallel, megaloss.calibration):
+        assert all(hasattr(package, n) for n in package.__all__)
+        public = {n for n in vars(package) if not n.startswith("_")
+                  and not inspect.ismodule(getattr(package, n))}
+        assert public == set(package.__all__), (package.__name__, public ^ set(package.__all__))
+    surface = set(megaloss.__all__) | set(megaloss.configs.__all__)
+    for package in (megaloss.losses, megaloss.ops, megaloss.parallel, megaloss.calibration):
+        surface |= set(package.__all__)
+    assert len(surface) <= 72, len(surface)  # a surface a user can hold in mind
+    with pytest.warns(DeprecationWarning, match="megaloss.calibration.probe_fsdp"):
+        assert megaloss.probe_fsdp is megaloss.calibration.probe_fsdp

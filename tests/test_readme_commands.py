@@ -1,5 +1,6 @@
-"""The READMEs' shell blocks, checked without launching: every ``bash launch/<job>.sh ARGS`` line
-is parsed by its job's own ``parse_args`` (run from the repository root, as the READMEs say),
+"""The shell blocks of the READMEs and the docs pages, checked without launching: every ``bash
+launch/<job>.sh ARGS`` line is parsed by its job's own ``parse_args`` (run from the repository
+root, as the READMEs say),
 and a block run top to bottom never starts a second run in a folder an earlier line of the
 block created unless the line says ``--overwrite`` / ``--resume`` / ``--eval_only`` (the jobs
 refuse it otherwise). The jobs themselves are run end to end by ``tests/launch``; a shell block
@@ -13,7 +14,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-READMES = ("README.md", "launch/README.md", "megaloss/configs/README.md", "tools/README.md")
+READMES = ("README.md", "launch/README.md", "megaloss/configs/README.md", "tools/README.md",
+           "CONTRIBUTING.md",
+           *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md")))
+# what the top README promises a fresh machine; .ci/run is the second line
+FRESH_MACHINE = ("bash tools/install.sh && bash launch/train_lm.sh",
+                 "bash tools/install.sh && python3 -m pytest -q")
 MULTI_NODE = ("NODE_RANK", "HOSTFILE", "srun")  # one run spread over machines: same folder
 
 
@@ -55,6 +61,21 @@ def test_readmes_have_job_lines():
              for cmd in job_commands(line)]
     assert {job for job, _ in lines} >= {"train_lm", "train_embed", "train_lm_hf",
                                           "train_embed_hf"}
+
+
+def test_readme_gives_the_fresh_machine_commands():
+    """The two commands stay on the README's first screen, each on its own line of a shell block,
+    and CI runs the second as written: the install, then exactly ``python3 -m pytest -q``."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    first_screen = "\n".join(text.splitlines()[:40])
+    lines = [line.split(" #", 1)[0].strip() for block in bash_blocks(REPO / "README.md")
+             for line in block.splitlines()]
+    for command in FRESH_MACHINE:
+        assert command in lines, f"README.md has no shell line `{command}`"
+        assert command in first_screen, f"`{command}` is not within README.md's first 40 lines"
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert "bash tools/install.sh" in ci
+    assert ci[-1].rsplit(";", 1)[-1].strip() == "python3 -m pytest -q", ci[-1]
 
 
 def cases_values():

@@ -86,8 +86,8 @@ def _loss_fns(methods: List[str], chunk: int, dev,
     not}`` for the others."""
     import torch.nn.functional as F
 
+    from megaloss import CrossEntropyOptions
     from megaloss.losses import linear_cross_entropy
-    from megaloss.ops.options import CrossEntropyOptions
 
     def forced(impl):
         opts = CrossEntropyOptions(chunk_size=chunk, impl=impl)
@@ -141,9 +141,9 @@ def _compiled_megaloss(chunk: int, backend: str):
     chunk's GEMM), swapped into the cross-entropy kernel only while this loss runs."""
     import torch
 
+    from megaloss import CrossEntropyOptions
     from megaloss.losses import linear_cross_entropy
     from megaloss.ops import cross_entropy_chunk
-    from megaloss.ops.options import CrossEntropyOptions
 
     eager = cross_entropy_chunk.torch_epilogue
     compiled = torch.compile(eager, dynamic=False, backend=backend)
@@ -176,8 +176,8 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     import torch
 
+    from megaloss import CrossEntropyOptions
     from megaloss.ops.cross_entropy_chunk import epilogue_impl
-    from megaloss.ops.options import CrossEntropyOptions
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(spec["seed"])

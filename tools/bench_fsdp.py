@@ -125,8 +125,8 @@ def _build(case: str, w, mesh, chunk):
     )
 
     import megaloss
+    from megaloss import CrossEntropyOptions
     from megaloss.integrations.hf.causal_lm import LinearCrossEntropyHead
-    from megaloss.ops.options import CrossEntropyOptions
 
     layout, method = case.split("/")
     vocab, hidden = w.shape

@@ -46,7 +46,7 @@ def naive_mnr_loss(q, p, neg, *, local_loss, chunk_size, temperature=0.05):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from megaloss.parallel import all_reduce_sum_autograd, gather_from_region
+    from megaloss.parallel.mappings import all_reduce_sum_autograd, gather_from_region
     assert neg is None, "the naive comparison supports K=0 only"
     group = None  # torch's default group (trivial at world size 1)
     q, p = F.normalize(q, dim=-1), F.normalize(p, dim=-1)

@@ -230,7 +230,7 @@ import csv, gc, math, os, statistics, sys, time
 import torch
 import torch.nn.functional as F
 import megaloss
-from megaloss.ops.options import CrossEntropyOptions
+from megaloss.ops.cross_entropy_options import CrossEntropyOptions
 
 out, dry = sys.argv[1], sys.argv[2] == "1"
 cuda = torch.cuda.is_available() and not dry

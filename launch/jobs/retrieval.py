@@ -14,7 +14,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from megaloss.parallel import all_gather_dim0, all_gather_sizes
+from megaloss.parallel.comm import all_gather_dim0, all_gather_sizes
 
 __all__ = ["retrieval_metrics", "embed_all", "evaluate_engine", "embed_texts",
            "evaluate_sentence_transformer"]

@@ -151,7 +151,7 @@ def evaluate_teacher(teacher: torch.nn.Module, batches, topology: Any, device: A
     import math
 
     from megaloss import CausalLMWithLoss
-    from megaloss.parallel import all_reduce_sum_
+    from megaloss.parallel.comm import all_reduce_sum_
 
     scorer = CausalLMWithLoss(copy.deepcopy(teacher), options=options,
                               tp_group=topology.tp_group).to(device).eval()

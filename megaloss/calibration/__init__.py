@@ -9,29 +9,13 @@
   :func:`probe_fsdp`.
 - :mod:`.calibrator`: :class:`LossCalibrator` / :class:`StepCalibration`, the per-step object a
   training loop or engine integration calls.
+
+``__all__`` is what a training loop calls (the calibrator, its step, the engine factor and its
+probes); the weight functions and the probe machinery are imported from their modules.
 """
 from .calibrator import LossCalibrator, StepCalibration
-from .engine_scale import (
-    EngineScale,
-    EngineScaleError,
-    measure_grad_scale,
-    probe_ddp,
-    probe_no_engine,
-)
+from .engine_scale import EngineScale, EngineScaleError, probe_ddp
 from .fsdp_scale import probe_fsdp
-from .weights import (
-    LOSS_REDUCTIONS,
-    LossWeights,
-    compute_loss_weights,
-    loss_weight_dtype,
-    raw_token_weights,
-    sample_ids_from_boundaries,
-    split_for_sequence_parallel,
-)
 
-__all__ = [
-    "LossCalibrator", "StepCalibration", "EngineScale", "EngineScaleError", "measure_grad_scale",
-    "probe_no_engine", "probe_ddp", "probe_fsdp", "LOSS_REDUCTIONS", "LossWeights",
-    "compute_loss_weights", "loss_weight_dtype", "raw_token_weights", "sample_ids_from_boundaries",
-    "split_for_sequence_parallel",
-]
+__all__ = ["LossCalibrator", "StepCalibration", "EngineScale", "EngineScaleError", "probe_ddp",
+           "probe_fsdp"]

@@ -42,7 +42,8 @@ def _full_parameters(me: Any, num_layers: int, vocab: int) -> Dict[str, Any]:
     import torch.distributed as dist
 
     from megaloss.integrations.deepspeed.pipeline_llama import hf_parameter_name
-    from megaloss.parallel import all_gather_dim0, is_tensor_parallel
+    from megaloss.parallel.comm import all_gather_dim0
+    from megaloss.parallel.param_tags import is_tensor_parallel
 
     topo = me.topology
     mine = {}
@@ -75,7 +76,7 @@ def run_pipeline_training(spec: Dict[str, Any], model_config, global_batches, ro
         pipeline_train_step,
     )
     from megaloss.integrations.deepspeed.pipeline_llama import llama_pipeline_layers
-    from megaloss.parallel import group_ranks
+    from megaloss.parallel.groups import group_ranks
 
     ds_config, ml = load_ds_config(spec["layout_config"])
     cfg = model_config(spec)

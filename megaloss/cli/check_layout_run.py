@@ -147,7 +147,8 @@ def full_parameters(me, topology) -> Dict[str, Any]:
     import deepspeed
 
     from megaloss.integrations.config import ds_config_autotp_size
-    from megaloss.parallel import all_gather_dim0, is_tensor_parallel
+    from megaloss.parallel.comm import all_gather_dim0
+    from megaloss.parallel.param_tags import is_tensor_parallel
     module = me.engine.module
     if ds_config_autotp_size(me.ds_config) > 1:  # ZeRO-3 is refused with AutoTP
         return _autotp_full_parameters(module)
@@ -174,7 +175,7 @@ def run_training(spec: Dict[str, Any], role: str) -> Dict[str, Any]:
     from megaloss.calibration.deepspeed_scale import engine_reduce_group
     from megaloss.integrations.deepspeed import initialize, load_ds_config, train_step
     from megaloss.integrations.deepspeed.compat import freeze_imported_objects
-    from megaloss.parallel import group_ranks
+    from megaloss.parallel.groups import group_ranks
 
     if role == "layout" and spec.get("pp", 1) > 1:
         return run_pipeline_training(spec, model_config, global_batches, _rows)

@@ -184,17 +184,12 @@ def _measure_world(rank: int, world: int) -> List[Dict[str, Any]]:
     :func:`megaloss.testing.run_distributed`)."""
     import torch
 
-    from megaloss import (
-        EngineScale,
-        LossCalibrator,
-        VocabParallelOptions,
-        linear_cross_entropy,
-        mnr_loss,
-    )
+    from megaloss import LossCalibrator, VocabParallelOptions, linear_cross_entropy, mnr_loss
+    from megaloss.calibration import EngineScale
     from megaloss.integrations.hf.embedding import step_loss_weights
     from megaloss.losses.vocab_parallel import vocab_shard_range
-    from megaloss.ops.options import CrossEntropyOptions
-    from megaloss.parallel import group_ranks
+    from megaloss.ops.cross_entropy_options import CrossEntropyOptions
+    from megaloss.parallel.groups import group_ranks
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     out = []
     for tp, dp, sp in layouts(world):

@@ -43,7 +43,7 @@ from torch import nn
 from ..calibration.deepspeed_scale import ds_config_autotp_size
 from ..losses.cross_entropy import linear_cross_entropy
 from ..losses.vocab_parallel import VocabParallelOptions
-from ..ops.options import CrossEntropyOptions
+from ..ops.cross_entropy_options import CrossEntropyOptions
 from ..parallel.groups import GroupLike, group_size
 from ..parallel.topology import Topology
 from .head_config import model_softcapping

@@ -11,10 +11,10 @@ file drives both the engine and megaloss::
                   "mnr": {"temperature": 0.05, "symmetric": true}}}
 
 The ``ce`` and ``mnr`` sections are built from the options dataclasses
-(:class:`~megaloss.ops.options.CrossEntropyOptions`, :class:`~megaloss.ops.options.MNROptions`):
+(:class:`~megaloss.CrossEntropyOptions`, :class:`~megaloss.MNROptions`):
 every option is settable here, with the dataclass's defaults, bounds and messages. A
 ``distillation`` section (:class:`DistillationConfig`, from
-:class:`~megaloss.ops.options.DistillationOptions`) selects the distillation loss instead of the
+:class:`~megaloss.DistillationOptions`) selects the distillation loss instead of the
 cross-entropy: ``"distillation": {"kind": "jsd", "beta": 0.5, "temperature": 2.0,
 "loss_reduction": "token"}``; the ``ce`` section must then be left out (its keys would have no
 effect).
@@ -54,17 +54,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..calibration.deepspeed_scale import ds_config_autotp_size
+from ..losses.dpo import DPO_LOSS_TYPES, DPOOptions
 from ..losses.kto import KTOOptions
+from ..losses.mnr import MNROptions
 from ..losses.orpo import ORPOOptions
+from ..losses.policy_options import PolicyLossOptions
 from ..losses.simpo import CPOOptions
-from ..ops.options import (
-    DPO_LOSS_TYPES,
-    CrossEntropyOptions,
-    DistillationOptions,
-    DPOOptions,
-    MNROptions,
-    PolicyLossOptions,
-)
+from ..ops.cross_entropy_options import CrossEntropyOptions
+from ..ops.distillation_options import DistillationOptions
 
 __all__ = ["CEConfig", "MNRConfig", "PolicyConfig", "DPOConfig", "CPOConfig", "SimPOConfig",
            "ORPOConfig", "KTOConfig", "PREFERENCE_SECTIONS", "DistillationConfig",
@@ -215,7 +212,7 @@ CEConfig = create_model(
     "CEConfig", __base__=_CESection, __module__=__name__,
     __doc__="""Options of the causal-LM cross-entropy (chunked or vocab-parallel linear CE).
 
-    Fields: every field of :class:`~megaloss.ops.options.CrossEntropyOptions` (``ignore_index``,
+    Fields: every field of :class:`~megaloss.CrossEntropyOptions` (``ignore_index``,
     ``label_smoothing``, ``z_loss``, ``logit_softcapping``, ``chunk_size``, ``accum_dtype`` by
     name as ``"float32"`` / ``"bfloat16"`` / ``"float64"``, ``impl``; same defaults, validated
     by the dataclass, so the bounds and messages are its own) except ``reduction``, which the
@@ -227,7 +224,7 @@ CEConfig = create_model(
             (global token mean), ``"sample"`` (mean of per-sample means) or ``"square"``
             (weights ``1/sqrt(n_s)``).
 
-    :meth:`options` gives the :class:`~megaloss.ops.options.CrossEntropyOptions` of a call.
+    :meth:`options` gives the :class:`~megaloss.CrossEntropyOptions` of a call.
     """,
     **_config_fields(CrossEntropyOptions, skip=("reduction",)))
 
@@ -238,7 +235,7 @@ class _MNRSection(_OptionsSection):
     mini_batch_size: Optional[int] = Field(None, ge=1, strict=True)
 
     def options(self) -> MNROptions:
-        """The :class:`~megaloss.ops.options.MNROptions` of the loss."""
+        """The :class:`~megaloss.MNROptions` of the loss."""
         return MNROptions(**self._option_fields())
 
 
@@ -247,7 +244,7 @@ MNRConfig = create_model(
     __doc__="""Options of the gathered multiple-negatives-ranking (InfoNCE) loss of the embedding
     job.
 
-    Fields: every field of :class:`~megaloss.ops.options.MNROptions` (``temperature``,
+    Fields: every field of :class:`~megaloss.MNROptions` (``temperature``,
     ``similarity``, ``symmetric``, ``gather_across_ranks``, ``local_loss``, ``chunk_size``; same
     defaults, validated by the dataclass); plus
 
@@ -256,7 +253,7 @@ MNRConfig = create_model(
             a time, same loss and gradients, encoder activation memory of one mini-batch
             (``None``: the whole micro-batch in one graph).
 
-    :meth:`options` gives the :class:`~megaloss.ops.options.MNROptions` of the loss.
+    :meth:`options` gives the :class:`~megaloss.MNROptions` of the loss.
     """,
     **_config_fields(MNROptions))
 
@@ -294,7 +291,7 @@ PolicyConfig = create_model(
     __doc__="""Options of the policy-gradient loss (:func:`megaloss.policy_loss`, trained by
     :func:`megaloss.integrations.deepspeed.policy_train_step`).
 
-    Fields: every field of :class:`~megaloss.ops.options.PolicyLossOptions` (``loss_type``
+    Fields: every field of :class:`~megaloss.PolicyLossOptions` (``loss_type``
     ``"grpo"`` / ``"bnpo"`` / ``"dapo"`` / ``"dr_grpo"`` / ``"cispo"`` / ``"sapo"`` /
     ``"luspo"`` / ``"vespo"``, ``epsilon_low``, ``epsilon_high``, ``delta``, ``beta``,
     ``entropy_coef``, ``importance_sampling_level``, ``max_completion_length``,
@@ -302,7 +299,7 @@ PolicyConfig = create_model(
     ``_neg``, ``vespo_k_pos`` / ``vespo_lambda_pos`` / ``vespo_k_neg`` / ``vespo_lambda_neg``,
     ``loss_agg_mode``; same defaults, validated together by the dataclass).
 
-    :meth:`options` gives the :class:`~megaloss.ops.options.PolicyLossOptions`.
+    :meth:`options` gives the :class:`~megaloss.PolicyLossOptions`.
     """,
     **_config_fields(PolicyLossOptions))
 
@@ -329,11 +326,11 @@ DPOConfig = create_model(
     __doc__="""Options of the preference loss (:func:`megaloss.dpo_loss`, trained by
     :func:`megaloss.integrations.deepspeed.dpo_train_step`).
 
-    Fields: every field of :class:`~megaloss.ops.options.DPOOptions` (``loss_type``, one of
-    :data:`~megaloss.ops.options.DPO_LOSS_TYPES`, ``beta``, ``label_smoothing``,
+    Fields: every field of :class:`~megaloss.DPOOptions` (``loss_type``, one of
+    :data:`~megaloss.losses.dpo.DPO_LOSS_TYPES`, ``beta``, ``label_smoothing``,
     ``discopop_tau``; same defaults, validated by the dataclass, key by key and then together).
 
-    :meth:`options` gives the :class:`~megaloss.ops.options.DPOOptions`.
+    :meth:`options` gives the :class:`~megaloss.DPOOptions`.
     """,
     **_config_fields(DPOOptions))
 
@@ -438,7 +435,7 @@ DistillationConfig = create_model(
     its presence in the ``"megaloss"`` section selects distillation instead of the
     cross-entropy.
 
-    Fields: every field of :class:`~megaloss.ops.options.DistillationOptions` (``kind``,
+    Fields: every field of :class:`~megaloss.DistillationOptions` (``kind``,
     ``beta``, ``temperature``, ``temperature_squared``, ``alpha``, ``ignore_index``,
     ``logit_softcapping``, ``teacher_logit_softcapping``, ``chunk_size``, ``accum_dtype`` by
     name; same defaults, validated by the dataclass) except ``reduction``, which the calibration
@@ -448,7 +445,7 @@ DistillationConfig = create_model(
         loss_reduction: the global calibration across DP x SP x gradient accumulation, as in
             :class:`CEConfig`: ``"token"``, ``"sample"`` or ``"square"``.
 
-    :meth:`options` gives the :class:`~megaloss.ops.options.DistillationOptions` of a call.
+    :meth:`options` gives the :class:`~megaloss.DistillationOptions` of a call.
     """,
     **_config_fields(DistillationOptions, skip=("reduction",)))
 

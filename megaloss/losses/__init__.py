@@ -29,7 +29,9 @@ has a vocab-parallel form, and ``forward(..., return_stats=False)``.
 - :mod:`.policy`: policy-gradient losses (GRPO, BNPO / DAPO, Dr. GRPO, CISPO; PPO clipping, KL,
   entropy bonus, GSPO's sequence ratio) on per-token log-probs, normalised over the global
   batch by the calibrator (:func:`policy_loss`).
-- :mod:`.dpo`: preference losses (DPO sigmoid, IPO) on sequence log-probs (:func:`dpo_loss`).
+- :mod:`.policy_options`: :class:`PolicyLossOptions`, the options of :func:`policy_loss`.
+- :mod:`.dpo`: preference losses (DPO sigmoid, IPO and TRL's other pairwise types) on sequence
+  log-probs (:func:`dpo_loss`).
 - :mod:`.orpo`: ORPO's odds-ratio loss plus NLL on sequence log-probs (:func:`orpo_loss`), and
   the step's pair / NLL-token weights the sequence-level preference losses share
   (:func:`preference_weights`).
@@ -38,94 +40,65 @@ has a vocab-parallel form, and ``forward(..., return_stats=False)``.
 - :mod:`.kto`: KTO (desirable / undesirable examples against a KL baseline) on sequence
   log-probs (:func:`kto_loss`, :func:`kto_kl_baseline`).
 - :mod:`.preference`: DPO, CPO / SimPO, ORPO and KTO behind one call, the loss chosen by its
-  options' type (:func:`sequence_preference_loss`, :func:`preference_loss_kind`).
+  options' type (:func:`sequence_preference_loss`). The four losses are one base,
+  ``_preference.py``: each supplies its per-pair (KTO: per-example) math, the driver does the
+  weighting, the NLL term, the stats and the metrics.
 - :mod:`.grad_cache`: GradCache, a contrastive loss over a batch embedded a mini-batch at a time
   (:func:`grad_cache_step`, :func:`split_rows`).
 
-Deprecated names are :mod:`megaloss._deprecated` (``import megaloss`` exposes them).
+Each loss's options class is defined beside it (the vocabulary-level losses' in
+:mod:`megaloss.ops`, whose kernels read them). ``__all__`` is what a user calls (the losses, their
+modules, options and ``*Output`` types, and the step weights and metrics of each); the helpers
+(metric names, loss-type tuples, :func:`~.vocab_parallel.vocab_shard_range`, ...) are imported
+from their modules. Deprecated names are :mod:`megaloss._deprecated` (``import megaloss`` exposes
+them).
 """
+from ..ops.cross_entropy_options import CrossEntropyOptions
+from ..ops.distillation_options import DistillationOptions
+from ..ops.log_probs_options import LogProbsOptions
 from . import grad_cache  # noqa: F401  (the module; the old function of that name is deprecated)
 from .cross_entropy import CrossEntropyOutput, LinearCrossEntropyLoss, linear_cross_entropy
 from .distillation import DistillationOutput, LinearDistillationLoss, linear_distillation_loss
-from .dpo import (
-    DPO_METRICS,
-    DPOOptions,
-    DPOOutput,
-    dpo_loss,
-    dpo_metrics,
-    dpo_pair_weights,
-    sequence_log_probs,
-)
+from .dpo import DPOOptions, DPOOutput, dpo_loss, dpo_metrics, dpo_pair_weights, sequence_log_probs
 from .grad_cache import GradCacheStep, grad_cache_step, split_rows
-from .kto import (
-    KTO_LOSS_TYPES,
-    KTO_METRICS,
-    KTOOptions,
-    KTOOutput,
-    kto_kl_baseline,
-    kto_loss,
-    kto_metrics,
-)
+from .kto import KTOOptions, KTOOutput, kto_kl_baseline, kto_loss, kto_metrics
 from .log_probs import LinearLogProbs, LogProbsOutput, linear_log_probs
-from .mnr import SIMILARITIES, MNROptions, MNROutput, MultipleNegativesRankingLoss, mnr_loss
-from .orpo import (
-    ORPO_METRICS,
-    ORPOOptions,
-    ORPOOutput,
-    PreferenceWeights,
-    orpo_loss,
-    orpo_metrics,
-    preference_weights,
-)
+from .mnr import MNROptions, MNROutput, MultipleNegativesRankingLoss, mnr_loss
+from .orpo import ORPOOptions, ORPOOutput, orpo_loss, orpo_metrics, preference_weights
 from .policy import (
-    POLICY_METRICS,
-    PolicyLossOptions,
     PolicyLossOutput,
-    PolicyLossWeights,
     completion_labels,
     policy_calibrator,
     policy_loss,
-    policy_loss_reduction,
     policy_loss_weights,
     policy_metrics,
 )
-from .preference import (
-    PREFERENCE_LOSSES,
-    PREFERENCE_OPTIONS,
-    PreferenceOptions,
-    preference_loss_kind,
-    sequence_preference_loss,
-)
-from .simpo import (
-    CPO_LOSS_TYPES,
-    CPO_METRICS,
-    CPOOptions,
-    CPOOutput,
-    cpo_loss,
-    cpo_metrics,
-    simpo_loss,
-)
-from .vocab_parallel import VocabParallelOptions, vocab_shard_range
+from .policy_options import PolicyLossOptions
+from .preference import sequence_preference_loss
+from .simpo import CPOOptions, CPOOutput, cpo_loss, cpo_metrics, simpo_loss
+from .vocab_parallel import VocabParallelOptions
 from .vocab_parallel_embedding import VocabParallelEmbedding
 from .vocab_parallel_head import VocabParallelLMHead
 
 __all__ = [
-    "linear_cross_entropy", "LinearCrossEntropyLoss", "CrossEntropyOutput",
-    "VocabParallelOptions", "VocabParallelLMHead", "vocab_shard_range", "VocabParallelEmbedding",
+    # cross-entropy (one device or vocab-parallel) and the vocab-parallel layout
+    "linear_cross_entropy", "LinearCrossEntropyLoss", "CrossEntropyOutput", "CrossEntropyOptions",
+    "VocabParallelOptions", "VocabParallelLMHead", "VocabParallelEmbedding",
+    # per-token log-probabilities
+    "linear_log_probs", "LinearLogProbs", "LogProbsOutput", "LogProbsOptions",
+    # distillation
     "linear_distillation_loss", "LinearDistillationLoss", "DistillationOutput",
-    "mnr_loss", "MNROutput", "MNROptions", "MultipleNegativesRankingLoss",
-    "SIMILARITIES", "grad_cache_step", "GradCacheStep", "split_rows",
-    "policy_loss", "policy_loss_weights", "policy_loss_reduction", "policy_calibrator",
-    "policy_metrics", "completion_labels", "PolicyLossOptions", "PolicyLossOutput",
-    "PolicyLossWeights", "POLICY_METRICS", "dpo_loss", "dpo_pair_weights", "dpo_metrics",
-    "sequence_log_probs", "DPOOptions", "DPOOutput", "DPO_METRICS",
-    "linear_log_probs", "LinearLogProbs", "LogProbsOutput",
-    "orpo_loss", "orpo_metrics", "ORPOOptions", "ORPOOutput", "ORPO_METRICS",
-    "preference_weights", "PreferenceWeights",
-    "cpo_loss", "simpo_loss", "cpo_metrics", "CPOOptions", "CPOOutput", "CPO_LOSS_TYPES",
-    "CPO_METRICS",
-    "kto_loss", "kto_kl_baseline", "kto_metrics", "KTOOptions", "KTOOutput", "KTO_LOSS_TYPES",
-    "KTO_METRICS",
-    "sequence_preference_loss", "preference_loss_kind", "PreferenceOptions",
-    "PREFERENCE_OPTIONS", "PREFERENCE_LOSSES",
+    "DistillationOptions",
+    # contrastive
+    "mnr_loss", "MultipleNegativesRankingLoss", "MNROutput", "MNROptions",
+    "grad_cache_step", "GradCacheStep", "split_rows",
+    # policy gradient
+    "policy_loss", "PolicyLossOptions", "PolicyLossOutput", "policy_loss_weights",
+    "policy_calibrator", "policy_metrics", "completion_labels",
+    # preference
+    "dpo_loss", "DPOOptions", "DPOOutput", "dpo_metrics", "dpo_pair_weights", "sequence_log_probs",
+    "cpo_loss", "simpo_loss", "CPOOptions", "CPOOutput", "cpo_metrics",
+    "orpo_loss", "ORPOOptions", "ORPOOutput", "orpo_metrics",
+    "kto_loss", "KTOOptions", "KTOOutput", "kto_metrics", "kto_kl_baseline",
+    "sequence_preference_loss", "preference_weights",
 ]

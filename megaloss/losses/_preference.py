@@ -1,9 +1,30 @@
-"""What the sequence-level preference losses of :mod:`megaloss.losses.orpo`,
-:mod:`megaloss.losses.simpo` and :mod:`megaloss.losses.kto` share: input checks, the per-row and
-NLL weights of a step (:func:`preference_weights`) and the metric reduction."""
+"""The one base of the sequence-level preference losses (:mod:`.dpo`, :mod:`.simpo`,
+:mod:`.orpo`, :mod:`.kto`): a loss supplies its per-pair math (per-example for KTO); the driver
+here (input and weight checks, the weighted sum over the step's global pairs, the NLL term, the
+``*Output.stats`` sums and their reduction to metrics) is written once. The pattern of
+Liger-Kernel's ``src/liger_kernel/chunked_loss/fused_linear_preference.py`` (and
+``fused_linear_unpaired_preference.py``), where each loss gives its ``preference_loss_fn``.
+
+A paired loss (``2P`` rows: ``P`` chosen, ``P`` rejected completions) supplies
+
+- ``pair_terms(opts, chosen_log_probs, rejected_log_probs, pair_weights, **inputs) ->
+  PairTerms``: its ``[P]`` per-pair losses, the per-pair quantities its ``rewards/*`` (times
+  ``beta``) and ``logps/*`` metrics report, its further per-pair metrics and its NLL term,
+  checking the inputs only it reads (``inputs``: reference log-probs, lengths, ...);
+- its options (a frozen dataclass on :class:`~megaloss.ops.options.OptionsBase` with a
+  ``beta``), its ``*Output`` (``loss``, ``stats``) and its metric names;
+
+and its public function is ``paired_loss(pair_terms, Output, resolve_options(...), chosen,
+rejected, pair_weights=..., nll_weight=..., return_stats=..., **inputs)``, its metrics
+``paired_metrics(names, stats, "Output", group)``. The unpaired KTO supplies
+``example_terms(opts, log_probs, **inputs) -> ExampleTerms`` to :func:`unpaired_loss` instead.
+
+Also here: the per-pair / per-example and NLL-token weights of a step
+(:func:`preference_weights`), the checks of the losses' inputs, and the metric reduction.
+"""
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -79,10 +100,182 @@ def preference_weights(step: StepCalibration, i: int, *, convention: str = "glob
     return PreferenceWeights((rows / pairs).to(dtype), (counted / tokens).to(dtype))
 
 
-def check_vector(name: str, x: torch.Tensor, n: Optional[int], first: str) -> int:
-    """``x`` must be a floating ``[n]`` tensor (``n`` from the argument ``first``)."""
+class NLLTerm(NamedTuple):
+    """A paired loss's NLL term, ``coef * nll_weight * -sum(log_probs)``: the token mean of the
+    NLL rows' negative log-probs (``nll_weight``'s default: ``1 / sum(lengths)``).
+
+    Attributes:
+        log_probs: ``[P]`` summed log-probs of the NLL rows.
+        lengths: ``[P]`` their token counts (the inputs' dtype); ``None``: unknown, the call
+            must then give ``nll_weight``.
+        coef: the term's weight in the loss (CPO's ``cpo_alpha``, 1 for ORPO); 0: no term.
+        missing_lengths: the error's message when ``lengths`` is ``None`` without
+            ``nll_weight``.
+    """
+
+    log_probs: torch.Tensor
+    lengths: Optional[torch.Tensor]
+    coef: float
+    missing_lengths: str = ""
+
+    def totals(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The stats after the per-pair sums: the NLL sum (0 without the term) and its tokens
+        (0 when unknown), float64 ``[1]`` each."""
+        zero = torch.zeros(1, dtype=torch.float64, device=self.log_probs.device)
+        nll = -self.log_probs.sum().detach().to(torch.float64).reshape(1) if self.coef else zero
+        tokens = zero if self.lengths is None else self.lengths.to(torch.float64).sum().reshape(1)
+        return nll, tokens
+
+
+class PairTerms(NamedTuple):
+    """What a paired loss's per-pair function computes for a call's ``P`` pairs (``[P]``
+    tensors in the inputs' dtype).
+
+    Attributes:
+        losses: ``l_p``, the per-pair losses the driver weights and sums.
+        chosen, rejected: the per-pair quantities whose ``beta`` multiples are the rewards
+            (``rewards/*``): DPO's log-ratios, CPO's (averaged) log-probs, ORPO's averages.
+        chosen_logps, rejected_logps: what ``logps/*`` report.
+        extra: further per-pair metrics, after the six every paired loss reports (ORPO's).
+        nll: the NLL term, or ``None``.
+        loss_weights: the weights of ``losses`` when they are not one per pair (AOT's sorted
+            margins: ``[k]`` losses of the ``k`` counted pairs); ``None``: ``pair_weights``.
+    """
+
+    losses: torch.Tensor
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_logps: torch.Tensor
+    rejected_logps: torch.Tensor
+    extra: Tuple[torch.Tensor, ...] = ()
+    nll: Optional[NLLTerm] = None
+    loss_weights: Optional[torch.Tensor] = None
+
+    def metric_rows(self, beta: float) -> torch.Tensor:
+        """float64 ``[7 + len(extra), P]``: ``rewards/chosen``, ``rewards/rejected``,
+        ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``, the
+        extra metrics, and 1 (the pair count)."""
+        rc = beta * self.chosen.detach().to(torch.float64)
+        rr = beta * self.rejected.detach().to(torch.float64)
+        logps = [x.detach().to(torch.float64)
+                 for x in (self.chosen_logps, self.rejected_logps, *self.extra)]
+        return torch.stack([rc, rr, (rc > rr).to(torch.float64), rc - rr, *logps,
+                            torch.ones_like(rc)])
+
+    def totals(self) -> Tuple[torch.Tensor, ...]:
+        return () if self.nll is None else self.nll.totals()
+
+
+class ExampleTerms(NamedTuple):
+    """What an unpaired loss's per-example function (KTO's) computes for a call's ``B`` examples
+    (``[B]`` tensors in the inputs' dtype).
+
+    Attributes:
+        losses: the per-example losses the driver weights and sums.
+        log_ratios: ``logp - ref_logp``, whose ``beta`` multiple is the reward.
+        log_probs: the policy's log-probs (``logps/*``).
+        desirable: ``[B]`` bool, the desirable examples (``chosen``).
+        kl: the KL baseline used (a 0-dim tensor).
+    """
+
+    losses: torch.Tensor
+    log_ratios: torch.Tensor
+    log_probs: torch.Tensor
+    desirable: torch.Tensor
+    kl: torch.Tensor
+    loss_weights: Optional[torch.Tensor] = None
+    nll: Optional[NLLTerm] = None
+
+    def metric_rows(self, beta: float) -> torch.Tensor:
+        """float64 ``[6, B]``: the reward and the log-prob of the desirable and of the
+        undesirable examples, with their counts."""
+        good = self.desirable.to(torch.float64)
+        bad = (~self.desirable).to(torch.float64)
+        reward = beta * self.log_ratios.detach().to(torch.float64)
+        log_probs = self.log_probs.detach().to(torch.float64)
+        return torch.stack([reward * good, good, reward * bad, bad, log_probs * good,
+                            log_probs * bad])
+
+    def totals(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``z0`` and 1 (this call), float64 ``[1]`` each."""
+        kl = self.kl.detach().to(torch.float64).reshape(1)
+        return kl, torch.ones_like(kl)
+
+
+Terms = Union[PairTerms, ExampleTerms]
+
+
+def paired_loss(pair_terms: Callable[..., PairTerms], output: Callable[..., Any], opts: Any,
+                chosen_log_probs: torch.Tensor, rejected_log_probs: torch.Tensor, *,
+                pair_weights: Optional[torch.Tensor], nll_weight: Union[None, float, torch.Tensor],
+                return_stats: bool, not_floating: type = ValueError, **inputs: Any):
+    """A paired loss of one micro-batch: ``sum_p w_p l_p`` (plus its NLL term), or with
+    ``return_stats`` its ``output(loss, stats)``.
+
+    Args:
+        pair_terms: the loss's per-pair function (module docstring).
+        output: its ``*Output`` NamedTuple (``loss``, ``stats``).
+        opts: its resolved options (``opts.beta`` scales the rewards).
+        chosen_log_probs, rejected_log_probs: ``[P]`` floating.
+        pair_weights: ``[P]`` (:attr:`PreferenceWeights.pair_weights`); ``None``: ``1 / P``.
+        nll_weight: the weight of each NLL token; ``None``: ``1 / sum(lengths)`` of the call.
+        return_stats: return ``output(loss, stats)``.
+        not_floating: the error of a log-prob vector that is not a floating ``[P]`` tensor.
+        inputs: passed on to ``pair_terms``.
+
+    Raises:
+        ValueError: the log-probs or ``pair_weights`` of the wrong shape, naming them
+            (``not_floating`` for a non-floating log-prob vector); what ``pair_terms`` raises;
+            a bad ``nll_weight``.
+    """
+    n = check_vector("chosen_log_probs", chosen_log_probs, None, "", not_floating)
+    check_vector("rejected_log_probs", rejected_log_probs, n, "chosen_log_probs", not_floating)
+    weights = check_weights("pair_weights", pair_weights, n, chosen_log_probs)
+    terms = pair_terms(opts, chosen_log_probs, rejected_log_probs, weights, **inputs)
+    weights = check_weights("pair_weights", pair_weights, n, terms.losses)  # the losses' dtype
+    return _weighted_loss(terms, weights, nll_weight, opts.beta, return_stats, output)
+
+
+def unpaired_loss(example_terms: Callable[..., ExampleTerms], output: Callable[..., Any],
+                  opts: Any, log_probs: torch.Tensor, *, sample_weights: Optional[torch.Tensor],
+                  return_stats: bool, **inputs: Any):
+    """An unpaired loss (KTO) of one micro-batch: ``sum_b w_b l_b``, or with ``return_stats``
+    its ``output(loss, stats)``; the arguments as :func:`paired_loss`'s, ``sample_weights``
+    ``[B]`` (``None``: ``1 / B``) in place of ``pair_weights``."""
+    n = check_vector("log_probs", log_probs, None, "")
+    terms = example_terms(opts, log_probs, **inputs)
+    weights = check_weights("sample_weights", sample_weights, n, terms.losses)
+    return _weighted_loss(terms, weights, None, opts.beta, return_stats, output)
+
+
+def _weighted_loss(terms: Terms, weights: torch.Tensor,
+                   nll_weight: Union[None, float, torch.Tensor], beta: float, return_stats: bool,
+                   output: Callable[..., Any]):
+    """The weighted sum of ``terms.losses`` plus the NLL term; with ``return_stats``, the
+    call's local stats: the metric rows summed over the rows of weight > 0, then the totals."""
+    loss = (terms.losses * (weights if terms.loss_weights is None else terms.loss_weights)).sum()
+    nll = terms.nll
+    if nll is not None and nll.coef:
+        default = None if nll.lengths is None else 1.0 / nll.lengths.sum().clamp(min=1.0)
+        if nll_weight is None and default is None:
+            raise ValueError(nll.missing_lengths)
+        w_nll = check_scalar_weight("nll_weight", nll_weight, terms.losses, default)
+        loss = loss + nll.coef * w_nll * -nll.log_probs.sum()
+    if not return_stats:
+        return loss
+    with torch.no_grad():
+        counted = (weights > 0).to(torch.float64)
+        stats = torch.cat([(terms.metric_rows(beta) * counted).sum(-1), *terms.totals()])
+    return output(loss, stats)
+
+
+def check_vector(name: str, x: torch.Tensor, n: Optional[int], first: str,
+                 not_floating: type = ValueError) -> int:
+    """``x`` must be a floating ``[n]`` tensor (``n`` from the argument ``first``); else
+    ``not_floating`` (a non-tensor, non-floating or not 1-D ``x``) or a ValueError (a length
+    other than ``n``)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 1:
-        raise ValueError(f"{name} must be a floating [P] torch.Tensor, got "
+        raise not_floating(f"{name} must be a floating [P] torch.Tensor, got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
     if n is not None and x.shape[0] != n:
         raise ValueError(f"{name} must have shape ({n},) (that of {first}), got "
@@ -143,3 +336,17 @@ def ratio(num: float, den: float) -> float:
 
 def means(names: Sequence[str], sums: Sequence[float], count: float) -> Dict[str, float]:
     return {name: ratio(s, count) for name, s in zip(names, sums)}
+
+
+def paired_metrics(names: Sequence[str], stats: Union[torch.Tensor, Sequence[torch.Tensor]],
+                   output: str, group: GroupLike) -> Dict[str, float]:
+    """A paired loss's metrics ``names`` (its per-pair metrics, then ``"nll_loss"`` when it has
+    an NLL term) from :attr:`output`.stats tensors: means over the global pairs, ``nll_loss``
+    the global token mean (ONE all-reduce over ``group``); 0.0 when no rank had a pair."""
+    has_nll = names[-1] == "nll_loss"
+    pairs = len(names) - has_nll
+    total = reduce_metrics(stats, pairs + 1 + 2 * has_nll, output, group)
+    out = means(names[:pairs], total[:pairs], total[pairs])
+    if has_nll:
+        out["nll_loss"] = ratio(total[-2], total[-1])
+    return out

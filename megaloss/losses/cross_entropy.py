@@ -19,7 +19,8 @@ from torch import nn
 from .._deprecation import ReturnStatsAliases
 from ..ops.chunk_driver import chunked_head
 from ..ops.cross_entropy_chunk import CrossEntropyKernel
-from ..ops.options import CrossEntropyOptions, module_options, resolve_options
+from ..ops.cross_entropy_options import CrossEntropyOptions
+from ..ops.options import module_options, resolve_options
 from ..ops.validation import check_ce_tensors, first_bad_label
 from .token_coefficients import token_coefficients
 from .vocab_parallel import VocabParallelOptions, check_vocab_parallel_options, vocab_layout
@@ -115,14 +116,14 @@ def linear_cross_entropy(
             labels' weights (times ``loss_weights``). The whole ``[V]`` vector on every TP
             rank. Runs on the torch epilogue (``impl="auto"`` picks it).
         ignore_index: label without loss or gradient; this and the keywords below are the
-            fields of :class:`~megaloss.ops.options.CrossEntropyOptions`, documented there.
+            fields of :class:`~megaloss.CrossEntropyOptions`, documented there.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (torch's meanings).
         label_smoothing, z_loss, logit_softcapping, chunk_size, accum_dtype: see
-            :class:`~megaloss.ops.options.CrossEntropyOptions`.
+            :class:`~megaloss.CrossEntropyOptions`.
         impl: the chunk epilogue: the Triton kernels on CUDA, the torch one elsewhere.
         return_stats: return a :class:`CrossEntropyOutput` (the loss and its parts and counts)
             instead of the loss alone.
-        options: these fields as one :class:`~megaloss.ops.options.CrossEntropyOptions`
+        options: these fields as one :class:`~megaloss.CrossEntropyOptions`
             (e.g. from a ds_config, ``MegalossConfig.ce.options()``), instead of the keywords.
         vocab_parallel_options: a :class:`VocabParallelOptions` (TP group, real vocab size,
             Megatron's sequence parallelism): ``weight`` is then this rank's vocab shard and
@@ -155,10 +156,7 @@ def linear_cross_entropy(
     ``"none"`` backward recomputes the logits chunk by chunk and honours a per-token
     ``grad_output``. Inputs without ``requires_grad`` cost no gradient work.
     """
-    opts = resolve_options(CrossEntropyOptions, options, dict(
-        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-        z_loss=z_loss, logit_softcapping=logit_softcapping, chunk_size=chunk_size,
-        accum_dtype=accum_dtype, impl=impl))
+    opts = resolve_options(CrossEntropyOptions, options, locals())
     check_vocab_parallel_options(vocab_parallel_options)
 
     def check(vocab_size: int) -> Optional[int]:
@@ -203,7 +201,7 @@ class LinearCrossEntropyLoss(ReturnStatsAliases, nn.Module):
     """Module form of :func:`linear_cross_entropy`.
 
     Args:
-        options: a :class:`~megaloss.ops.options.CrossEntropyOptions`; or, instead, its fields
+        options: a :class:`~megaloss.CrossEntropyOptions`; or, instead, its fields
             as keyword arguments (``reduction="sum", z_loss=1e-4, ...``), validated here.
         ce_weight: optional ``[V]`` class weights (a buffer of the module).
         vocab_parallel_options: optional :class:`VocabParallelOptions` (``weight`` is then this

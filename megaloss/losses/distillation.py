@@ -7,7 +7,7 @@ Entry points: :func:`linear_distillation_loss` (with ``return_stats=True`` also 
 the hard-label CE and the top-1 agreement) and the module :class:`LinearDistillationLoss`.
 Math: :mod:`megaloss.ops.distillation_chunk`; schedule:
 :mod:`megaloss.ops.chunk_driver`; options:
-:class:`~megaloss.ops.options.DistillationOptions`.
+:class:`~megaloss.DistillationOptions`.
 
 Vocab-parallel (``vocab_parallel_options``, the same :class:`VocabParallelOptions` as the
 cross-entropy's): rank ``r`` holds rows ``[r*Vp, (r+1)*Vp)`` of *both* heads (``Vp =
@@ -26,7 +26,8 @@ from torch import nn
 from .._deprecation import ReturnStatsAliases
 from ..ops.chunk_driver import chunked_head
 from ..ops.distillation_chunk import DistillationKernel, Teacher
-from ..ops.options import DistillationOptions, module_options, resolve_options
+from ..ops.distillation_options import DistillationOptions
+from ..ops.options import module_options, resolve_options
 from ..ops.validation import check_ce_tensors, check_finite, check_not_dtensor, first_bad_label
 from .token_coefficients import token_coefficients
 from .vocab_parallel import VocabParallelOptions, check_vocab_parallel_options, vocab_layout
@@ -230,10 +231,10 @@ def linear_distillation_loss(
         kind: this and ``beta``, ``temperature``, ``temperature_squared``, ``alpha``,
             ``ignore_index``, ``reduction``, ``logit_softcapping``,
             ``teacher_logit_softcapping``, ``chunk_size``, ``accum_dtype`` are the fields of
-            :class:`~megaloss.ops.options.DistillationOptions`, documented there.
+            :class:`~megaloss.DistillationOptions`, documented there.
         return_stats: return a :class:`DistillationOutput` (the loss, the divergence, the
             hard-label CE and the top-1 agreement) instead of the loss alone.
-        options: those fields as one :class:`~megaloss.ops.options.DistillationOptions`
+        options: those fields as one :class:`~megaloss.DistillationOptions`
             (e.g. ``MegalossConfig.distillation.options()``), instead of the keywords.
         vocab_parallel_options: a :class:`megaloss.VocabParallelOptions`: both heads are this
             rank's vocab shards; the loss is the full-vocabulary one, identical on every TP rank.
@@ -254,11 +255,7 @@ def linear_distillation_loss(
         TypeError: non-tensor or wrongly typed inputs; ``options`` together with option keywords
             not at their default; ``options`` / ``vocab_parallel_options`` of the wrong type.
     """
-    opts = resolve_options(DistillationOptions, options, dict(
-        kind=kind, beta=beta, temperature=temperature, temperature_squared=temperature_squared,
-        alpha=alpha, ignore_index=ignore_index, reduction=reduction,
-        logit_softcapping=logit_softcapping, teacher_logit_softcapping=teacher_logit_softcapping,
-        chunk_size=chunk_size, accum_dtype=accum_dtype))
+    opts = resolve_options(DistillationOptions, options, locals())
     check_vocab_parallel_options(vocab_parallel_options)
 
     def check(vocab_size: int) -> Optional[int]:
@@ -302,7 +299,7 @@ class LinearDistillationLoss(ReturnStatsAliases, nn.Module):
     """Module form of :func:`linear_distillation_loss`.
 
     Args:
-        options: a :class:`~megaloss.ops.options.DistillationOptions`; or, instead, its fields
+        options: a :class:`~megaloss.DistillationOptions`; or, instead, its fields
             as keyword arguments (``kind="jsd", beta=0.5, temperature=2.0, ...``).
         vocab_parallel_options: optional :class:`megaloss.VocabParallelOptions`.
 

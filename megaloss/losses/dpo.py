@@ -75,23 +75,81 @@ Metrics (:func:`dpo_metrics`, TRL's names, means over the step's global pairs):
 from __future__ import annotations
 
 import math
-from typing import Dict, NamedTuple, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from ..calibration.calibrator import StepCalibration
-from ..ops.options import DPOOptions, resolve_options
+from ..ops.options import OptionsBase, check_choice, check_finite_positive, resolve_options
 from ..parallel.groups import SINGLE_RANK, GroupLike, group_size
 from ..parallel.mappings import all_reduce_sum_autograd
-from ._preference import check_weights, means, preference_weights, reduce_metrics
+from ._preference import PairTerms, check_vector, paired_loss, paired_metrics, preference_weights
 
 __all__ = ["DPOOptions", "DPOOutput", "dpo_loss", "dpo_pair_weights", "dpo_metrics",
-           "sequence_log_probs", "DPO_METRICS"]
+           "sequence_log_probs", "DPO_METRICS", "DPO_LOSS_TYPES"]
 
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                "logps/chosen", "logps/rejected")
-_NUM_STATS = len(DPO_METRICS) + 1  # the sums of the metrics, then the pair count
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
+                  "sppo_hard", "apo_zero", "apo_down", "discopop", "sigmoid_norm", "aot",
+                  "aot_unpaired")
+
+
+
+@dataclass(frozen=True)
+class DPOOptions(OptionsBase):
+    """Options of :func:`megaloss.dpo_loss` (names and defaults of TRL 1.16's ``DPOConfig``,
+    ``trl/trainer/dpo_config.py``).
+
+    Attributes:
+        loss_type: the pairwise loss of TRL 1.16's ``DPOTrainer._compute_loss``
+            (``trl/trainer/dpo_trainer.py``), one of :data:`DPO_LOSS_TYPES`; the formulas and
+            their sources are in the module docstring. ``"sigmoid"`` (DPO, arXiv:2305.18290),
+            ``"hinge"`` (RSO / SLiC, arXiv:2309.06657, arXiv:2305.10425), ``"ipo"`` (IPO,
+            arXiv:2310.12036), ``"exo_pair"`` (EXO, arXiv:2402.00856), ``"nca_pair"`` (NCA,
+            arXiv:2402.05369), ``"robust"`` (Robust DPO, arXiv:2403.00409), ``"bco_pair"``
+            (BCO, arXiv:2404.04656), ``"sppo_hard"`` (SPPO, arXiv:2405.00675), ``"apo_zero"`` /
+            ``"apo_down"`` (APO, arXiv:2408.06266), ``"discopop"`` (DiscoPOP,
+            arXiv:2406.08414), ``"sigmoid_norm"`` (length-normalised DPO, as SimPO,
+            arXiv:2405.14734), ``"aot"`` / ``"aot_unpaired"`` (AOT, arXiv:2406.05882: on the
+            log-ratios sorted over the call's pairs). ``"ipo"`` and ``"sigmoid_norm"`` divide
+            each log-ratio by the completion's token count.
+        beta: the inverse temperature (DPO) / regularisation ``tau`` (IPO), finite ``> 0``.
+        label_smoothing: ``epsilon`` of ``"robust"`` (the label-flip probability, in
+            ``[0, 0.5)``), of ``"exo_pair"`` (the target ``[1 - epsilon, epsilon]``, in
+            ``(0, 1)``; EXO recommends 1e-3) and of ``"aot"`` / ``"aot_unpaired"`` (the
+            conservative smoothing of the sorted margin); a float in ``[0, 1)``, read by no
+            other type.
+        discopop_tau: the temperature of ``"discopop"``'s log-ratio modulation, finite ``> 0``
+            (DiscoPOP recommends the default 0.05); read by no other type.
+
+    Raises:
+        ValueError / TypeError: an option out of range or of the wrong type, naming it.
+    """
+
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    discopop_tau: float = 0.05
+
+    def __post_init__(self) -> None:
+        check_choice("loss_type", self.loss_type, DPO_LOSS_TYPES)
+        check_finite_positive("beta", self.beta)
+        eps = self.label_smoothing
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 <= eps < 1.0:
+            raise ValueError(f"label_smoothing must be a float in [0, 1), got {eps!r}")
+        if self.loss_type == "robust" and not eps < 0.5:
+            raise ValueError("label_smoothing must be in [0, 0.5) for loss_type='robust' (the "
+                             f"label-flip probability; it divides by 1 - 2 * it), got {eps!r}")
+        if self.loss_type == "exo_pair" and not eps > 0.0:
+            raise ValueError("label_smoothing must be in (0, 1) for loss_type='exo_pair' (its "
+                             f"log is taken; EXO recommends 1e-3), got {eps!r}")
+        check_finite_positive("discopop_tau", self.discopop_tau)
+        for name in ("beta", "label_smoothing", "discopop_tau"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+
 
 
 class DPOOutput(NamedTuple):
@@ -164,25 +222,15 @@ def dpo_pair_weights(step: StepCalibration, i: int, *, ignore_index: int = -100)
     return preference_weights(step, i, ignore_index=ignore_index).pair_weights
 
 
-def _vector(name: str, x: torch.Tensor, n: Optional[int]) -> int:
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 1:
-        raise TypeError(f"{name} must be a floating [P] torch.Tensor, got "
-                        f"{getattr(x, 'shape', type(x).__name__)}")
-    if n is not None and x.shape[0] != n:
-        raise ValueError(f"{name} must have shape ({n},) (that of chosen_log_probs), got "
-                         f"{tuple(x.shape)}")
-    return x.shape[0]
-
-
 _PER_TOKEN_TYPES = ("ipo", "sigmoid_norm")  # on the length-normalised log-ratios
 _SORTED_TYPES = ("aot", "aot_unpaired")  # on log-ratios sorted over the call's pairs
 
 
-def _sorted_pair_loss(opts: DPOOptions, chosen: torch.Tensor, rejected: torch.Tensor,
-                      ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-                      weights: torch.Tensor) -> torch.Tensor:
-    """``aot`` / ``aot_unpaired``: ``sum_p w l_p`` over the pairs with ``weights > 0`` (their
-    common weight ``w``), the margins sorted over those pairs (module docstring; TRL 1.16's
+def _sorted_pair_losses(opts: DPOOptions, chosen: torch.Tensor, rejected: torch.Tensor,
+                        ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+                        weights: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``aot`` / ``aot_unpaired``: the ``[k]`` losses of the margins sorted over the ``k`` pairs
+    with ``weights > 0``, and those pairs' (common) weights (module docstring; TRL 1.16's
     ``DPOTrainer._compute_loss``)."""
     counted = weights > 0
     w = weights[counted]
@@ -200,7 +248,7 @@ def _sorted_pair_loss(opts: DPOOptions, chosen: torch.Tensor, rejected: torch.Te
     eps = opts.label_smoothing
     per = (-F.logsigmoid(opts.beta * delta) * (1 - eps)
            - F.logsigmoid(-opts.beta * delta) * eps)
-    return (per * w).sum()
+    return per, w
 
 
 def _pair_loss(opts: DPOOptions, chosen_ratio: torch.Tensor,
@@ -266,7 +314,7 @@ def dpo_loss(
         pair_weights: ``[P]`` from :func:`dpo_pair_weights` (the step's global pair count);
             ``None``: the mean over this call's pairs.
         loss_type, beta, label_smoothing, discopop_tau: the fields of
-            :class:`~megaloss.ops.options.DPOOptions`.
+            :class:`~megaloss.DPOOptions`.
         return_stats: return a :class:`DPOOutput` (the loss and the local sums
             :func:`dpo_metrics` reads) instead of the loss alone.
         options: these fields as one :class:`DPOOptions` instead of the keywords.
@@ -281,15 +329,27 @@ def dpo_loss(
             ``"aot_unpaired"``; an option out of range.
         TypeError: non-floating inputs; ``options`` of the wrong type or with option keywords.
     """
-    opts = resolve_options(DPOOptions, options, dict(
-        loss_type=loss_type, beta=beta, label_smoothing=label_smoothing,
-        discopop_tau=discopop_tau))
-    n = _vector("chosen_log_probs", chosen_log_probs, None)
-    _vector("rejected_log_probs", rejected_log_probs, n)
-    _vector("ref_chosen_log_probs", ref_chosen_log_probs, n)
-    _vector("ref_rejected_log_probs", ref_rejected_log_probs, n)
-    chosen_ratio = chosen_log_probs - ref_chosen_log_probs
-    rejected_ratio = rejected_log_probs - ref_rejected_log_probs
+    opts = resolve_options(DPOOptions, options, locals())
+    return paired_loss(_dpo_pairs, DPOOutput, opts, chosen_log_probs, rejected_log_probs,
+                       pair_weights=pair_weights, nll_weight=None, return_stats=return_stats,
+                       not_floating=TypeError, ref_chosen_log_probs=ref_chosen_log_probs,
+                       ref_rejected_log_probs=ref_rejected_log_probs,
+                       chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
+
+
+def _dpo_pairs(opts: DPOOptions, chosen: torch.Tensor, rejected: torch.Tensor,
+               weights: torch.Tensor, *, ref_chosen_log_probs: torch.Tensor,
+               ref_rejected_log_probs: torch.Tensor, chosen_lengths: Optional[torch.Tensor],
+               rejected_lengths: Optional[torch.Tensor]) -> PairTerms:
+    """DPO's per-pair terms (:mod:`._preference`): the loss type's losses, the log-ratios
+    (rewards / beta) and the policy's log-probs."""
+    n = chosen.shape[0]
+    check_vector("ref_chosen_log_probs", ref_chosen_log_probs, n, "chosen_log_probs", TypeError)
+    check_vector("ref_rejected_log_probs", ref_rejected_log_probs, n, "chosen_log_probs",
+                 TypeError)
+    chosen_ratio = chosen - ref_chosen_log_probs
+    rejected_ratio = rejected - ref_rejected_log_probs
+    loss_weights = None
     if opts.loss_type in _PER_TOKEN_TYPES:
         for name, x in (("chosen_lengths", chosen_lengths), ("rejected_lengths", rejected_lengths)):
             if x is None:
@@ -300,27 +360,16 @@ def dpo_loss(
         delta = (chosen_ratio / chosen_lengths.to(chosen_ratio.dtype).clamp(min=1.0)
                  - rejected_ratio / rejected_lengths.to(chosen_ratio.dtype).clamp(min=1.0))
         if opts.loss_type == "ipo":
-            per_pair = (delta - 1 / (2 * opts.beta)) ** 2
+            losses = (delta - 1 / (2 * opts.beta)) ** 2
         else:
-            per_pair = -F.logsigmoid(opts.beta * delta)
-    elif opts.loss_type not in _SORTED_TYPES:
-        per_pair = _pair_loss(opts, chosen_ratio, rejected_ratio)
-    if opts.loss_type in _SORTED_TYPES:
-        pair_weights = check_weights("pair_weights", pair_weights, n, chosen_ratio)
-        loss = _sorted_pair_loss(opts, chosen_log_probs, rejected_log_probs,
-                                 ref_chosen_log_probs, ref_rejected_log_probs, pair_weights)
+            losses = -F.logsigmoid(opts.beta * delta)
+    elif opts.loss_type in _SORTED_TYPES:
+        losses, loss_weights = _sorted_pair_losses(opts, chosen, rejected, ref_chosen_log_probs,
+                                                   ref_rejected_log_probs, weights)
     else:
-        pair_weights = check_weights("pair_weights", pair_weights, n, per_pair)
-        loss = (per_pair * pair_weights).sum()
-    with torch.no_grad():
-        counted = (pair_weights > 0).to(torch.float64)
-        rc = opts.beta * chosen_ratio.detach().to(torch.float64)
-        rr = opts.beta * rejected_ratio.detach().to(torch.float64)
-        values = torch.stack([rc, rr, (rc > rr).to(torch.float64), rc - rr,
-                              chosen_log_probs.detach().to(torch.float64),
-                              rejected_log_probs.detach().to(torch.float64)])
-        stats = torch.cat([(values * counted).sum(-1), counted.sum().reshape(1)])
-    return DPOOutput(loss, stats) if return_stats else loss
+        losses = _pair_loss(opts, chosen_ratio, rejected_ratio)
+    return PairTerms(losses, chosen_ratio, rejected_ratio, chosen, rejected,
+                     loss_weights=loss_weights)
 
 
 def dpo_metrics(stats: Union[torch.Tensor, Sequence[torch.Tensor]], *,
@@ -332,5 +381,4 @@ def dpo_metrics(stats: Union[torch.Tensor, Sequence[torch.Tensor]], *,
     Raises:
         ValueError: ``stats`` are not :attr:`DPOOutput.stats` tensors.
     """
-    total = reduce_metrics(stats, _NUM_STATS, "DPOOutput", group)
-    return means(DPO_METRICS, total, total[-1])
+    return paired_metrics(DPO_METRICS, stats, "DPOOutput", group)

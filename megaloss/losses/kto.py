@@ -44,21 +44,17 @@ from typing import Dict, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from ..ops.options import (
-    OptionsBase,
-    _check_choice,
-    _check_finite_positive,
-    resolve_options,
-)
+from ..ops.options import OptionsBase, check_choice, check_finite_positive, resolve_options
 from ..parallel.comm import all_reduce_sum_
 from ..parallel.groups import GroupLike, group_size
 from ._preference import (
     WEIGHT_CONVENTIONS,
+    ExampleTerms,
     check_scalar_weight,
     check_vector,
-    check_weights,
     ratio,
     reduce_metrics,
+    unpaired_loss,
 )
 
 __all__ = ["KTOOptions", "KTOOutput", "KTO_LOSS_TYPES", "KTO_METRICS", "kto_loss",
@@ -91,9 +87,9 @@ class KTOOptions(OptionsBase):
     undesirable_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_choice("loss_type", self.loss_type, KTO_LOSS_TYPES)
+        check_choice("loss_type", self.loss_type, KTO_LOSS_TYPES)
         for name in ("beta", "desirable_weight", "undesirable_weight"):
-            _check_finite_positive(name, getattr(self, name))
+            check_finite_positive(name, getattr(self, name))
             object.__setattr__(self, name, float(getattr(self, name)))
 
 
@@ -201,10 +197,17 @@ def kto_loss(
         ValueError: an argument of the wrong shape or type, naming it; an option out of range.
         TypeError: ``options`` not a :class:`KTOOptions`, or given with option keywords.
     """
-    opts = resolve_options(KTOOptions, options, dict(
-        loss_type=loss_type, beta=beta, desirable_weight=desirable_weight,
-        undesirable_weight=undesirable_weight))
-    n = check_vector("log_probs", log_probs, None, "")
+    opts = resolve_options(KTOOptions, options, locals())
+    return unpaired_loss(_kto_examples, KTOOutput, opts, log_probs,
+                         sample_weights=sample_weights, return_stats=return_stats,
+                         ref_log_probs=ref_log_probs, desirable=desirable, kl=kl)
+
+
+def _kto_examples(opts: KTOOptions, log_probs: torch.Tensor, *, ref_log_probs: torch.Tensor,
+                  desirable: torch.Tensor, kl: Union[None, float, torch.Tensor]) -> ExampleTerms:
+    """KTO's per-example terms (:mod:`._preference`): the losses of the desirable and the
+    undesirable examples against the baseline ``z0``, and the log-ratios (rewards / beta)."""
+    n = log_probs.shape[0]
     check_vector("ref_log_probs", ref_log_probs, n, "log_probs")
     if not isinstance(desirable, torch.Tensor) or desirable.shape != (n,) \
             or desirable.is_floating_point() or desirable.is_complex():
@@ -221,19 +224,7 @@ def kto_loss(
     else:
         per = torch.where(good, opts.desirable_weight * (1 - torch.sigmoid(opts.beta * r)),
                           opts.undesirable_weight * torch.sigmoid(opts.beta * r))
-    weights = check_weights("sample_weights", sample_weights, n, per)
-    loss = (per * weights).sum()
-    if not return_stats:
-        return loss
-    with torch.no_grad():
-        counted = (weights > 0).to(torch.float64)
-        g, b = good.to(torch.float64) * counted, (~good).to(torch.float64) * counted
-        rew = opts.beta * r.detach().to(torch.float64)
-        lp = log_probs.detach().to(torch.float64)
-        stats = torch.stack([(rew * g).sum(), g.sum(), (rew * b).sum(), b.sum(), (lp * g).sum(),
-                             (lp * b).sum(), z0.to(torch.float64),
-                             torch.ones((), dtype=torch.float64, device=lp.device)])
-    return KTOOutput(loss, stats)
+    return ExampleTerms(per, r, log_probs, good, z0)
 
 
 def kto_metrics(stats: Union[torch.Tensor, Sequence[torch.Tensor]], *,

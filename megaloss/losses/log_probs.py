@@ -19,7 +19,8 @@ from torch import nn
 
 from ..ops.chunk_driver import chunked_head
 from ..ops.log_probs_kernel import LogProbsKernel
-from ..ops.options import LogProbsOptions, module_options, resolve_options
+from ..ops.log_probs_options import LogProbsOptions
+from ..ops.options import module_options, resolve_options
 from ..ops.validation import check_ce_tensors, first_bad_label
 from .vocab_parallel import VocabParallelOptions, check_vocab_parallel_options, vocab_layout
 
@@ -70,7 +71,7 @@ def linear_log_probs(
     temperature; y.log_softmax(-1).gather(-1, labels[..., None])[..., 0]`` (and
     ``-(y.softmax(-1) * y.log_softmax(-1)).sum(-1)``), 0 at ``ignore_index``. Soft-capping
     acts on the raw logits, the temperature on the capped ones (see
-    :class:`~megaloss.ops.options.LogProbsOptions`).
+    :class:`~megaloss.LogProbsOptions`).
 
     Args:
         hidden_states: ``[..., H]`` float (fp32 / bf16 / fp16 / fp64). With
@@ -85,10 +86,10 @@ def linear_log_probs(
         bias: optional ``[V]`` (``[Vp]`` with ``vocab_parallel_options``).
         ignore_index: this and ``temperature``, ``logit_softcapping``, ``return_entropy``,
             ``chunk_size``, ``accum_dtype``, ``impl`` are the fields of
-            :class:`~megaloss.ops.options.LogProbsOptions`, documented there
+            :class:`~megaloss.LogProbsOptions`, documented there
             (``impl="auto"``: the fused Triton kernels of
             :mod:`megaloss.ops.triton_log_probs` on CUDA, the torch epilogue elsewhere).
-        options: these fields as one :class:`~megaloss.ops.options.LogProbsOptions`, instead
+        options: these fields as one :class:`~megaloss.LogProbsOptions`, instead
             of the keywords.
         vocab_parallel_options: a :class:`~megaloss.losses.vocab_parallel.VocabParallelOptions`
             (TP group, real vocab size, Megatron's sequence parallelism), as
@@ -119,10 +120,7 @@ def linear_log_probs(
     ``entropy`` with any per-token upstream gradients: backward recomputes the logits chunk by
     chunk (:mod:`megaloss.ops.chunk_driver`).
     """
-    opts = resolve_options(LogProbsOptions, options, dict(
-        ignore_index=ignore_index, temperature=temperature, logit_softcapping=logit_softcapping,
-        return_entropy=return_entropy, chunk_size=chunk_size, accum_dtype=accum_dtype,
-        impl=impl))
+    opts = resolve_options(LogProbsOptions, options, locals())
     check_vocab_parallel_options(vocab_parallel_options)
 
     def check(vocab_size: int) -> Optional[int]:
@@ -147,7 +145,7 @@ class LinearLogProbs(nn.Module):
     """Module form of :func:`linear_log_probs`.
 
     Args:
-        options: a :class:`~megaloss.ops.options.LogProbsOptions`; or, instead, its fields as
+        options: a :class:`~megaloss.LogProbsOptions`; or, instead, its fields as
             keyword arguments (``temperature=0.7, return_entropy=True, ...``), validated here.
         vocab_parallel_options: optional
             :class:`~megaloss.losses.vocab_parallel.VocabParallelOptions` (``weight`` is then

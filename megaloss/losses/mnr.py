@@ -53,7 +53,8 @@ reduce-scatter, plus one all-reduce with ``local_loss``.
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional, Union
+from dataclasses import dataclass, fields
+from typing import Any, List, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,13 @@ from torch import nn
 
 from .._deprecation import ReturnStatsAliases, renamed_keywords
 from ..ops.infonce_rows import infonce_rows
-from ..ops.options import SIMILARITIES, MNROptions, mnr_option_error, resolve_options
+from ..ops.options import (
+    OptionsBase,
+    bad_chunk_size,
+    finite_positive_error,
+    option_values,
+    resolve_options,
+)
 from ..parallel.comm import all_gather_dim0, all_reduce_sum_
 from ..parallel.groups import (
     SINGLE_RANK,
@@ -73,8 +80,8 @@ from ..parallel.groups import (
 )
 from ..parallel.mappings import all_reduce_sum_autograd, gather_from_region
 
-__all__ = ["mnr_loss", "MNROutput", "MNROptions",
-           "MultipleNegativesRankingLoss", "SIMILARITIES"]
+__all__ = ["mnr_loss", "MNROutput", "MNROptions", "MultipleNegativesRankingLoss", "SIMILARITIES",
+           "mnr_option_error"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # metadata exchanged by every rank before anything else (one all-gather, one host sync)
@@ -102,6 +109,62 @@ class MNROutput(NamedTuple):
     accuracy: torch.Tensor
     mean_rank: torch.Tensor
     num_queries: int
+
+
+SIMILARITIES = ("cosine", "dot")
+
+
+@dataclass(frozen=True)
+class MNROptions(OptionsBase):
+    """Options of :func:`megaloss.mnr_loss` and :class:`megaloss.MultipleNegativesRankingLoss`.
+
+    Attributes:
+        temperature: ``T > 0`` (finite): scores are ``sim / T``; sentence-transformers'
+            ``scale=20`` is ``T=0.05``. (:func:`~megaloss.mnr_loss` also takes a 0-dim tensor,
+            e.g. a learnable temperature, outside these options.)
+        similarity: ``"cosine"`` (embeddings L2-normalised first) or ``"dot"``.
+        symmetric: also average in the document -> query direction (CLIP-style).
+        gather_across_ranks: use every rank's documents as candidates (``False``: this rank's
+            batch only).
+        local_loss: score only this rank's rows and all-reduce the loss share (open_clip's
+            ``local_loss``); ``False`` scores every row on every rank (same value and gradients).
+        chunk_size: score rows per block (``>= 1``); memory ``chunk_size x C``, the same result
+            for any value up to summation order.
+
+    Raises:
+        ValueError / TypeError: an option out of range or of the wrong type, naming it.
+    """
+
+    temperature: float = 0.05
+    similarity: str = "cosine"
+    symmetric: bool = False
+    gather_across_ranks: bool = True
+    local_loss: bool = True
+    chunk_size: int = 1024
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            error = mnr_option_error(f.name, getattr(self, f.name))
+            if error is not None:
+                raise error
+        object.__setattr__(self, "temperature", float(self.temperature))
+
+
+def mnr_option_error(name: str, value: Any) -> Optional[Exception]:
+    """The error for MNR option ``name`` set to ``value``, or ``None`` when it is valid (one
+    message per bound, shared by :class:`MNROptions` and :func:`megaloss.mnr_loss`'s checks,
+    which raise it on every rank)."""
+    if name == "temperature":
+        return finite_positive_error(name, value)
+    elif name == "similarity":
+        if not isinstance(value, str) or value not in SIMILARITIES:
+            return ValueError(f"similarity must be one of {SIMILARITIES}, got {value!r}")
+    elif name == "chunk_size":
+        if bad_chunk_size(value):
+            return ValueError(f"chunk_size must be an int >= 1, got {value!r}")
+    elif not isinstance(value, bool):  # symmetric, gather_across_ranks, local_loss
+        return TypeError(f"{name} must be a bool, got {value!r}")
+    return None
 
 
 Temperature = Union[float, torch.Tensor]
@@ -142,7 +205,7 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
             mean rank of the positive) instead of the loss alone; one extra small all-reduce
             with ``local_loss=True``.
         options: ``temperature``, ``similarity``, ``symmetric``, ``gather_across_ranks``,
-            ``local_loss`` and ``chunk_size`` as one :class:`~megaloss.ops.options.MNROptions`
+            ``local_loss`` and ``chunk_size`` as one :class:`~megaloss.MNROptions`
             (e.g. from a ds_config, ``MegalossConfig.mnr.options()``), instead of the keywords.
 
     Returns:
@@ -160,22 +223,17 @@ def mnr_loss(query: torch.Tensor, positive: torch.Tensor,
         TypeError: non-floating embeddings, non-integer ``duplicate_ids``; ``options``
             together with option keywords not at their default (naming them).
     """
-    out = _mnr(query, positive, negatives, _keywords(
-        options, temperature, similarity, symmetric, gather_across_ranks, local_loss,
-        chunk_size), group, duplicate_ids, metrics=return_stats)
+    values = _option_values(options, locals())
+    out = _mnr(query, positive, negatives, values, group, duplicate_ids, metrics=return_stats)
     return out if return_stats else out.loss
 
 
-def _keywords(options, temperature, similarity, symmetric, gather_across_ranks, local_loss,
-              chunk_size) -> dict:
+def _option_values(options: Optional[MNROptions], arguments: dict) -> dict:
     """The option values of a call: its keywords, or ``options``'s fields. Not validated here
     unless ``options`` is given: :func:`_local_problem` checks them so that every rank raises."""
-    given = dict(temperature=temperature, similarity=similarity, symmetric=symmetric,
-                 gather_across_ranks=gather_across_ranks, local_loss=local_loss,
-                 chunk_size=chunk_size)
     if options is None:
-        return given
-    return resolve_options(MNROptions, options, given).as_dict()
+        return option_values(MNROptions, arguments)
+    return resolve_options(MNROptions, options, arguments).as_dict()
 
 
 # validation and metadata exchange ------------------------------------------------------------
@@ -405,7 +463,7 @@ class MultipleNegativesRankingLoss(ReturnStatsAliases, nn.Module):
         similarity, symmetric, gather_across_ranks, group, local_loss, chunk_size: as in
             :func:`mnr_loss` (keyword-only).
         options: ``temperature`` (the initial one) and the other :func:`mnr_loss` options as
-            one :class:`~megaloss.ops.options.MNROptions`, instead of the keywords (kept as
+            one :class:`~megaloss.MNROptions`, instead of the keywords (kept as
             ``self.options``).
 
     ``forward(query [B, D], positive [B, D], negatives [B, K, D] | None, duplicate_ids [B] | None,
@@ -427,10 +485,7 @@ class MultipleNegativesRankingLoss(ReturnStatsAliases, nn.Module):
                  group: GroupLike = None, local_loss: bool = True,
                  chunk_size: int = 1024, options: Optional[MNROptions] = None) -> None:
         super().__init__()
-        self.options = resolve_options(MNROptions, options, dict(
-            temperature=temperature, similarity=similarity, symmetric=symmetric,
-            gather_across_ranks=gather_across_ranks, local_loss=local_loss,
-            chunk_size=chunk_size))
+        self.options = resolve_options(MNROptions, options, locals())
         temperature = self.options.temperature
         init_scale = math.log(1.0 / temperature)
         if learnable_temperature and init_scale > max_logit_scale + 1e-12:

@@ -44,18 +44,17 @@ from typing import Dict, NamedTuple, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from ..ops.options import OptionsBase, _check_finite_positive, resolve_options
+from ..ops.options import OptionsBase, check_finite_positive, resolve_options
 from ..parallel.groups import GroupLike
 from ._preference import (
+    NLLTerm,
+    PairTerms,
     PreferenceWeights,
     check_lengths,
-    check_scalar_weight,
     check_vector,
-    check_weights,
-    means,
+    paired_loss,
+    paired_metrics,
     preference_weights,
-    ratio,
-    reduce_metrics,
 )
 
 __all__ = ["ORPOOptions", "ORPOOutput", "orpo_loss", "orpo_metrics", "ORPO_METRICS",
@@ -64,8 +63,6 @@ __all__ = ["ORPOOptions", "ORPOOutput", "orpo_loss", "orpo_metrics", "ORPO_METRI
 ORPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                 "logps/chosen", "logps/rejected", "log_odds_ratio", "log_odds_chosen",
                 "nll_loss")
-_PAIR_STATS = 8
-_NUM_STATS = _PAIR_STATS + 3  # the pair sums, the pair count, the NLL sum and its token count
 
 
 @dataclass(frozen=True)
@@ -83,7 +80,7 @@ class ORPOOptions(OptionsBase):
     beta: float = 0.1
 
     def __post_init__(self) -> None:
-        _check_finite_positive("beta", self.beta)
+        check_finite_positive("beta", self.beta)
         object.__setattr__(self, "beta", float(self.beta))
 
 
@@ -143,10 +140,22 @@ def orpo_loss(
             out of range.
         TypeError: ``options`` not an :class:`ORPOOptions`, or given with option keywords.
     """
-    opts = resolve_options(ORPOOptions, options, dict(beta=beta))
-    n = check_vector("chosen_log_probs", chosen_log_probs, None, "")
-    check_vector("rejected_log_probs", rejected_log_probs, n, "chosen_log_probs")
-    dtype = chosen_log_probs.dtype
+    opts = resolve_options(ORPOOptions, options, locals())
+    return paired_loss(_orpo_pairs, ORPOOutput, opts, chosen_log_probs, rejected_log_probs,
+                       pair_weights=pair_weights, nll_weight=nll_weight,
+                       return_stats=return_stats, chosen_lengths=chosen_lengths,
+                       rejected_lengths=rejected_lengths, nll_log_probs=nll_log_probs,
+                       nll_lengths=nll_lengths)
+
+
+def _orpo_pairs(opts: ORPOOptions, chosen: torch.Tensor, rejected: torch.Tensor,
+                weights: torch.Tensor, *, chosen_lengths: Optional[torch.Tensor],
+                rejected_lengths: Optional[torch.Tensor], nll_log_probs: Optional[torch.Tensor],
+                nll_lengths: Optional[torch.Tensor]) -> PairTerms:
+    """ORPO's per-pair terms (:mod:`._preference`): ``-beta * logsigmoid(log_odds)`` on the
+    length-averaged log-probs ``a`` (also the rewards / beta and ``logps/*``), the log-odds
+    metrics, and the NLL term (weight 1)."""
+    n, dtype = chosen.shape[0], chosen.dtype
     why = "ORPO's odds are on the length-averaged log-probs"
     n_c = check_lengths("chosen_lengths", chosen_lengths, n, why, dtype)
     n_r = check_lengths("rejected_lengths", rejected_lengths, n, why, dtype)
@@ -154,36 +163,20 @@ def orpo_loss(
         if nll_lengths is not None:
             raise ValueError("nll_lengths needs nll_log_probs (the NLL defaults to the chosen "
                              "completions and their chosen_lengths)")
-        nll_log_probs, nll_lengths = chosen_log_probs, chosen_lengths
+        nll_log_probs, nll_lengths = chosen, chosen_lengths
     check_vector("nll_log_probs", nll_log_probs, n, "chosen_log_probs")
     check_lengths("nll_lengths", nll_lengths, n, "the NLL is a token mean", dtype)
-    tokens = nll_lengths.to(dtype)  # the token count itself (a padding row has none)
-    weights = check_weights("pair_weights", pair_weights, n, chosen_log_probs)
     # pairs of weight 0 (padding rows, whose log-prob 0 has infinite odds) get a finite
     # stand-in, so that neither their loss nor their (zero) gradient is NaN
     live = weights != 0
-    stand_in = torch.full((), -1.0, dtype=dtype, device=chosen_log_probs.device)
-    a_c = torch.where(live, chosen_log_probs / n_c, stand_in)
-    a_r = torch.where(live, rejected_log_probs / n_r, stand_in)
+    stand_in = torch.full((), -1.0, dtype=dtype, device=chosen.device)
+    a_c = torch.where(live, chosen / n_c, stand_in)
+    a_r = torch.where(live, rejected / n_r, stand_in)
     log_odds = (a_c - a_r) - (log1mexp(a_c) - log1mexp(a_r))
     log_sig = F.logsigmoid(log_odds)
-    default_nll = 1.0 / tokens.sum().clamp(min=1.0)
-    w_nll = check_scalar_weight("nll_weight", nll_weight, log_sig, default_nll)
-    nll_sum = -nll_log_probs.sum()
-    loss = (-opts.beta * log_sig * weights).sum() + w_nll * nll_sum
-    if not return_stats:
-        return loss
-    with torch.no_grad():
-        counted = (weights > 0).to(torch.float64)
-        ac, ar = a_c.detach().to(torch.float64), a_r.detach().to(torch.float64)
-        rc, rr = opts.beta * ac, opts.beta * ar
-        values = torch.stack([rc, rr, (rc > rr).to(torch.float64), rc - rr, ac, ar,
-                              log_sig.detach().to(torch.float64),
-                              log_odds.detach().to(torch.float64)])
-        stats = torch.cat([(values * counted).sum(-1), counted.sum().reshape(1),
-                           nll_sum.detach().to(torch.float64).reshape(1),
-                           tokens.detach().to(torch.float64).sum().reshape(1)])
-    return ORPOOutput(loss, stats)
+    # the token count itself (a padding row has none)
+    nll = NLLTerm(nll_log_probs, nll_lengths.to(dtype), 1.0)
+    return PairTerms(-opts.beta * log_sig, a_c, a_r, a_c, a_r, (log_sig, log_odds), nll)
 
 
 def orpo_metrics(stats: Union[torch.Tensor, Sequence[torch.Tensor]], *,
@@ -195,7 +188,4 @@ def orpo_metrics(stats: Union[torch.Tensor, Sequence[torch.Tensor]], *,
     Raises:
         ValueError: ``stats`` are not :attr:`ORPOOutput.stats` tensors.
     """
-    total = reduce_metrics(stats, _NUM_STATS, "ORPOOutput", group)
-    out = means(ORPO_METRICS[:_PAIR_STATS], total[:_PAIR_STATS], total[_PAIR_STATS])
-    out["nll_loss"] = ratio(total[-2], total[-1])
-    return out
+    return paired_metrics(ORPO_METRICS, stats, "ORPOOutput", group)

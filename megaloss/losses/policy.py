@@ -99,11 +99,12 @@ import torch
 from ..calibration.calibrator import LossCalibrator, StepCalibration
 from ..calibration.engine_scale import EngineScale
 from ..calibration.weights import compute_loss_weights
-from ..ops.options import PolicyLossOptions, resolve_options
+from ..ops.options import resolve_options
 from ..parallel.comm import all_reduce_sum_
 from ..parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
 from ..parallel.mappings import all_reduce_sum_autograd
 from ..parallel.topology import Topology
+from .policy_options import PolicyLossOptions
 
 __all__ = ["PolicyLossOptions", "PolicyLossOutput", "PolicyLossWeights", "policy_loss",
            "policy_loss_weights", "policy_loss_reduction", "policy_calibrator",
@@ -312,7 +313,7 @@ def policy_loss(
             call is the whole batch (weights from this call's mask alone, no collective).
         loss_type: this and ``epsilon_low``, ``epsilon_high``, ``delta``, ``beta``,
             ``entropy_coef``, ``importance_sampling_level``, ``max_completion_length`` are the
-            fields of :class:`~megaloss.ops.options.PolicyLossOptions`, documented there.
+            fields of :class:`~megaloss.PolicyLossOptions`, documented there.
         return_stats: return a :class:`PolicyLossOutput` (the loss and the local sums
             :func:`policy_metrics` reads) instead of the loss alone.
         options: these fields as one :class:`PolicyLossOptions` instead of the keywords; the
@@ -337,10 +338,7 @@ def policy_loss(
         TypeError: non-floating log-probs / advantages; ``options`` of the wrong type or
             together with option keywords.
     """
-    opts = resolve_options(PolicyLossOptions, options, dict(
-        loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-        beta=beta, entropy_coef=entropy_coef, importance_sampling_level=importance_sampling_level,
-        max_completion_length=max_completion_length))
+    opts = resolve_options(PolicyLossOptions, options, locals())
     if not isinstance(log_probs, torch.Tensor) or not log_probs.is_floating_point() \
             or log_probs.dim() != 2:
         raise TypeError(f"log_probs must be a floating [B, T] torch.Tensor, got "

@@ -1,5 +1,5 @@
 """One entry point for the sequence-level preference losses, the loss chosen by the type of its
-options: :class:`~megaloss.ops.options.DPOOptions` -> :func:`~megaloss.losses.dpo.dpo_loss`
+options: :class:`~megaloss.DPOOptions` -> :func:`~megaloss.losses.dpo.dpo_loss`
 (DPO, IPO and TRL's other pairwise types; arXiv:2305.18290),
 :class:`~megaloss.losses.simpo.CPOOptions` -> :func:`~megaloss.losses.simpo.cpo_loss` (CPO,
 arXiv:2401.08417, and SimPO with ``loss_type="simpo"``, arXiv:2405.14734),
@@ -19,8 +19,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from ..ops.options import DPOOptions
-from .dpo import DPOOutput, dpo_loss
+from .dpo import DPOOptions, DPOOutput, dpo_loss
 from .kto import KTOOptions, KTOOutput, kto_loss
 from .orpo import ORPOOptions, ORPOOutput, orpo_loss
 from .simpo import CPOOptions, CPOOutput, cpo_loss

@@ -52,21 +52,14 @@ import torch.nn.functional as F
 
 from ..ops.options import (
     OptionsBase,
-    _check_choice,
-    _check_finite_positive,
-    _check_float,
+    check_choice,
+    check_finite_positive,
+    check_float,
+    option_values,
     resolve_options,
 )
 from ..parallel.groups import GroupLike
-from ._preference import (
-    check_lengths,
-    check_scalar_weight,
-    check_vector,
-    check_weights,
-    means,
-    ratio,
-    reduce_metrics,
-)
+from ._preference import NLLTerm, PairTerms, check_lengths, paired_loss, paired_metrics
 
 __all__ = ["CPOOptions", "CPOOutput", "CPO_LOSS_TYPES", "CPO_METRICS", "cpo_loss", "simpo_loss",
            "cpo_metrics"]
@@ -74,8 +67,6 @@ __all__ = ["CPOOptions", "CPOOutput", "CPO_LOSS_TYPES", "CPO_METRICS", "cpo_loss
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 CPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                "logps/chosen", "logps/rejected", "nll_loss")
-_PAIR_STATS = 6
-_NUM_STATS = _PAIR_STATS + 3  # the pair sums, the pair count, the NLL sum and its token count
 _AVERAGED = ("ipo", "simpo")  # on the per-token average log-probs
 
 
@@ -105,16 +96,16 @@ class CPOOptions(OptionsBase):
     simpo_gamma: float = 0.5
 
     def __post_init__(self) -> None:
-        _check_choice("loss_type", self.loss_type, CPO_LOSS_TYPES)
-        _check_finite_positive("beta", self.beta)
-        _check_float("label_smoothing", self.label_smoothing, 0.0, 0.5)
+        check_choice("loss_type", self.loss_type, CPO_LOSS_TYPES)
+        check_finite_positive("beta", self.beta)
+        check_float("label_smoothing", self.label_smoothing, 0.0, 0.5)
         if self.loss_type in ("hinge", "ipo") and self.label_smoothing != 0:
             raise ValueError(f"label_smoothing must be 0 for loss_type={self.loss_type!r} (it "
                              f"has no label smoothing), got {self.label_smoothing!r}")
-        _check_float("cpo_alpha", self.cpo_alpha, 0.0, float("inf"))
+        check_float("cpo_alpha", self.cpo_alpha, 0.0, float("inf"))
         if not self.cpo_alpha < float("inf"):
             raise ValueError(f"cpo_alpha must be finite, got {self.cpo_alpha!r}")
-        _check_float("simpo_gamma", self.simpo_gamma, 0.0, float("inf"))
+        check_float("simpo_gamma", self.simpo_gamma, 0.0, float("inf"))
         if not self.simpo_gamma < float("inf"):
             raise ValueError(f"simpo_gamma must be finite, got {self.simpo_gamma!r}")
         for name in ("beta", "label_smoothing", "cpo_alpha", "simpo_gamma"):
@@ -183,46 +174,33 @@ def cpo_loss(
             out of range.
         TypeError: ``options`` not a :class:`CPOOptions`, or given with option keywords.
     """
-    opts = resolve_options(CPOOptions, options, dict(
-        loss_type=loss_type, beta=beta, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
-        simpo_gamma=simpo_gamma))
-    n = check_vector("chosen_log_probs", chosen_log_probs, None, "")
-    check_vector("rejected_log_probs", rejected_log_probs, n, "chosen_log_probs")
-    dtype = chosen_log_probs.dtype
+    opts = resolve_options(CPOOptions, options, locals())
+    return paired_loss(_cpo_pairs, CPOOutput, opts, chosen_log_probs, rejected_log_probs,
+                       pair_weights=pair_weights, nll_weight=nll_weight,
+                       return_stats=return_stats, chosen_lengths=chosen_lengths,
+                       rejected_lengths=rejected_lengths)
+
+
+def _cpo_pairs(opts: CPOOptions, chosen: torch.Tensor, rejected: torch.Tensor,
+               weights: torch.Tensor, *, chosen_lengths: Optional[torch.Tensor],
+               rejected_lengths: Optional[torch.Tensor]) -> PairTerms:
+    """CPO's per-pair terms (:mod:`._preference`): the losses on the sequence sums or their
+    per-token averages ``x``, which are also the rewards / beta and ``logps/*``, and the NLL of
+    the chosen completions (weight ``cpo_alpha``)."""
+    n, dtype = chosen.shape[0], chosen.dtype
     if opts.loss_type in _AVERAGED:
         why = f"loss_type={opts.loss_type!r} is on the per-token average log-probs"
-        x_c = chosen_log_probs / check_lengths("chosen_lengths", chosen_lengths, n, why, dtype)
-        x_r = rejected_log_probs / check_lengths("rejected_lengths", rejected_lengths, n, why,
-                                                 dtype)
+        x_c = chosen / check_lengths("chosen_lengths", chosen_lengths, n, why, dtype)
+        x_r = rejected / check_lengths("rejected_lengths", rejected_lengths, n, why, dtype)
     else:
-        x_c, x_r = chosen_log_probs, rejected_log_probs
-    per_pair = _pair_loss(opts, x_c - x_r)
-    weights = check_weights("pair_weights", pair_weights, n, per_pair)
-    loss = (per_pair * weights).sum()
-    nll_sum = -chosen_log_probs.sum()
-    tokens = None
+        x_c, x_r = chosen, rejected
+    lengths = None
     if chosen_lengths is not None:
         check_lengths("chosen_lengths", chosen_lengths, n, "", dtype)
-        tokens = chosen_lengths.to(dtype).sum()
-    if opts.cpo_alpha:
-        if nll_weight is None and tokens is None:
-            raise ValueError("chosen_lengths is required for the NLL term (cpo_alpha > 0) "
-                             "without nll_weight: it is a token mean")
-        default = None if tokens is None else 1.0 / tokens.clamp(min=1.0)
-        w_nll = check_scalar_weight("nll_weight", nll_weight, per_pair, default)
-        loss = loss + opts.cpo_alpha * w_nll * nll_sum
-    if not return_stats:
-        return loss
-    with torch.no_grad():
-        counted = (weights > 0).to(torch.float64)
-        xc, xr = x_c.detach().to(torch.float64), x_r.detach().to(torch.float64)
-        rc, rr = opts.beta * xc, opts.beta * xr
-        values = torch.stack([rc, rr, (rc > rr).to(torch.float64), rc - rr, xc, xr])
-        zero = torch.zeros(1, dtype=torch.float64, device=counted.device)
-        nll = nll_sum.detach().to(torch.float64).reshape(1) if opts.cpo_alpha else zero
-        count = zero if tokens is None else tokens.detach().to(torch.float64).reshape(1)
-        stats = torch.cat([(values * counted).sum(-1), counted.sum().reshape(1), nll, count])
-    return CPOOutput(loss, stats)
+        lengths = chosen_lengths.to(dtype)
+    nll = NLLTerm(chosen, lengths, opts.cpo_alpha, "chosen_lengths is required for the NLL term "
+                  "(cpo_alpha > 0) without nll_weight: it is a token mean")
+    return PairTerms(_pair_loss(opts, x_c - x_r), x_c, x_r, x_c, x_r, nll=nll)
 
 
 def simpo_loss(
@@ -243,11 +221,10 @@ def simpo_loss(
     no NLL term (``cpo_alpha=0``; > 0 is CPO-SimPO). Arguments and errors as :func:`cpo_loss`;
     ``chosen_lengths`` and ``rejected_lengths`` are required (the rewards are length-averaged).
     """
+    opts = CPOOptions(loss_type="simpo", **option_values(CPOOptions, locals()))
     return cpo_loss(chosen_log_probs, rejected_log_probs, chosen_lengths=chosen_lengths,
                     rejected_lengths=rejected_lengths, pair_weights=pair_weights,
-                    nll_weight=nll_weight, return_stats=return_stats,
-                    options=CPOOptions(loss_type="simpo", beta=beta, simpo_gamma=simpo_gamma,
-                                       label_smoothing=label_smoothing, cpo_alpha=cpo_alpha))
+                    nll_weight=nll_weight, return_stats=return_stats, options=opts)
 
 
 def cpo_metrics(stats: Union[torch.Tensor, Sequence[torch.Tensor]], *,
@@ -259,7 +236,4 @@ def cpo_metrics(stats: Union[torch.Tensor, Sequence[torch.Tensor]], *,
     Raises:
         ValueError: ``stats`` are not :attr:`CPOOutput.stats` tensors.
     """
-    total = reduce_metrics(stats, _NUM_STATS, "CPOOutput", group)
-    out = means(CPO_METRICS[:_PAIR_STATS], total[:_PAIR_STATS], total[_PAIR_STATS])
-    out["nll_loss"] = ratio(total[-2], total[-1])
-    return out
+    return paired_metrics(CPO_METRICS, stats, "CPOOutput", group)

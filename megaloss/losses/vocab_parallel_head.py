@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from .._deprecation import ReturnStatsAliases
-from ..ops.options import CrossEntropyOptions, module_options
+from ..ops.cross_entropy_options import CrossEntropyOptions
+from ..ops.options import module_options
 from ..parallel.groups import GroupLike, group_rank, group_size, resolve_group
 from ..parallel.param_tags import mark_tensor_parallel
 from .cross_entropy import linear_cross_entropy
@@ -42,7 +43,7 @@ class VocabParallelLMHead(ReturnStatsAliases, nn.Module):
         init_std: standard deviation of the initial weight.
         seed: seed of the initial weight (the same on every TP rank).
         dtype / device: of the parameters.
-        options: the CE options (:class:`~megaloss.ops.options.CrossEntropyOptions`); or,
+        options: the CE options (:class:`~megaloss.CrossEntropyOptions`); or,
             instead, its fields as keyword arguments (``z_loss=1e-4, chunk_size=2048, ...``).
 
     Raises:

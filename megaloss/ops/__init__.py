@@ -18,7 +18,10 @@ callables (:class:`~.chunk_kernel.VocabSlice`).
   hard-label CE; full or top-k teacher).
 - :mod:`.epilogue_choice`: torch or Triton epilogue (``impl``).
 - :mod:`.infonce_rows`: InfoNCE rows against a set of columns, chunked, gradients in forward.
-- :mod:`.options`: the validated options of every loss (one base, :class:`~.options.OptionsBase`).
+- :mod:`.options`: what every options class shares (:class:`~.options.OptionsBase`, the field
+  checks, :func:`~.options.resolve_options`); the options the kernels read beside them:
+  :mod:`.cross_entropy_options`, :mod:`.log_probs_options`, :mod:`.distillation_options` (the
+  other losses' options live beside those losses in :mod:`megaloss.losses`).
 - :mod:`.labels`: :func:`~.labels.causal_shift`, Hugging Face's unshifted labels to targets.
 - :mod:`.validation`: tensor checks that raise ValueError/TypeError naming the argument.
 
@@ -31,33 +34,21 @@ and torchtitan's ``ChunkedLossWrapper``):
    then the per-token terms, and ``coef``-weighted logit gradient when ``coef`` is given) and
    ``backward(logits, rows, saved, upstream)`` (often ``forward`` again with
    ``coef=upstream[0]``);
-2. the options: a frozen dataclass on :class:`~.options.OptionsBase` in :mod:`.options`;
+2. the options: a frozen dataclass on :class:`~.options.OptionsBase` in
+   ``ops/<loss>_options.py``, each field an entry-point keyword of the same name and default;
 3. the public function in ``megaloss/losses/``: check the inputs inside
    :func:`megaloss.losses.vocab_parallel.vocab_layout` (every TP rank agrees before any
    collective), build the kernel with ``layout.vocab_slice()``, call
    :func:`~.chunk_driver.chunked_head`, return the loss (``return_stats=True``: its
    ``*Output``); a module form and a ds_config field built from the options.
 
+``__all__`` is that contract (:func:`chunked_head`, :class:`ChunkKernel`, :class:`VocabSlice`);
+the kernels, options and helpers are imported from their modules.
+
 The cross-entropy's class weights and token accuracy were added that way: a few lines in its
 kernel and its function.
 """
 from .chunk_driver import chunked_head
 from .chunk_kernel import ChunkKernel, VocabSlice
-from .chunk_stats import ChunkResult
-from .cross_entropy_chunk import CrossEntropyKernel, chunk_cross_entropy
-from .options import (
-    CE_IMPLS,
-    CE_REDUCTIONS,
-    DISTILLATION_KINDS,
-    SIMILARITIES,
-    CrossEntropyOptions,
-    DistillationOptions,
-    LogProbsOptions,
-    MNROptions,
-    OptionsBase,
-)
 
-__all__ = ["CrossEntropyOptions", "MNROptions", "LogProbsOptions", "DistillationOptions",
-           "OptionsBase", "CE_REDUCTIONS", "CE_IMPLS", "SIMILARITIES", "DISTILLATION_KINDS",
-           "ChunkKernel", "VocabSlice", "chunked_head", "ChunkResult", "CrossEntropyKernel",
-           "chunk_cross_entropy"]
+__all__ = ["chunked_head", "ChunkKernel", "VocabSlice"]

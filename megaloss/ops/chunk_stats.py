@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .options import CrossEntropyOptions
+from .cross_entropy_options import CrossEntropyOptions
 
 __all__ = ["ChunkResult", "ClassWeights", "loss_from_stats"]
 

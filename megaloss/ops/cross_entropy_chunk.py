@@ -63,8 +63,8 @@ from .chunk_kernel import (
     stats_dtype,
 )
 from .chunk_stats import ChunkResult, ClassWeights, loss_from_stats
+from .cross_entropy_options import CrossEntropyOptions
 from .epilogue_choice import epilogue_impl
-from .options import CrossEntropyOptions
 
 __all__ = ["ChunkResult", "CrossEntropyKernel", "chunk_cross_entropy", "torch_epilogue",
            "epilogue_impl", "stats_dtype", "Reduce", "no_reduce"]
@@ -144,7 +144,7 @@ def chunk_cross_entropy(
         labels: ``[C]`` int64 global vocab ids or ``opts.ignore_index``.
         coef: ``[C]`` gradient coefficient per token (the reduction's weight times the upstream
             gradient; must be 0 at ignored tokens), or ``None`` to skip the gradient.
-        opts: see :class:`~megaloss.ops.options.CrossEntropyOptions` (``reduction`` and
+        opts: see :class:`~megaloss.CrossEntropyOptions` (``reduction`` and
             ``chunk_size`` are the caller's business; ``impl`` picks the epilogue).
         vocab_size: the real, global ``V`` (label smoothing divides by it).
         vocab_start: global id of this slice's first row (0 without tensor parallelism).

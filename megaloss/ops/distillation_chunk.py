@@ -11,7 +11,7 @@ between two distributions over the same ``k + 1`` outcomes, and equals the full-
 when the top-k holds all the teacher's mass).
 
 Divergences ``D(P, Q)`` over outcomes ``o`` (``kind``, see
-:class:`~megaloss.ops.options.DistillationOptions`): forward KL ``sum P (log P - log Q)``,
+:class:`~megaloss.DistillationOptions`): forward KL ``sum P (log P - log Q)``,
 reverse KL ``sum Q (log Q - log P)``, and the generalised JSD of Liger-Kernel
 (``src/liger_kernel/ops/jsd.py``) ``beta KL(P||M) + (1 - beta) KL(Q||M)``,
 ``M = beta P + (1 - beta) Q``. The gradient w.r.t. the student's scaled logits is, for token
@@ -60,7 +60,7 @@ from .chunk_kernel import (
     stats_dtype,
     where0,
 )
-from .options import DistillationOptions
+from .distillation_options import DistillationOptions
 
 __all__ = ["DistillationChunk", "DistillationKernel", "Teacher", "TopKTeacher",
            "distillation_epilogue"]
@@ -121,7 +121,7 @@ def distillation_epilogue(
             or a :class:`TopKTeacher` (global ids).
         labels: ``[C]`` int64 global ids or ``opts.ignore_index``.
         coef: ``[C]`` gradient coefficient per token (0 at ignored tokens), or ``None``.
-        opts: :class:`~megaloss.ops.options.DistillationOptions` (``reduction``, ``chunk_size``
+        opts: :class:`~megaloss.DistillationOptions` (``reduction``, ``chunk_size``
             and ``accum_dtype`` are the caller's).
         vocab_size: the real, global ``V`` (a top-k of all ``V`` ids leaves no tail).
         vocab_start: global id of this slice's first row.

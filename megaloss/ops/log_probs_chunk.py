@@ -44,7 +44,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from .chunk_kernel import Reduce, label_columns, no_reduce, softcap, softcap_chain_, stats_dtype
-from .options import LogProbsOptions
+from .log_probs_options import LogProbsOptions
 
 __all__ = ["LogProbsChunk", "chunk_log_probs", "chunk_log_probs_grad",
            "scaled_logits", "results_from_stats"]

@@ -11,7 +11,7 @@ import torch
 from .chunk_kernel import ChunkKernel, VocabSlice
 from .epilogue_choice import epilogue_impl
 from .log_probs_chunk import chunk_log_probs, chunk_log_probs_grad
-from .options import LogProbsOptions
+from .log_probs_options import LogProbsOptions
 
 __all__ = ["LogProbsKernel"]
 

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from .chunk_kernel import Reduce
 from .chunk_stats import ChunkResult, loss_from_stats
-from .options import CrossEntropyOptions
+from .cross_entropy_options import CrossEntropyOptions
 from .triton_common import block_size, device_guard, interpreted, tanh_f32
 
 __all__ = ["triton_chunk_epilogue", "interpreted"]

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .chunk_kernel import Reduce, no_reduce
 from .log_probs_chunk import LogProbsChunk, results_from_stats
-from .options import LogProbsOptions
+from .log_probs_options import LogProbsOptions
 from .triton_common import block_size, device_guard, tanh_f32
 
 __all__ = ["triton_chunk_log_probs", "triton_chunk_log_probs_grad"]

@@ -20,7 +20,8 @@ from tests.helpers.calibration_cases import (
 @pytest.mark.parametrize("gas", [1, 2, 3])
 @pytest.mark.parametrize("reduction", ["token", "sample", "square"])
 def test_no_engine_matches_reference(gas, reduction):
-    from megaloss.calibration import LossCalibrator, probe_no_engine
+    from megaloss.calibration import LossCalibrator
+    from megaloss.calibration.engine_scale import probe_no_engine
     batches = make_step(1, gas)
     model = TinyLM(torch.float64)
     calib = LossCalibrator(loss_reduction=reduction, engine_scale=probe_no_engine(gas=gas),

@@ -43,13 +43,8 @@ def ddp_part(rank, world, layouts, toy, bad_probe=False, tp_layouts=()):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from megaloss import SINGLE_RANK, Topology
-    from megaloss.calibration import (
-        EngineScale,
-        EngineScaleError,
-        LossCalibrator,
-        measure_grad_scale,
-        probe_ddp,
-    )
+    from megaloss.calibration import EngineScale, EngineScaleError, LossCalibrator, probe_ddp
+    from megaloss.calibration.engine_scale import measure_grad_scale
     out = {}
     if toy:
         topo = Topology.default()

@@ -169,8 +169,7 @@ def _error(fn):
 def _world2_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from megaloss import EngineScale
-    from megaloss.calibration import probe_fsdp
+    from megaloss.calibration import EngineScale, probe_fsdp
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for reshard in (True, False):

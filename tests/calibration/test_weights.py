@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from megaloss import SINGLE_RANK
-from megaloss.calibration import (
-    EngineScaleError,
-    LossCalibrator,
+from megaloss.calibration import EngineScaleError, LossCalibrator
+from megaloss.calibration.engine_scale import measure_grad_scale
+from megaloss.calibration.weights import (
     compute_loss_weights,
-    measure_grad_scale,
     sample_ids_from_boundaries,
     split_for_sequence_parallel,
 )

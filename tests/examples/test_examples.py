@@ -1,6 +1,8 @@
-"""What a user copies is what CI ran: every ``python`` code block of the READMEs is, verbatim, one
-of the scripts in ``examples/``, and every example runs to its own checks (each asserts its result
-against a float64 single-device reference)."""
+"""What a user copies is what CI ran: the docs' Examples page shows the scripts of ``examples/``
+whole (``pymdownx.snippets`` includes the files), every ``python`` code block of
+``launch/README.md`` is, verbatim, one of them, and every example runs to its own checks (each
+asserts its result against a float64 single-device reference). The top README's short blocks
+are run as they are by ``test_readme_snippets.py``."""
 import os
 import re
 import runpy
@@ -11,8 +13,12 @@ import torch
 
 from tests.helpers.launch_helpers import REPO
 
-READMES = [REPO / "README.md", REPO / "launch" / "README.md"]
+READMES = [REPO / "launch" / "README.md"]  # their python blocks: whole example scripts
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))
+EXAMPLES_PAGE = REPO / "docs" / "examples.md"
+# one per loss family: the scripts the top README showed before it kept short snippets
+FAMILY_EXAMPLES = {"cross_entropy.py", "vocab_parallel.py", "calibration.py", "mnr.py",
+                   "post_training.py", "dpo.py", "distillation.py"}
 
 
 def _python_blocks(path):
@@ -29,7 +35,21 @@ def test_readme_python_blocks_are_example_scripts(readme):
                                   f"examples/*.py:\n{block[:300]}")
 
 
-# run in this process, each to its own asserts (the README shows all but single_device.py)
+def test_examples_page_includes_whole_example_scripts():
+    """Each python block of docs/examples.md is one ``--8<-- "examples/<name>.py"`` line, which
+    mkdocs (``pymdownx.snippets``, ``check_paths``) replaces by the file itself: the page shows
+    exactly the scripts the tests below run, one per loss family at least."""
+    shown = []
+    for block in _python_blocks(EXAMPLES_PAGE):
+        m = re.fullmatch(r'--8<-- "(examples/\w+\.py)"\n', block)
+        assert m, f"a python block of docs/examples.md is not one included example:\n{block[:300]}"
+        assert REPO / m.group(1) in EXAMPLES, f"{m.group(1)} is not one of examples/*.py"
+        shown.append(m.group(1).split("/")[1])
+    missing = FAMILY_EXAMPLES - set(shown)
+    assert not missing, f"docs/examples.md does not show {sorted(missing)}"
+
+
+# run in this process, each to its own asserts (docs/examples.md shows all but single_device.py)
 SINGLE_PROCESS_EXAMPLES = ["single_device.py", "cross_entropy.py", "calibration.py", "mnr.py",
                            "post_training.py", "dpo.py", "distillation.py"]
 

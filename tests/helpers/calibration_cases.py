@@ -98,7 +98,7 @@ def train_step(micro_step, batches_of_rank, calibrator, dtype):
     labels, weights``), passes the local weighted sum through ``finalize`` (the calibrator's
     ``loss_for_backward``) and backwards the result the engine's way. Returns the step's global
     loss and valid-token count."""
-    from megaloss.calibration import split_for_sequence_parallel
+    from megaloss.calibration.weights import split_for_sequence_parallel
     topo = calibrator.topology
     step = calibrator.begin_step([mb["labels"] for mb in batches_of_rank],
                                  cu_seqlens=[mb["cu_seqlens"] for mb in batches_of_rank],

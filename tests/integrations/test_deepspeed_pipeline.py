@@ -110,7 +110,7 @@ def _train_layout(dp, tp, stage, gas, tied, state, ids, labels):
         hf_parameter_name,
         llama_pipeline_layers,
     )
-    from megaloss.parallel import group_ranks
+    from megaloss.parallel.groups import group_ranks
 
     layout = build_pipeline_layout(PP, tp)
     topo = layout.topology

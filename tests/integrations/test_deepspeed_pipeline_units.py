@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaloss import Topology
-from megaloss.calibration import EngineScale, measure_grad_scale
+from megaloss import CrossEntropyOptions, Topology
+from megaloss.calibration import EngineScale
+from megaloss.calibration.engine_scale import measure_grad_scale
 from megaloss.integrations.deepspeed import load_megaloss_config
 from megaloss.integrations.deepspeed.pipeline import (
     CrossEntropyHeadStage,
@@ -15,7 +16,6 @@ from megaloss.integrations.deepspeed.pipeline import (
     build_pipeline_layout,
 )
 from megaloss.integrations.deepspeed.pipeline_llama import hf_parameter_name
-from megaloss.ops.options import CrossEntropyOptions
 from megaloss.parallel import SINGLE_RANK
 
 

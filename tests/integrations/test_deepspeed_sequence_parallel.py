@@ -88,7 +88,7 @@ def _run(rank, world, sp, tp, layouts):
     from deepspeed.utils import safe_get_full_grad
 
     from megaloss import CausalLMWithLoss, CrossEntropyOptions, LossCalibrator, Topology
-    from megaloss.calibration import split_for_sequence_parallel
+    from megaloss.calibration.weights import split_for_sequence_parallel
     from megaloss.integrations.deepspeed import probe_deepspeed
     from megaloss.integrations.deepspeed.compat import skip_cpu_shm_comm_build
     from megaloss.integrations.deepspeed.mpu import DeepSpeedMPU

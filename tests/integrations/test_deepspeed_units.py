@@ -5,9 +5,10 @@ import os
 import pytest
 import torch
 
-from megaloss import Topology, init_dp_tp_mesh
+from megaloss import Topology
 from megaloss.integrations.deepspeed.mpu import DeepSpeedMPU
-from megaloss.parallel import is_tensor_parallel, mark_tensor_parallel
+from megaloss.parallel import init_dp_tp_mesh, mark_tensor_parallel
+from megaloss.parallel.param_tags import is_tensor_parallel
 
 
 def test_mpu_single_process_and_tags_deepspeed_reads():

@@ -96,12 +96,12 @@ def _ref_loss(model, teacher, kind, ids, labels, dtype=torch.float64):
 
 
 def _wrap(model, teacher, kind, dtype):
+    from megaloss import CrossEntropyOptions, DistillationOptions, LogProbsOptions
     from megaloss.integrations.hf import (
         CausalLMWithDistillation,
         CausalLMWithLogProbs,
         CausalLMWithLoss,
     )
-    from megaloss.ops.options import CrossEntropyOptions, DistillationOptions, LogProbsOptions
     if kind == "ce":
         return CausalLMWithLoss(model, options=CrossEntropyOptions(reduction="sum",
                                                                    accum_dtype=dtype))
@@ -234,7 +234,7 @@ def _run_policy(rank, world, mesh, loss_type, beta, entropy_coef, reshard):
     ``policy_loss`` on the whole global batch)."""
     from torch.distributed.fsdp import fully_shard
 
-    from megaloss import Topology
+    from megaloss import LogProbsOptions, PolicyLossOptions, Topology
     from megaloss.calibration import probe_fsdp
     from megaloss.integrations.hf import CausalLMWithLogProbs
     from megaloss.losses.policy import (
@@ -243,7 +243,6 @@ def _run_policy(rank, world, mesh, loss_type, beta, entropy_coef, reshard):
         policy_loss,
         policy_loss_weights,
     )
-    from megaloss.ops.options import LogProbsOptions, PolicyLossOptions
     rows = slice(rank * B, (rank + 1) * B)
     ref = _llama(0)
     model = _llama(0)

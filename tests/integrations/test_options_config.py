@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import torch
 
+from megaloss import CrossEntropyOptions, MNROptions
 from megaloss.integrations.config import CEConfig, MNRConfig, load_megaloss_config
 from megaloss.integrations.hf.embedding import EmbeddingModelWithMNR
-from megaloss.ops.options import CrossEntropyOptions, MNROptions
 
 
 def test_every_option_is_a_section_field():

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import megaloss
+from megaloss import CrossEntropyOptions
 from megaloss.ops.chunk_driver import chunked_head
 from megaloss.ops.chunk_kernel import VocabSlice
 from megaloss.ops.cross_entropy_chunk import CrossEntropyKernel
-from megaloss.ops.options import CrossEntropyOptions
 from tests.ops.vocab_slices import Lockstep
 
 TOL = dict(rtol=1e-12, atol=1e-12)

@@ -27,7 +27,7 @@ from megaloss import (
     sequence_log_probs,
 )
 from megaloss.integrations.deepspeed import load_megaloss_config
-from megaloss.ops.options import DPO_LOSS_TYPES
+from megaloss.losses.dpo import DPO_LOSS_TYPES
 
 P, T = 6, 7
 TOL = 1e-12

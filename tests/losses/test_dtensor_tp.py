@@ -372,7 +372,6 @@ def _fsdp_tp_worker(rank, world):
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from megaloss import (
-        EngineScale,
         LossCalibrator,
         Topology,
         VocabParallelOptions,
@@ -380,7 +379,7 @@ def _fsdp_tp_worker(rank, world):
         linear_distillation_loss,
         linear_log_probs,
     )
-    from megaloss.calibration import probe_fsdp
+    from megaloss.calibration import EngineScale, probe_fsdp
 
     fp64 = dict(chunk_size=5, accum_dtype=torch.float64)
 

@@ -7,7 +7,6 @@ import torch
 
 from megaloss.integrations.step import preference as step_checks
 from megaloss.losses import (
-    PREFERENCE_LOSSES,
     CPOOptions,
     DPOOptions,
     KTOOptions,
@@ -16,9 +15,9 @@ from megaloss.losses import (
     dpo_loss,
     kto_loss,
     orpo_loss,
-    preference_loss_kind,
     sequence_preference_loss,
 )
+from megaloss.losses.preference import PREFERENCE_LOSSES, preference_loss_kind
 
 P = 4
 

@@ -14,8 +14,8 @@ import torch
 from vocab_slices import slices_and_one_device
 
 import megaloss
+from megaloss import CrossEntropyOptions
 from megaloss.ops.cross_entropy_chunk import chunk_cross_entropy, epilogue_impl
-from megaloss.ops.options import CrossEntropyOptions
 from tests.helpers.ce_reference import reference_linear_ce
 
 pytestmark = [pytest.mark.cuda,

@@ -83,7 +83,18 @@ def test_the_graph_reader_sees_the_known_edges(graph):
 
 def test_chunk_epilogues_share_a_leaf_and_do_not_import_each_other(graph):
     assert "megaloss.ops.cross_entropy_chunk" not in graph["megaloss.ops.triton_epilogue"]
-    assert graph["megaloss.ops.chunk_stats"] <= {"megaloss.ops.options"}
+    options = {"megaloss.ops.options", "megaloss.ops.cross_entropy_options"}
+    assert graph["megaloss.ops.chunk_stats"] <= options
+    assert graph["megaloss.ops.cross_entropy_options"] <= options
+
+
+def test_options_import_no_loss_or_kernel(graph):
+    """The options base and the kernels' options are leaves under the kernels; each loss's
+    options module imports the base, not the other way round."""
+    assert graph["megaloss.ops.options"] == set()
+    for kernel in ("cross_entropy", "log_probs", "distillation"):
+        assert graph[f"megaloss.ops.{kernel}_options"] == {"megaloss.ops.options"}
+    assert graph["megaloss.losses.policy_options"] == {"megaloss.ops.options"}
 
 
 def test_no_import_cycle_in_the_package(graph):

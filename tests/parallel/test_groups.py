@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megaloss import SINGLE_RANK, Topology
-from megaloss.parallel import group_rank, group_ranks, group_size, resolve_group
+from megaloss.parallel.groups import group_rank, group_ranks, group_size, resolve_group
 from megaloss.parallel.mappings import all_reduce_sum_autograd, copy_to_region, gather_from_region
 
 

@@ -17,11 +17,9 @@ SIZES = [(r * 2) % 3 for r in range(WORLD)]  # [0, 2, 1]: includes a rank with n
 def _all_cases(rank, world):
     import torch.distributed as dist
 
-    from megaloss.parallel import (
-        SINGLE_RANK,
-        all_gather_sizes,
-        all_reduce_max_,
-        all_reduce_sum_,
+    from megaloss.parallel import SINGLE_RANK
+    from megaloss.parallel.comm import all_gather_sizes, all_reduce_max_, all_reduce_sum_
+    from megaloss.parallel.mappings import (
         all_reduce_sum_autograd,
         copy_to_region,
         gather_from_region,

@@ -87,8 +87,8 @@ def _calibrated_loss(topo):
     import torch.distributed as dist
 
     import megaloss
-    from megaloss.calibration import compute_loss_weights
-    from megaloss.calibration.weights import split_for_sequence_parallel
+    from megaloss.calibration.weights import compute_loss_weights, split_for_sequence_parallel
+    from megaloss.losses.vocab_parallel import vocab_shard_range
     hidden, weight, labels = _data()
     rows = S // topo.dp_size
     lo = topo.dp_rank * rows
@@ -97,7 +97,7 @@ def _calibrated_loss(topo):
                               dtype=torch.float64)
     h = split_for_sequence_parallel(hidden[lo: lo + rows], topo.sp_rank, topo.sp_size, dim=1)
     y = split_for_sequence_parallel(full, topo.sp_rank, topo.sp_size, -100)
-    start, stop, n = megaloss.losses.vocab_shard_range(V, topo.tp_size, topo.tp_rank)
+    start, stop, n = vocab_shard_range(V, topo.tp_size, topo.tp_rank)
     shard = torch.zeros(n, H, dtype=torch.float64)
     shard[: stop - start] = weight[start:stop]
     loss = megaloss.linear_cross_entropy(
@@ -114,7 +114,7 @@ def _megatron_worker(rank, world):
     warnings.filterwarnings("ignore")  # megatron-core warns that apex / TE are absent
     from megatron.core import parallel_state as ps
 
-    from megaloss.parallel import group_ranks
+    from megaloss.parallel.groups import group_ranks
     out = {}
     for tp, pp, cp in CONFIGS:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp,

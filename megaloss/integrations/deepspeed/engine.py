@@ -28,8 +28,9 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ...calibration import EngineScale, LossCalibrator, loss_weight_dtype
+from ...calibration import EngineScale, LossCalibrator
 from ...calibration.deepspeed_scale import ds_config_autotp_size, probe_deepspeed
+from ...calibration.weights import loss_weight_dtype
 from ...parallel.topology import Topology
 from ..config import MegalossConfig, load_megaloss_config
 from .compat import skip_cpu_shm_comm_build

@@ -50,7 +50,8 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ...calibration import EngineScale, LossCalibrator, loss_weight_dtype
+from ...calibration import EngineScale, LossCalibrator
+from ...calibration.weights import loss_weight_dtype
 from ...parallel.comm import all_reduce_max_
 from ...parallel.groups import group_ranks
 from ...parallel.topology import Topology

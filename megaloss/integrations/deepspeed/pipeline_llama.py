@@ -33,7 +33,7 @@ from torch import nn
 
 from ...losses.vocab_parallel_embedding import VocabParallelEmbedding
 from ...losses.vocab_parallel_head import VocabParallelLMHead
-from ...ops.options import CrossEntropyOptions
+from ...ops.cross_entropy_options import CrossEntropyOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike
 from .pipeline_loss import CrossEntropyHeadStage
 

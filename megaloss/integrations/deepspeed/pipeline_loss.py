@@ -13,7 +13,7 @@ from torch import nn
 
 from ...losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy
 from ...losses.vocab_parallel_head import VocabParallelLMHead
-from ...ops.options import CrossEntropyOptions
+from ...ops.cross_entropy_options import CrossEntropyOptions
 from ...parallel.comm import all_reduce_sum_
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_ranks, group_size
 from .pipeline_layout import PipelineLayout

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
+from ...losses.dpo import DPOOptions
+from ...losses.policy_options import PolicyLossOptions
 from ...losses.preference import PreferenceOptions
-from ...ops.options import DPOOptions, PolicyLossOptions
 from ..step.loop import run_step
 from ..step.metrics import PolicyStepMetrics
 from ..step.policy import PolicyStepLoss

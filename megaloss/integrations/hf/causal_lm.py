@@ -43,8 +43,8 @@ from torch import nn
 from ...losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy
 from ...losses.vocab_parallel_embedding import VocabParallelEmbedding
 from ...losses.vocab_parallel_head import VocabParallelLMHead
+from ...ops.cross_entropy_options import CrossEntropyOptions
 from ...ops.labels import causal_shift
-from ...ops.options import CrossEntropyOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_size
 from ..head_config import model_softcapping
 from ..lm_head import (
@@ -63,7 +63,7 @@ class LinearCrossEntropyHead(LinearHead):
 
     ``forward(hidden_states [..., H], labels [...], loss_weights=None [...])`` takes *shifted*
     labels and returns :class:`megaloss.CrossEntropyOutput` under ``options`` (a
-    :class:`~megaloss.ops.options.CrossEntropyOptions`); without labels, the logits
+    :class:`~megaloss.CrossEntropyOptions`); without labels, the logits
     (:meth:`LinearHead.logits`).
 
     Raises:
@@ -202,7 +202,7 @@ class CausalLMWithLoss(HeadWrapper):
 
     Args:
         model: a ``PreTrainedModel`` with a base model and an ``nn.Linear`` output embedding.
-        options: the CE options (:class:`~megaloss.ops.options.CrossEntropyOptions`, e.g.
+        options: the CE options (:class:`~megaloss.CrossEntropyOptions`, e.g.
             ``MegalossConfig.ce.options()`` from a ds_config); default options when ``None``,
             with ``reduction="sum"`` unless given (the calibrated training step weights tokens
             itself; ``"mean"`` gives the plain token mean of the micro-batch). Their

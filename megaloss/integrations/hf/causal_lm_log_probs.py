@@ -20,7 +20,7 @@ from torch import nn
 
 from ...losses.log_probs import LogProbsOutput, linear_log_probs
 from ...losses.vocab_parallel_head import VocabParallelLMHead
-from ...ops.options import LogProbsOptions
+from ...ops.log_probs_options import LogProbsOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike
 from ..lm_head import (
     GatheredLogits,
@@ -39,7 +39,7 @@ class LinearLogProbsHead(LinearHead):
     (:class:`~megaloss.integrations.lm_head.LinearHead`).
     ``forward(hidden_states [..., H], labels=None [...], *, options)``: with *shifted* labels a
     :class:`megaloss.LogProbsOutput` under ``options`` (a
-    :class:`~megaloss.ops.options.LogProbsOptions`); without, the logits.
+    :class:`~megaloss.LogProbsOptions`); without, the logits.
 
     Raises:
         TypeError: ``linear`` is not an ``nn.Linear``.
@@ -86,7 +86,7 @@ class CausalLMWithLogProbs(HeadWrapper):
 
     Args:
         model: a ``PreTrainedModel`` with a base model and an ``nn.Linear`` output embedding.
-        options: :class:`~megaloss.ops.options.LogProbsOptions` (``temperature``,
+        options: :class:`~megaloss.LogProbsOptions` (``temperature``,
             ``return_entropy``, ``chunk_size``, ...); default ``LogProbsOptions()``. Their
             ``logit_softcapping``, when ``None``, becomes the model's own final soft-cap (Gemma
             2's ``config.final_logit_softcapping``, :mod:`.head_config`), so the log-probs are

@@ -26,7 +26,8 @@ from torch import nn
 from ...losses.distillation import DistillationOutput, linear_distillation_loss
 from ...losses.vocab_parallel import vocab_shard_range
 from ...losses.vocab_parallel_head import VocabParallelLMHead
-from ...ops.options import CrossEntropyOptions, DistillationOptions
+from ...ops.cross_entropy_options import CrossEntropyOptions
+from ...ops.distillation_options import DistillationOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
 from ..head_config import model_softcapping
 from ..lm_head import (
@@ -121,7 +122,7 @@ class CausalLMWithDistillation(nn.Module):
         teacher: a frozen ``*ForCausalLM`` over the same vocabulary, or ``None`` when the
             micro-batches carry the teacher's top-k (``teacher_topk_ids`` and
             ``teacher_topk_log_probs`` in :meth:`forward`). Not registered as a submodule.
-        options: :class:`~megaloss.ops.options.DistillationOptions` (e.g.
+        options: :class:`~megaloss.DistillationOptions` (e.g.
             ``MegalossConfig.distillation.options()``); default options with
             ``reduction="sum"`` when ``None`` (the calibrated step weights tokens itself).
             ``logit_softcapping``, when ``None``, becomes the student's own final soft-cap and
@@ -134,7 +135,7 @@ class CausalLMWithDistillation(nn.Module):
 
     Raises:
         TypeError: a model without base model or ``nn.Linear`` output embedding; ``options``
-            not a :class:`~megaloss.ops.options.DistillationOptions`.
+            not a :class:`~megaloss.DistillationOptions`.
         ValueError: teacher and student vocabularies differ; TP > 1 with a tied student lm_head;
             a config that scales its logits (Cohere's ``logit_scale``, Granite's
             ``logits_scaling``), which the loss cannot reproduce; a soft-cap of the options set

@@ -33,8 +33,8 @@ from torch import nn
 
 from ..._deprecation import renamed_keywords
 from ...losses.grad_cache import grad_cache_step, split_rows
-from ...losses.mnr import mnr_loss
-from ...ops.options import MNROptions, resolve_options
+from ...losses.mnr import MNROptions, mnr_loss
+from ...ops.options import resolve_options
 from ...parallel.comm import all_reduce_sum_
 from ...parallel.groups import GroupLike, group_size
 
@@ -99,7 +99,7 @@ class EmbeddingModelWithMNR(nn.Module):
             parallelism (``topology.dp_group``).
         local_loss: each rank computes only its own queries' rows (memory ``B_local x B_global``).
         chunk_size: score rows per block of the loss (memory ``chunk_size x C``).
-        options: the fields above (but ``group``) as one :class:`~megaloss.ops.options.MNROptions`
+        options: the fields above (but ``group``) as one :class:`~megaloss.MNROptions`
             (e.g. ``MegalossConfig.mnr.options()`` from a ds_config), instead of the keywords;
             kept as ``self.options``.
 

@@ -73,8 +73,8 @@ from typing import Any, Dict, Iterator, List
 
 import torch
 
-from ...losses.dpo import dpo_loss, dpo_metrics, sequence_log_probs
-from ...ops.options import DPO_LOSS_TYPES, DPOOptions, LogProbsOptions
+from ...losses.dpo import DPO_LOSS_TYPES, DPOOptions, dpo_loss, dpo_metrics, sequence_log_probs
+from ...ops.log_probs_options import LogProbsOptions
 from ...parallel.groups import SINGLE_RANK
 from .causal_lm_log_probs import CausalLMWithLogProbs, LinearLogProbsHead
 

@@ -77,7 +77,7 @@ from typing import Any, Dict
 import torch
 
 from ...losses.policy import PolicyLossWeights, policy_loss, policy_metrics
-from ...ops.options import PolicyLossOptions
+from ...losses.policy_options import PolicyLossOptions
 from ...parallel.groups import SINGLE_RANK
 
 __all__ = ["MegalossGRPOMixin", "policy_options_from_grpo_args"]

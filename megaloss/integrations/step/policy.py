@@ -23,7 +23,7 @@ from ...losses.policy import (
     policy_loss_weights,
     policy_metrics,
 )
-from ...ops.options import PolicyLossOptions
+from ...losses.policy_options import PolicyLossOptions
 from ...parallel.topology import Topology
 from .checks import check_floating, check_same_shape, rows_shape
 from .log_probs import (

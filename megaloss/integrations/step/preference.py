@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ...calibration.calibrator import LossCalibrator, StepCalibration
-from ...losses._preference import preference_weights
+from ...losses import preference_weights
 from ...losses.dpo import dpo_metrics, sequence_log_probs
 from ...losses.kto import kto_kl_baseline, kto_metrics
 from ...losses.orpo import orpo_metrics

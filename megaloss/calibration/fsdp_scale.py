@@ -27,7 +27,7 @@ import torch
 
 from .engine_scale import EngineScale, EngineScaleError, ProbeModule, measure_grad_scale
 
-__all__ = ["probe_fsdp", "FSDP_ACCUMULATION"]
+__all__ = ["probe_fsdp", "FSDP_ACCUMULATION", "fsdp_meshes", "mesh_group"]
 
 FSDP_ACCUMULATION = ("no_sync", "reduce_scatter", "sync")
 
@@ -89,7 +89,17 @@ def _settings_of_module(module) -> List[Dict[str, Any]]:
     return list(found.values())
 
 
-def _reduce_group(mesh):
+def fsdp_meshes(module) -> List[Any]:
+    """The device meshes of the FSDP2 (``fully_shard``) parameter groups under ``module`` that
+    hold trainable parameters, one per distinct reduction setting, in module order.
+
+    Raises:
+        NotImplementedError: a layout :func:`probe_fsdp` does not support (module docstring).
+    """
+    return [s["mesh"] for s in _settings_of_module(module)]
+
+
+def mesh_group(mesh):
     """A process group of all ranks of ``mesh`` (both dimensions for HSDP)."""
     import torch.distributed as dist
     if mesh.ndim == 1:
@@ -135,7 +145,7 @@ def _probe_one(setting: Dict[str, Any], gas: int, accumulation: str) -> EngineSc
         grad = probe.theta.grad
         return None if grad is None else grad.full_tensor()  # collective over the mesh
 
-    return measure_grad_scale(run, group=_reduce_group(mesh), gas=gas, engine=name,
+    return measure_grad_scale(run, group=mesh_group(mesh), gas=gas, engine=name,
                               device=device)
 
 

@@ -446,19 +446,19 @@ class MegalossTrainer(Trainer):
         """
         if self._fsdp_group_cache is not None and self._fsdp_group_cache[0] == id(model):
             return self._fsdp_group_cache[1]
-        from ...calibration.fsdp_scale import _reduce_group, _settings_of_module
+        from ...calibration.fsdp_scale import fsdp_meshes, mesh_group
 
-        settings = _settings_of_module(model)
-        meshes = {tuple(s["mesh"].mesh.reshape(-1).tolist()) for s in settings}
-        ranks = sorted(next(iter(meshes))) if settings else []
+        meshes = fsdp_meshes(model)
+        ranks_of = {tuple(m.mesh.reshape(-1).tolist()) for m in meshes}
+        ranks = sorted(next(iter(ranks_of))) if meshes else []
         processes = list(range(self.accelerator.num_processes))
-        if len(meshes) != 1 or ranks != processes:
+        if len(ranks_of) != 1 or ranks != processes:
             raise ValueError(
                 f"MegalossTrainer under FSDP2 needs one mesh over the Trainer's processes "
-                f"{processes}, got meshes {sorted(meshes)}: accelerate's data loaders give every "
-                "process its own batch, so the calibration and the gradient reduction must span "
-                "them all")
-        group = _reduce_group(settings[0]["mesh"])
+                f"{processes}, got meshes {sorted(ranks_of)}: accelerate's data loaders give "
+                "every process its own batch, so the calibration and the gradient reduction must "
+                "span them all")
+        group = mesh_group(meshes[0])
         self._fsdp_group_cache = (id(model), group)
         return group
 

@@ -120,8 +120,8 @@ class FSDPStepEngine(StepEngine):
     def gradient_accumulation_steps(self) -> Optional[int]:
         return self.accumulation_steps
 
-    def forward(self, input_ids: torch.Tensor, **inputs: Any) -> Any:
-        return self.module(input_ids, **inputs)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
 
     def micro_batch(self, last: bool) -> ContextManager:
         """FSDP2: reduce-scatter at the last micro-batch only

@@ -5,7 +5,9 @@
 Reference: a hand-written symmetric cosine InfoNCE in float64 on one process over the global
 micro-batches, weighted ``n_m / N`` (the step's query mean). Tolerance: fp32 engine vs float64,
 rtol 2e-4 / atol 2e-6 on the gradient. The same step without ``step_loss_weights`` (mean of
-micro-batch means) must NOT match: that is the compensation this test pins down.
+micro-batch means) must NOT match: that is the compensation this test pins down. The same step
+through megaloss's one calibrated step (``run_step``, the MNR family; plain and GradCache) on
+``initialize``'s engine matches too.
 """
 import pytest
 import torch
@@ -104,7 +106,49 @@ def _ds_worker(rank, world, stages):
         results[(stage, weighted)] = (grads, logged, weights.tolist())
         if hasattr(engine, "destroy"):
             engine.destroy()
+    for cached in (False, True):
+        results[("run_step", cached)] = _run_step_case(rank, batches, group, cached)
     return results
+
+
+def _run_step_case(rank, batches, group, cached):
+    """The same step through megaloss's one calibrated step (``run_step`` with the MNR family)
+    on ``initialize``'s engine (ZeRO-2), plainly or with GradCache (mini-batches of 1 row)."""
+    import deepspeed
+
+    from megaloss import Topology
+    from megaloss.integrations.deepspeed import initialize
+    from megaloss.integrations.grad_cache import inner_replay_backward
+    from megaloss.integrations.hf.embedding import EmbeddingModelWithMNR, cached_mnr_forward
+    from megaloss.integrations.step import run_step
+    from megaloss.integrations.step.mnr import MNRStepLoss
+
+    enc = _Encoder()
+    enc.load_state_dict(_initial_state())
+    model = EmbeddingModelWithMNR(enc, temperature=TEMP, symmetric=True, group=group)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "zero_optimization": {"stage": 2}, "steps_per_print": 10 ** 9,
+              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
+    me = initialize(model, config, topology=Topology.build(1),
+                    optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+    before = {n: deepspeed.utils.safe_get_full_fp32_param(p).clone()
+              for n, p in me.engine.module.encoder.named_parameters()}
+    micro_batches = []
+    for m, (q, qm, d, dm) in enumerate(batches):
+        lo = sum(SIZES[r][m] for r in range(rank))
+        sl = slice(lo, lo + SIZES[rank][m])
+        micro_batches.append({"query_input_ids": q[sl], "query_attention_mask": qm[sl],
+                              "document_input_ids": d[sl], "document_attention_mask": dm[sl]})
+    def grad_cache(mb, w):
+        return cached_mnr_forward(me.engine, mb, mini_batch_size=1,
+                                  backward=inner_replay_backward(me.engine), loss_weight=w)
+
+    loss = MNRStepLoss(cached=grad_cache if cached else None)
+    out = run_step(me, loss, micro_batches, log=False)
+    grads = {n: (before[n] - deepspeed.utils.safe_get_full_fp32_param(p)).double()
+             for n, p in me.engine.module.encoder.named_parameters()}
+    me.engine.destroy()
+    return grads, out.loss, out.metrics, out.num_tokens
 
 
 @pytest.mark.distributed
@@ -129,6 +173,15 @@ def test_deepspeed_gas_uneven_matches_single_process():
             torch.testing.assert_close(plain[name], g, rtol=2e-4, atol=2e-6)
         diff = max(float((plain[n] - ref[n]).abs().max() / ref[n].abs().max()) for n in ref)
         assert diff > 1e-2
+        # the one calibrated step with the MNR family, plain and with GradCache: the same
+        for cached in (False, True):
+            grads, loss, metrics, queries = res[("run_step", cached)]
+            assert queries == 8
+            assert loss == pytest.approx(ref_loss, rel=1e-5)
+            assert metrics["mnr_loss"] == pytest.approx(ref_loss, rel=1e-5)
+            for name, g in ref.items():
+                torch.testing.assert_close(grads[name], g, rtol=2e-4, atol=2e-6,
+                                           msg=f"rank {rank} run_step cached={cached} {name}")
 
 
 # single-process checks of the wrapper's pieces (no engine, no processes) ---------------------

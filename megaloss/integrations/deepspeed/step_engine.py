@@ -52,8 +52,8 @@ class DeepSpeedStepEngine(StepEngine):
     def gradient_accumulation_steps(self) -> int:
         return int(self.engine.gradient_accumulation_steps())
 
-    def forward(self, input_ids: torch.Tensor, **inputs: Any) -> Any:
-        return self.engine(input_ids, **inputs)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)

@@ -35,8 +35,8 @@ from ..._deprecation import renamed_keywords
 from ...losses.grad_cache import grad_cache_step, split_rows
 from ...losses.mnr import MNROptions, mnr_loss
 from ...ops.options import resolve_options
-from ...parallel.comm import all_reduce_sum_
-from ...parallel.groups import GroupLike, group_size
+from ...parallel.groups import GroupLike
+from ..step.mnr import step_loss_weights
 
 __all__ = ["mean_pool", "EmbeddingOutput", "EmbeddingModelWithMNR", "cached_mnr_forward",
            "step_loss_weights"]
@@ -257,49 +257,3 @@ def cached_mnr_forward(model: nn.Module, batch: Dict[str, torch.Tensor], *,
     out = outputs[-1]
     return EmbeddingOutput(loss=step.surrogate, value=out.value, accuracy=out.accuracy,
                            mean_rank=out.mean_rank)
-
-
-def step_loss_weights(local_sizes: Sequence[int], group: GroupLike, *,
-                      loss_multiplier: Optional[float] = None,
-                      device: Optional[torch.device] = None,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Per-micro-batch ``loss_weight`` that makes a GAS step the query-weighted global mean.
-
-    The engine leaves ``c * sum_{r, m} grad(loss_rm)`` (``c = 1 / loss_multiplier``; DeepSpeed
-    with ``engine.backward``: ``c = 1 / (G * D)``), and ``mnr_loss``'s backward already gives
-    ``sum_r grad(loss_rm) = D * grad(L_m)`` over the ``D`` ranks of ``group``. So backwarding
-    ``w_m * L_m`` with ``w_m = (n_m / N) * loss_multiplier / D`` leaves
-    ``sum_m (n_m / N) grad(L_m)``: the gradient of the step's global mean over queries.
-
-    Args:
-        local_sizes: this rank's number of queries in each of the step's ``G`` micro-batches
-            (known before the first forward: prefetch the step's batches).
-        group: the data-parallel group of the loss (``None``: torch's default group).
-        loss_multiplier: ``1 / c`` as measured on the real engine
-            (:func:`megaloss.calibration.engine_scale.probe_deepspeed`); ``None`` assumes
-            DeepSpeed's ``engine.backward``, ``G * D``.
-        device: where the result lives (CPU by default).
-        dtype: of the result (computed in float64): the loss's compute dtype
-            (:func:`megaloss.calibration.loss_weight_dtype` of the model).
-
-    Returns:
-        ``[G]`` tensor ``w_m`` of ``dtype`` (all ones for DeepSpeed when every micro-batch has the
-        same global size; zeros when ``N = 0``). One all-reduce over ``group``, entered by every
-        rank.
-
-    Raises:
-        ValueError: ``local_sizes`` empty or with a negative entry; ``loss_multiplier`` <= 0.
-    """
-    if len(local_sizes) == 0 or min(local_sizes) < 0:
-        raise ValueError(f"local_sizes must be a non-empty list of counts >= 0, got {local_sizes}")
-    world = group_size(group)
-    if loss_multiplier is None:
-        loss_multiplier = float(len(local_sizes) * world)
-    if not loss_multiplier > 0:
-        raise ValueError(f"loss_multiplier must be > 0, got {loss_multiplier}")
-    # counts all-reduced in float32 (exact below 2**24 rows per micro-batch, and 4 bytes each on
-    # the wire), the weights formed in float64 and returned in the loss's dtype
-    sizes = torch.tensor([float(n) for n in local_sizes], dtype=torch.float32, device=device)
-    all_reduce_sum_(sizes, group)
-    sizes = sizes.double()
-    return (sizes * (loss_multiplier / world / sizes.sum().clamp_min(1.0))).to(dtype)

@@ -8,7 +8,8 @@ the same loop (:mod:`.loop`).
 - :mod:`.metrics`: :class:`StepMetrics`, :class:`PolicyStepMetrics`, :class:`EvalResult`.
 - The loss families: :mod:`.lm` (a module computing its own CE or distillation loss; NLL of a
   log-probs module; held-out CE), :mod:`.policy` (:func:`megaloss.policy_loss`),
-  :mod:`.preference` (DPO, CPO / SimPO, ORPO, KTO); :mod:`.log_probs`, what the last two share.
+  :mod:`.preference` (DPO, CPO / SimPO, ORPO, KTO), :mod:`.mnr` (the gathered contrastive
+  loss); :mod:`.log_probs`, what the policy and preference families share.
 
 A new engine is a :class:`StepEngine` in its adapter (DeepSpeed:
 :class:`megaloss.integrations.deepspeed.MegalossEngine`; FSDP2 / DDP:

@@ -28,7 +28,7 @@ and the measured loss multiplier are its calibrator's): DeepSpeed's is
 (backward, optimizer step): it uses the two halves of :class:`CalibratedStep` directly
 (``CalibratedStep(...)`` in ``get_batch_samples``, :meth:`CalibratedStep.micro_batch_loss` in
 ``compute_loss``). What differs between losses is a :class:`StepLoss` (the families in this
-package: :mod:`.lm`, :mod:`.log_probs`, :mod:`.policy`, :mod:`.preference`).
+package: :mod:`.lm`, :mod:`.policy`, :mod:`.preference`, :mod:`.mnr`).
 """
 from __future__ import annotations
 
@@ -79,8 +79,9 @@ class StepEngine:
         """The number of micro-batches a step must hold (checked), or None (any)."""
         return None
 
-    def forward(self, input_ids: torch.Tensor, **inputs: Any) -> Any:
-        """The module's forward through its loss (``shift_labels=``, ``loss_weights=`` ...)."""
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward through its loss (``input_ids``, ``shift_labels=``,
+        ``loss_weights=`` ...: the loss family's call)."""
         raise NotImplementedError
 
     def micro_batch(self, last: bool) -> ContextManager:
@@ -121,8 +122,8 @@ class StepEngine:
 class StepLoss:
     """What a loss family supplies to the step: its micro-batch checks, its calibration, its
     per-micro-batch loss and its metrics. Subclasses: :mod:`.lm` (a module that computes its
-    own weighted CE or distillation loss), :mod:`.log_probs` (NLL of a log-probs module),
-    :mod:`.policy`, :mod:`.preference`."""
+    own weighted CE or distillation loss; NLL of a log-probs module), :mod:`.policy`,
+    :mod:`.preference`, :mod:`.mnr`."""
 
     def check(self, i: int, mb: Mapping[str, Any], topology: Topology) -> None:
         """Raise ``ValueError`` / ``TypeError`` for what the family cannot read in

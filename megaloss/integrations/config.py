@@ -275,6 +275,19 @@ class _CheckedWhole(_OptionsSection):
         return self._options_cls(**self._option_fields())
 
 
+def _section(name: str, doc: str, options_cls: type, base: type = _CheckedWhole,
+             skip: tuple = (), **fields: Any) -> type:
+    """The section model ``name``: every field of ``options_cls`` (but ``skip``; ``fields``
+    override or add), checked as ``base`` checks (by default key by key, then the dataclass on
+    the whole section)."""
+    if getattr(base, "_options_cls", None) is not options_cls:
+        base = type(f"_{name}Section", (base,), {
+            "__annotations__": {"_options_cls": ClassVar[type]}, "_options_cls": options_cls,
+            "__module__": __name__})
+    return create_model(name, __base__=base, __module__=__name__, __doc__=doc,
+                        **{**_config_fields(options_cls, skip=skip), **fields})
+
+
 class _PolicySection(_CheckedWhole):
     _options_cls: ClassVar[type] = PolicyLossOptions
 
@@ -286,9 +299,8 @@ class _PolicySection(_CheckedWhole):
         return value
 
 
-PolicyConfig = create_model(
-    "PolicyConfig", __base__=_PolicySection, __module__=__name__,
-    __doc__="""Options of the policy-gradient loss (:func:`megaloss.policy_loss`, trained by
+PolicyConfig = _section(
+    "PolicyConfig", """Options of the policy-gradient loss (:func:`megaloss.policy_loss`, trained by
     :func:`megaloss.integrations.deepspeed.policy_train_step`).
 
     Fields: every field of :class:`~megaloss.PolicyLossOptions` (``loss_type``
@@ -301,7 +313,7 @@ PolicyConfig = create_model(
 
     :meth:`options` gives the :class:`~megaloss.PolicyLossOptions`.
     """,
-    **_config_fields(PolicyLossOptions))
+    PolicyLossOptions, _PolicySection)
 
 
 class _DPOSection(_CheckedWhole):
@@ -321,9 +333,8 @@ class _DPOSection(_CheckedWhole):
         return super()._validated_by_the_dataclass(value, info)
 
 
-DPOConfig = create_model(
-    "DPOConfig", __base__=_DPOSection, __module__=__name__,
-    __doc__="""Options of the preference loss (:func:`megaloss.dpo_loss`, trained by
+DPOConfig = _section(
+    "DPOConfig", """Options of the preference loss (:func:`megaloss.dpo_loss`, trained by
     :func:`megaloss.integrations.deepspeed.dpo_train_step`).
 
     Fields: every field of :class:`~megaloss.DPOOptions` (``loss_type``, one of
@@ -332,16 +343,11 @@ DPOConfig = create_model(
 
     :meth:`options` gives the :class:`~megaloss.DPOOptions`.
     """,
-    **_config_fields(DPOOptions))
+    DPOOptions, _DPOSection)
 
 
-class _CPOSection(_CheckedWhole):
-    _options_cls: ClassVar[type] = CPOOptions
-
-
-CPOConfig = create_model(
-    "CPOConfig", __base__=_CPOSection, __module__=__name__,
-    __doc__="""Options of CPO (:func:`megaloss.losses.cpo_loss`, Xu et al. 2024,
+CPOConfig = _section(
+    "CPOConfig", """Options of CPO (:func:`megaloss.losses.cpo_loss`, Xu et al. 2024,
     arXiv:2401.08417; trained by
     :func:`megaloss.integrations.deepspeed.preference_train_step`).
 
@@ -352,7 +358,7 @@ CPOConfig = create_model(
 
     :meth:`options` gives the :class:`~megaloss.losses.CPOOptions`.
     """,
-    **_config_fields(CPOOptions))
+    CPOOptions)
 
 
 class _SimPOSection(_CheckedWhole):
@@ -363,9 +369,8 @@ class _SimPOSection(_CheckedWhole):
         return CPOOptions(loss_type="simpo", **self._option_fields())
 
 
-SimPOConfig = create_model(
-    "SimPOConfig", __base__=_SimPOSection, __module__=__name__,
-    __doc__="""Options of SimPO (:func:`megaloss.losses.simpo_loss`, Meng et al. 2024,
+SimPOConfig = _section(
+    "SimPOConfig", """Options of SimPO (:func:`megaloss.losses.simpo_loss`, Meng et al. 2024,
     arXiv:2405.14734: :func:`megaloss.losses.cpo_loss` with ``loss_type="simpo"``; trained by
     :func:`megaloss.integrations.deepspeed.preference_train_step`).
 
@@ -375,16 +380,11 @@ SimPOConfig = create_model(
 
     :meth:`options` gives the :class:`~megaloss.losses.CPOOptions`.
     """,
-    **{**_config_fields(CPOOptions, skip=("loss_type",)), "cpo_alpha": (float, 0.0)})
+    CPOOptions, _SimPOSection, skip=("loss_type",), cpo_alpha=(float, 0.0))
 
 
-class _ORPOSection(_CheckedWhole):
-    _options_cls: ClassVar[type] = ORPOOptions
-
-
-ORPOConfig = create_model(
-    "ORPOConfig", __base__=_ORPOSection, __module__=__name__,
-    __doc__="""Options of ORPO (:func:`megaloss.losses.orpo_loss`, Hong et al. 2024,
+ORPOConfig = _section(
+    "ORPOConfig", """Options of ORPO (:func:`megaloss.losses.orpo_loss`, Hong et al. 2024,
     arXiv:2403.07691; trained by
     :func:`megaloss.integrations.deepspeed.preference_train_step`).
 
@@ -393,16 +393,11 @@ ORPOConfig = create_model(
 
     :meth:`options` gives the :class:`~megaloss.losses.ORPOOptions`.
     """,
-    **_config_fields(ORPOOptions))
+    ORPOOptions)
 
 
-class _KTOSection(_CheckedWhole):
-    _options_cls: ClassVar[type] = KTOOptions
-
-
-KTOConfig = create_model(
-    "KTOConfig", __base__=_KTOSection, __module__=__name__,
-    __doc__="""Options of KTO (:func:`megaloss.losses.kto_loss`, Ethayarajh et al. 2024,
+KTOConfig = _section(
+    "KTOConfig", """Options of KTO (:func:`megaloss.losses.kto_loss`, Ethayarajh et al. 2024,
     arXiv:2402.01306; trained by
     :func:`megaloss.integrations.deepspeed.preference_train_step`).
 
@@ -412,7 +407,7 @@ KTOConfig = create_model(
 
     :meth:`options` gives the :class:`~megaloss.losses.KTOOptions`.
     """,
-    **_config_fields(KTOOptions))
+    KTOOptions)
 
 # the preference sections, each trained by preference_train_step (at most one in a ds_config)
 PREFERENCE_SECTIONS = ("dpo", "cpo", "simpo", "orpo", "kto")

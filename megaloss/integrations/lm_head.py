@@ -12,7 +12,7 @@ Trainer build.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,29 +21,46 @@ from torch import nn
 from ..ops.labels import causal_shift
 from ..ops.validation import check_not_dtensor, is_dtensor
 
-__all__ = ["LinearHead", "GatheredLogits", "is_loss_head", "linear_lm_head",
+__all__ = ["LossHead", "LinearHead", "GatheredLogits", "is_loss_head", "linear_lm_head",
            "first_dtensor_parameter", "refuse_fully_sharded", "wrapper_options",
            "shifted_targets"]
 
 
-class LinearHead(nn.Module):
+class LossHead:
+    """The call of every loss head: ``head(hidden_states [..., H])`` without labels returns the
+    logits (:meth:`logits`, as the ``nn.Linear`` it replaces: the model's own forward,
+    ``model(input_ids).logits``, and ``model.generate`` keep working on the very weights being
+    trained); ``head(hidden_states, labels, **kwargs)`` with *shifted* labels returns the loss
+    head's own :meth:`loss`."""
+
+    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                **kwargs: Any) -> Any:
+        if labels is None:
+            return self.logits(hidden_states)
+        return self.loss(hidden_states, labels, **kwargs)
+
+    def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+class LinearHead(LossHead, nn.Module):
     """What every loss head that replaces an unsharded ``nn.Linear`` lm_head shares: the
     original ``weight [V, H]`` (and ``bias [V]``) Parameter objects, so tied input embeddings
-    stay tied and the state-dict names stay ``lm_head.weight``; and :meth:`logits`, what the
-    head returns when called without labels, as the ``nn.Linear`` it replaces: the model's own
-    forward (``model(input_ids).logits``) and ``model.generate`` keep working on the very
-    weights being trained.
+    stay tied and the state-dict names stay ``lm_head.weight``; the loss's ``options`` (when the
+    head has fixed ones); the call of :class:`LossHead`.
 
     Raises:
         TypeError: ``linear`` is not an ``nn.Linear``.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, options: Any = None) -> None:
         super().__init__()
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear lm_head, got {type(linear).__name__}")
         self.weight = linear.weight
         self.bias = linear.bias
+        if options is not None:
+            self.options = options
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states [..., H] @ W.T + b`` -> ``[..., V]``, in the weight's dtype.
@@ -60,7 +77,7 @@ class LinearHead(nn.Module):
         return f"vocab_size={v}, hidden_size={h}"
 
 
-class GatheredLogits:
+class GatheredLogits(LossHead):
     """For the loss heads over a :class:`megaloss.VocabParallelLMHead` shard: called without
     labels, the full ``[..., V]`` logits gathered over the TP group (no gradient: for
     ``generate`` and evaluation), so the model's own forward keeps working under TP."""
@@ -110,22 +127,25 @@ def first_dtensor_parameter(model: nn.Module) -> Optional[str]:
     return next((n for n, p in model.named_parameters() if is_dtensor(p)), None)
 
 
-def refuse_fully_sharded(model: nn.Module, what: str) -> None:
+_WRAP_FIRST = ("wrap it first, then apply fully_shard to the wrapper's modules (each decoder "
+               "layer, optionally the wrapper's lm_head head module, then the wrapper itself as "
+               "the root), so the loss runs inside an FSDP-managed forward")
+
+
+def refuse_fully_sharded(model: nn.Module, what: str, why: str = _WRAP_FIRST) -> None:
     """Refuse a ``model`` already under FSDP2's ``fully_shard`` (a DTensor parameter): a loss
     wrapper calls ``model.base_model`` and its new head directly, so the hooks of a
     ``fully_shard(model)`` or ``fully_shard(model.lm_head)`` applied *before* wrapping never run
-    and those parameters would reach the decoder and the loss as shards.
+    and those parameters would reach the decoder and the loss as shards. ``why``: the message's
+    reason and remedy (default: wrap first, then shard).
 
     Raises:
         ValueError: a parameter of ``model`` is a DTensor.
     """
     name = first_dtensor_parameter(model)
     if name is not None:
-        raise ValueError(
-            f"{what} is already sharded by FSDP2's fully_shard ({name} is a DTensor): wrap it "
-            "first, then apply fully_shard to the wrapper's modules (each decoder layer, "
-            "optionally the wrapper's lm_head head module, then the wrapper itself as the root), "
-            "so the loss runs inside an FSDP-managed forward")
+        raise ValueError(f"{what} is already sharded by FSDP2's fully_shard ({name} is a "
+                         f"DTensor): {why}")
 
 
 def wrapper_options(options, cls: type):

@@ -71,13 +71,10 @@ class LinearCrossEntropyHead(LinearHead):
     """
 
     def __init__(self, linear: nn.Linear, options: CrossEntropyOptions) -> None:
-        super().__init__(linear)
-        self.options = options
+        super().__init__(linear, options)
 
-    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
-                loss_weights: Optional[torch.Tensor] = None):
-        if labels is None:
-            return self.logits(hidden_states)
+    def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
+             loss_weights: Optional[torch.Tensor] = None):
         return linear_cross_entropy(hidden_states, self.weight, labels, bias=self.bias,
                                     loss_weights=loss_weights, options=self.options,
                                     return_stats=True)
@@ -107,12 +104,10 @@ class _VocabParallelHead(GatheredLogits, VocabParallelLMHead):
     z-loss part is logged), so ZeRO-3's hooks around the call gather the shard; without labels
     the gathered logits (:class:`GatheredLogits`)."""
 
-    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
-                loss_weights: Optional[torch.Tensor] = None):
-        if labels is None:
-            return self.logits(hidden_states)
-        return super().forward(hidden_states, labels, loss_weights=loss_weights,
-                               return_stats=True)
+    def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
+             loss_weights: Optional[torch.Tensor] = None):
+        return VocabParallelLMHead.forward(self, hidden_states, labels,
+                                           loss_weights=loss_weights, return_stats=True)
 
 
 # What CausalLMWithLoss forwards to the wrapped model (transformers' PreTrainedModel API).

@@ -45,10 +45,8 @@ class LinearLogProbsHead(LinearHead):
         TypeError: ``linear`` is not an ``nn.Linear``.
     """
 
-    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
-                options: Optional[LogProbsOptions] = None):
-        if labels is None:
-            return self.logits(hidden_states)
+    def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
+             options: Optional[LogProbsOptions] = None):
         out = linear_log_probs(hidden_states, self.weight, labels, bias=self.bias,
                                options=options)
         # FSDP2 hooks the backward through this module's outputs; an in-place op on an output
@@ -64,10 +62,8 @@ class _VocabParallelLogProbsHead(GatheredLogits, VocabParallelLMHead):
     parameter tags) whose forward returns the vocab-parallel log-probs, or without labels the
     full logits gathered over the TP group (no gradient: for ``generate`` and evaluation)."""
 
-    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
-                options: Optional[LogProbsOptions] = None):
-        if labels is None:
-            return self.logits(hidden_states)
+    def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
+             options: Optional[LogProbsOptions] = None):
         return linear_log_probs(hidden_states, self.weight, labels, bias=self.bias,
                                 options=options, vocab_parallel_options=self.parallel)
 

@@ -33,8 +33,8 @@ from ..head_config import model_softcapping
 from ..lm_head import (
     GatheredLogits,
     LinearHead,
-    first_dtensor_parameter,
     linear_lm_head,
+    refuse_fully_sharded,
     shifted_targets,
     wrapper_options,
 )
@@ -55,13 +55,10 @@ class LinearDistillationHead(LinearHead):
     """
 
     def __init__(self, linear: nn.Linear, options: DistillationOptions) -> None:
-        super().__init__(linear)
-        self.options = options
+        super().__init__(linear, options)
 
-    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
-                loss_weights: Optional[torch.Tensor] = None, **teacher):
-        if labels is None:
-            return self.logits(hidden_states)
+    def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
+             loss_weights: Optional[torch.Tensor] = None, **teacher):
         return linear_distillation_loss(hidden_states, self.weight, labels, bias=self.bias,
                                         loss_weights=loss_weights, options=self.options,
                                         return_stats=True, **teacher)
@@ -75,10 +72,8 @@ class _VocabParallelDistillationHead(GatheredLogits, VocabParallelLMHead):
         super().__init__(*args, options=CrossEntropyOptions(), **kwargs)
         self.distillation_options = distillation_options
 
-    def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
-                loss_weights: Optional[torch.Tensor] = None, **teacher):
-        if labels is None:
-            return self.logits(hidden_states)
+    def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
+             loss_weights: Optional[torch.Tensor] = None, **teacher):
         return linear_distillation_loss(
             hidden_states, self.weight, labels, bias=self.bias, loss_weights=loss_weights,
             options=self.distillation_options, vocab_parallel_options=self.parallel,
@@ -102,14 +97,11 @@ def _refuse_sharded_teacher(teacher: nn.Module) -> None:
     Raises:
         ValueError: a parameter of ``teacher`` is a DTensor.
     """
-    name = first_dtensor_parameter(teacher)
-    if name is not None:
-        raise ValueError(
-            f"teacher is sharded by FSDP2's fully_shard ({name} is a DTensor): the wrapper runs "
-            "teacher.base_model and reads the teacher's lm_head weight outside the teacher's "
-            "forward, so FSDP2 never unshards them. Keep the frozen teacher unsharded (a "
-            "replica per rank, not a submodule of the fully_shard root), or pass its top-k per "
-            "batch (teacher_topk_ids / teacher_topk_log_probs)")
+    refuse_fully_sharded(
+        teacher, "teacher", "the wrapper runs teacher.base_model and reads the teacher's lm_head "
+        "weight outside the teacher's forward, so FSDP2 never unshards them. Keep the frozen "
+        "teacher unsharded (a replica per rank, not a submodule of the fully_shard root), or "
+        "pass its top-k per batch (teacher_topk_ids / teacher_topk_log_probs)")
 
 
 class CausalLMWithDistillation(nn.Module):

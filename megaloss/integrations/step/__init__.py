@@ -16,8 +16,8 @@ A new engine is a :class:`StepEngine` in its adapter (DeepSpeed:
 :class:`megaloss.integrations.fsdp.FSDPStepEngine`); a new loss family is one
 :class:`StepLoss` module here.
 """
-from .loop import CalibratedStep, StepEngine, StepLoss, StepOutcome, run_step
-from .metrics import EvalResult, PolicyStepMetrics, StepMetrics
+from .loop import CalibratedStep, StepEngine, StepLoss, run_step
+from .metrics import EvalResult, PolicyStepMetrics, StepMetrics, StepOutcome
 
 __all__ = ["run_step", "CalibratedStep", "StepEngine", "StepLoss", "StepOutcome", "StepMetrics",
            "PolicyStepMetrics", "EvalResult"]

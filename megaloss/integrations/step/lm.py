@@ -26,8 +26,8 @@ from ...ops.labels import causal_shift
 from ...parallel.comm import all_reduce_sum_
 from ...parallel.topology import Topology
 from .checks import check_floating, check_same_shape, integer_tensor
-from .loop import StepLoss, StepOutcome, batch_to_device
-from .metrics import EvalResult, StepMetrics
+from .loop import StepLoss, batch_to_device
+from .metrics import EvalResult, StepMetrics, StepOutcome
 
 __all__ = ["LanguageModelLoss", "NLLLoss", "TOPK_KEYS", "check_lm_micro_batch",
            "micro_batch_targets", "sample_boundaries", "model_inputs", "evaluate_lm"]

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -43,10 +42,9 @@ import torch
 from ...calibration.calibrator import LossCalibrator, StepCalibration
 from ...parallel.topology import Topology
 from .checks import agreed_checks, agreed_forward, check_count
-from .metrics import peak_memory_mib
+from .metrics import StepOutcome, peak_memory_mib
 
-__all__ = ["StepEngine", "StepLoss", "StepOutcome", "CalibratedStep", "run_step",
-           "batch_to_device"]
+__all__ = ["StepEngine", "StepLoss", "CalibratedStep", "run_step", "batch_to_device"]
 
 Forward = Callable[..., Any]
 
@@ -149,34 +147,9 @@ class StepLoss:
         (collective: every rank calls it)."""
         return {}
 
-    def result(self, outcome: "StepOutcome") -> Any:
+    def result(self, outcome: StepOutcome) -> Any:
         """What the step returns (default: the :class:`StepOutcome`)."""
         return outcome
-
-
-@dataclass
-class StepOutcome:
-    """One step's figures, identical on every rank except ``peak_memory_mib``.
-
-    ``loss``: the global loss (what one device computes on the whole global batch);
-    ``num_tokens`` / ``num_samples``: the calibration's global valid tokens and samples;
-    ``metrics``: the family's (:meth:`StepLoss.metrics`).
-    """
-
-    step: int
-    loss: float
-    num_tokens: float
-    num_samples: float
-    lr: float
-    grad_norm: Optional[float]
-    peak_memory_mib: float
-    step_time_s: float
-    samples: int = 0
-    metrics: Dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.num_tokens / max(self.step_time_s, 1e-9)
 
 
 class CalibratedStep:
@@ -276,7 +249,7 @@ def run_step(engine: StepEngine, loss: StepLoss, micro_batches: Sequence[Mapping
     grad_norm = engine.grad_norm()
     outcome = StepOutcome(
         step=engine.step_count(), loss=global_loss, num_tokens=float(step.calibration.num_tokens),
-        num_samples=float(step.calibration.num_samples), lr=engine.lr(),
+        num_sequences=float(step.calibration.num_samples), lr=engine.lr(),
         grad_norm=None if grad_norm is None else float(grad_norm),
         peak_memory_mib=peak_memory_mib(engine.device), step_time_s=time.perf_counter() - t0,
         samples=engine.samples(), metrics=metrics)

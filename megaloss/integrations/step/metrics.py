@@ -1,4 +1,5 @@
-"""What the calibrated steps return: :class:`StepMetrics` (cross-entropy and distillation),
+"""What the calibrated steps return: :class:`StepOutcome` (what every step measures, the result
+of a family without its own), :class:`StepMetrics` (cross-entropy and distillation),
 :class:`PolicyStepMetrics` (policy-gradient and preference losses), :class:`EvalResult`
 (held-out cross-entropy), and :func:`peak_memory_mib`."""
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["StepMetrics", "PolicyStepMetrics", "EvalResult", "peak_memory_mib"]
+__all__ = ["StepOutcome", "StepMetrics", "PolicyStepMetrics", "EvalResult", "peak_memory_mib"]
 
 
 def peak_memory_mib(device: Optional[torch.device] = None) -> float:
@@ -56,15 +57,13 @@ class StepMetrics:
 
 
 @dataclass
-class PolicyStepMetrics:
-    """Metrics of one policy / preference optimizer step (identical on all ranks except
-    ``peak_memory_mib``).
+class StepOutcome:
+    """One optimizer step's figures (identical on all ranks except ``peak_memory_mib``).
 
     ``loss``: the global loss (what one device computes on the whole global batch);
-    ``num_tokens``: global completion tokens; ``num_sequences``: global sequences (policy) or
-    pairs (DPO) with at least one completion token (every row, for a policy loss with
-    ``count_empty_rows=True``); ``metrics``: TRL's names
-    (:func:`megaloss.policy_metrics` / :func:`megaloss.dpo_metrics`), global over the step.
+    ``num_tokens`` / ``num_sequences``: the calibration's global valid tokens and sequences
+    (pairs, examples or queries, as the family counts them); ``metrics``: the family's, global
+    over the step (:meth:`megaloss.integrations.step.StepLoss.metrics`).
     """
 
     step: int
@@ -78,11 +77,25 @@ class PolicyStepMetrics:
     samples: int = 0
     metrics: Dict[str, float] = field(default_factory=dict)
 
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / max(self.step_time_s, 1e-9)
+
     def as_dict(self) -> Dict[str, Any]:
-        """Flat ``{name: value}``: the fields, then the metrics by TRL's names."""
+        """Flat ``{name: value}``: the fields, then the metrics by their names."""
         d = asdict(self)
         d.update(d.pop("metrics"))
         return d
+
+
+@dataclass
+class PolicyStepMetrics(StepOutcome):
+    """Metrics of one policy / preference optimizer step (a :class:`StepOutcome`):
+    ``num_tokens``: global completion tokens; ``num_sequences``: global sequences (policy) or
+    pairs (DPO) with at least one completion token (every row, for a policy loss with
+    ``count_empty_rows=True``); ``metrics``: TRL's names
+    (:func:`megaloss.policy_metrics` / :func:`megaloss.dpo_metrics`), global over the step.
+    """
 
 
 @dataclass

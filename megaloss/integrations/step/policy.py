@@ -33,8 +33,8 @@ from .log_probs import (
     log_probs_forward,
     sp_slices,
 )
-from .loop import StepLoss, StepOutcome
-from .metrics import PolicyStepMetrics
+from .loop import StepLoss
+from .metrics import PolicyStepMetrics, StepOutcome
 
 __all__ = ["PolicyStepLoss", "check_policy_micro_batch"]
 
@@ -105,14 +105,4 @@ class PolicyStepLoss(StepLoss):
                               has_entropy=all(e for _, e in stats))
 
     def result(self, outcome: StepOutcome) -> PolicyStepMetrics:
-        return policy_step_metrics(outcome)
-
-
-def policy_step_metrics(outcome: StepOutcome) -> PolicyStepMetrics:
-    """The :class:`PolicyStepMetrics` of a step of a sequence-level family (policy,
-    preference): ``num_sequences`` the calibration's global samples."""
-    return PolicyStepMetrics(
-        step=outcome.step, loss=outcome.loss, num_tokens=outcome.num_tokens,
-        num_sequences=outcome.num_samples, lr=outcome.lr, grad_norm=outcome.grad_norm,
-        peak_memory_mib=outcome.peak_memory_mib, step_time_s=outcome.step_time_s,
-        samples=outcome.samples, metrics=outcome.metrics)
+        return PolicyStepMetrics(**vars(outcome))

@@ -41,9 +41,8 @@ from .log_probs import (
     log_probs_forward,
     sp_slices,
 )
-from .loop import StepLoss, StepOutcome
-from .metrics import PolicyStepMetrics
-from .policy import policy_step_metrics
+from .loop import StepLoss
+from .metrics import PolicyStepMetrics, StepOutcome
 
 __all__ = ["PreferenceStepLoss", "PREFERENCE_LOSSES", "KTO_KL_KEYS", "check_dpo_micro_batch",
            "check_preference_micro_batch"]
@@ -199,4 +198,4 @@ class PreferenceStepLoss(StepLoss):
         return _METRICS[self.kind](stats, group=topology.dp_sp_group)
 
     def result(self, outcome: StepOutcome) -> PolicyStepMetrics:
-        return policy_step_metrics(outcome)
+        return PolicyStepMetrics(**vars(outcome))

@@ -24,15 +24,22 @@ Also here: the per-pair / per-example and NLL-token weights of a step
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..calibration.calibrator import StepCalibration
+from ..ops.options import OptionsBase, check_choice, check_finite_positive
 from ..parallel.comm import all_reduce_sum_
 from ..parallel.groups import GroupLike
 
 WEIGHT_CONVENTIONS = ("global", "micro_batch")
+
+# the losses' argument types
+Tensor = torch.Tensor
+MaybeTensor = Optional[torch.Tensor]
+ScalarWeight = Union[None, float, torch.Tensor]  # a float or a scalar tensor
 
 
 class PreferenceWeights(NamedTuple):
@@ -98,6 +105,40 @@ def preference_weights(step: StepCalibration, i: int, *, convention: str = "glob
     tokens = torch.where(tokens > 0, tokens, one)
     dtype = step.weights(i).dtype
     return PreferenceWeights((rows / pairs).to(dtype), (counted / tokens).to(dtype))
+
+
+@dataclass(frozen=True)
+class LossTypeOptions(OptionsBase):
+    """The two fields TRL's preference configs share, checked before a subclass's own:
+    ``loss_type``, one of the subclass's ``loss_types`` (a class keyword: ``class
+    KTOOptions(LossTypeOptions, loss_types=KTO_LOSS_TYPES)``; the subclass gives the default),
+    and ``beta``, finite ``> 0`` (made a float).
+
+    Raises:
+        ValueError: an unknown ``loss_type`` or a ``beta`` out of range, naming it.
+    """
+
+    loss_type: str
+    beta: float = 0.1
+    loss_types = ()  # not a field: the subclass's choices
+
+    def __init_subclass__(cls, loss_types: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.loss_types = tuple(loss_types)
+
+    def __post_init__(self) -> None:
+        check_choice("loss_type", self.loss_type, self.loss_types)
+        check_finite_positive("beta", self.beta)
+        object.__setattr__(self, "beta", float(self.beta))
+
+
+class PreferenceOutput(NamedTuple):
+    """What a preference loss returns with ``return_stats=True`` (each loss's ``*Output`` is
+    this under its own name): ``loss`` (differentiable scalar, this call's share of the global
+    loss) and ``stats`` (detached float64 local sums for the loss's ``*_metrics``)."""
+
+    loss: torch.Tensor
+    stats: torch.Tensor
 
 
 class NLLTerm(NamedTuple):

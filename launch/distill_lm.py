@@ -46,6 +46,10 @@ SIGUSR1 stop the phase in progress at its next step boundary, save it, write its
 run in ``--output_dir``; no PATH) skips the phases that finished, continues the one that was
 stopped from its latest checkpoint (engine state, RNG states, data position, metrics so far) and
 runs the rest: the same losses, bitwise, as a run never stopped.
+
+Each phase is a run of the job runner (:func:`launch.jobs.runner.train_run`, :class:`Phase`): its
+own folder, engine, checkpoints and outputs, under the job's one stop request;
+:class:`Distillation` holds what the phases share and the table comparing them.
 """
 from __future__ import annotations
 

@@ -180,10 +180,10 @@ def sequence_log_probs(log_probs: torch.Tensor, completion_mask: torch.Tensor, *
         sp_group: the sequence-parallel group (``Topology.sp_group``) when each of its ranks
             holds a contiguous slice of the same sequences' tokens: the slice sums (and
             lengths) are then added over the group by ONE autograd all-reduce
-            (:func:`megaloss.parallel.all_reduce_sum_autograd`, SUM forward and backward, as
-            :func:`megaloss.policy_loss` does for its sequence-level sums), so every rank holds
-            the whole sequences' values and the gradient of the sum of the ranks' losses
-            reaches each slice. Every rank of the group must call it. Default: no SP.
+            (:func:`~megaloss.parallel.mappings.all_reduce_sum_autograd`, SUM forward and
+            backward, as :func:`megaloss.policy_loss` does for its sequence-level sums), so
+            every rank holds the whole sequences' values and the gradient of the sum of the
+            ranks' losses reaches each slice. Every rank of the group must call it. Default: no SP.
         return_lengths: also return the ``[B]`` completion token counts (whole sequences under
             SP), in ``log_probs``' dtype.
 

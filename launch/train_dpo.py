@@ -58,8 +58,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -67,13 +65,14 @@ import torch
 from launch.jobs.arguments import (
     add_job_arguments,
     add_llama_arguments,
-    check_input_files,
+    add_run_arguments,
+    add_text_arguments,
+    check_job_arguments,
     job_parser,
+    policy_llama_default,
     require_at_least,
 )
-from launch.jobs.lm_data import load_data
-from launch.jobs.models import build_llama
-from launch.jobs.policy_model import CausalLMLogProbs
+from launch.jobs.layouts import rank_share
 from launch.jobs.preference_data import REJECTED_KINDS, Pairs, draw_pairs, sft_batch
 from launch.jobs.preference_step import (
     LOSSES,
@@ -81,54 +80,182 @@ from launch.jobs.preference_step import (
     preference_loss,
     preference_step,
 )
-from launch.jobs.reporting import (
-    Curve,
-    plot_loss_curve,
-    print_summary_table,
-    rank0_logger,
-    write_metrics_csv,
-    write_summary_json,
-)
-from launch.jobs.runs import (
-    CHECKPOINTS,
-    StopRequest,
-    TrainLoop,
-    add_run_arguments,
-    check_run_arguments,
-    checkpoint_stats,
-    finish_run,
-    open_run,
-    quiet_job_environment,
-    report_checkpoint_eval,
-    resume_job_state,
-    run_job,
-    save_run,
-    start_process,
-)
-from launch.jobs.sft_step import sft_step
+from launch.jobs.reporting import Curve
+from launch.jobs.runner import StopRequest, Table, run, run_job
+from launch.jobs.sft_phases import SFTThen
 
-quiet_job_environment()
-
-REPO = Path(__file__).resolve().parent.parent
 NAMES = {"dpo": "DPO", "simpo": "SimPO", "orpo": "ORPO", "cpo": "CPO", "kto": "KTO"}
+
+
+def _preference_spec(args, ml):
+    """``--loss`` (default: the ds_config's preference section other than ``dpo``, else
+    ``dpo``; set on ``args``) with the options of its ds_config section when given, the flags
+    overriding them."""
+    if args.loss is None:
+        args.loss = ml.preference_section()
+    section = ml.preference_options() if args.loss == ml.preference_section() else None
+    return preference_loss(args.loss, section, beta=args.beta, simpo_gamma=args.simpo_gamma,
+                           cpo_alpha=args.cpo_alpha)
+
+
+def _pairs_key(args) -> Dict[str, Any]:
+    """What a checkpoint's pairs and loss must match on resume."""
+    return {"prompt_length": args.prompt_length, "completion_length": args.completion_length,
+            "rejected": args.rejected, "loss": args.loss}
+
+
+# the job ----------------------------------------------------------------------------------------
+class Preference(SFTThen):
+    """The job for the runner (:mod:`launch.jobs.runner`): SFT steps, then preference steps
+    (:mod:`launch.jobs.sft_phases`), held-out pairs evaluated at initialisation, after SFT,
+    every ``--eval_every`` preference steps and after."""
+
+    tag = "dpo"
+    columns = ("phase", "step", "optimizer_step", "loss", "num_tokens", "lr", "num_pairs",
+               "reward_accuracy", "reward_margin", "logps_chosen", "logps_rejected", "kl",
+               "eval_accuracy")
+    figure = ("held-out preference accuracy", "accuracy")
+    task_key = "pairs"
+    task_flags = "--prompt_length / --completion_length / --rejected / --loss"
+    whole_model = ("the preference job's reference model and evaluation hold the whole lm_head "
+                   "on every rank", "the held-out evaluation and the reference snapshot read "
+                   "whole")
+    policy_options = {"return_entropy": False}
+    before_after = ("accuracy", "reward_accuracy", "reward_margin")
+
+    def task(self) -> Dict[str, Any]:
+        return _pairs_key(self.args)
+
+    def set_loss(self) -> None:
+        self.spec = spec = _preference_spec(self.args, self.ml)
+        self.second, self.second_title = spec.name, NAMES[spec.name]
+        self.title = f"megaloss {self.second_title} job"
+        self.needs_reference = spec.needs_reference
+
+    def prepare_data(self, train_stream: torch.Tensor, eval_stream: torch.Tensor) -> int:
+        """The example pair (logged), the held-out pairs; the model's positions: a prompt and
+        a continuation."""
+        args, tok, dp = self.args, self.tok, self.dp
+        self.train_stream = train_stream
+        try:
+            self.example = example = self.draw(train_stream, 1, args.seed)
+            self.held_all = self.draw(eval_stream, args.eval_pairs // dp * dp, args.seed + 1)
+        except ValueError as e:
+            raise SystemExit(f"{e}: give more text, or a smaller --prompt_length / "
+                             "--completion_length") from None
+        self.run.log(f"pairs: {tok.decode(example.prompts[0].tolist())!r} -> chosen "
+                     f"{tok.decode(example.chosen[0].tolist())!r}, rejected "
+                     f"{tok.decode(example.rejected[0].tolist())!r}")
+        self.held = rank_share(self.held_all, dp, self.dp_rank)
+        return args.prompt_length + args.completion_length
+
+    def describe_loss(self) -> str:
+        return f"{self.second_title} {self.spec.describe()}"
+
+    def draw(self, stream: torch.Tensor, n: int, seed: int) -> Pairs:
+        return draw_pairs(stream, n, self.args.prompt_length, self.args.completion_length,
+                          self.args.rejected, torch.Generator().manual_seed(seed))
+
+    def train_pairs(self, s: int) -> Pairs:
+        n = self.micro * self.gas * self.dp
+        return rank_share(self.draw(self.train_stream, n, self.args.seed * 1_000_003 + s),
+                          self.dp, self.dp_rank)
+
+    def begin(self, start: int) -> None:
+        # --eval_only past SFT evaluates against the checkpoint's reference
+        if (self.args.eval_only and start > self.args.sft_steps and self.needs_reference
+                and self.run.state["reference"] is not None):
+            self.ref = self.reference_module()
+
+    def evaluate(self) -> Dict[str, Any]:
+        return evaluate_pairs(self.policy, self.ref, self.held, self.micro, self.spec,
+                              len(self.held_all), self.topo.dp_group, self.engine.device)
+
+    def eval_rows(self, result: Dict[str, Any]) -> List[tuple]:
+        name = self.second_title
+        return [("held-out preference accuracy", f"{result['accuracy']:.3f}"),
+                (f"held-out {name} reward accuracy", f"{result['reward_accuracy']:.3f}"),
+                (f"held-out {name} rewards margin", f"{result['reward_margin']:.4f}")]
+
+    def sft_batches(self, s: int) -> List[Dict[str, Any]]:
+        pairs, micro = self.train_pairs(s), self.micro
+        return [sft_batch(pairs.rows(i * micro, (i + 1) * micro)) for i in range(self.gas)]
+
+    def begin_second(self) -> None:
+        """The reference model (the SFT model, frozen) and the preference learning rate."""
+        self.ref = self.reference_module() if self.needs_reference else None
+        if self.args.preference_lr is not None:  # the job's configs have no lr scheduler
+            for group in self.engine.optimizer.param_groups:
+                group["lr"] = self.args.preference_lr
+
+    def second_step(self, s: int) -> Dict[str, Any]:
+        args, micro, name = self.args, self.micro, self.second_title
+        pairs = self.train_pairs(500_000 + s)
+        m = preference_step(self.me, [pairs.rows(i * micro, (i + 1) * micro)
+                                      for i in range(self.gas)], self.spec, self.ref)
+        eval_accuracy = ""
+        if args.eval_every and s % args.eval_every == 0 and s != args.steps:
+            eval_accuracy = self.evaluate_at(phase=self.second, step=s)["accuracy"]
+        acc = m.get("rewards/accuracies", "")
+        if s % max(1, args.steps // 10) == 0 or s == args.steps:
+            self.run.log(f"{name} step {s}/{args.steps}: loss {m['loss']:.4f}, rewards margin "
+                         f"{m['rewards/margins']:.4f}"
+                         + (f", reward accuracy {acc:.3f}" if acc != "" else "")
+                         + (f", held-out accuracy {eval_accuracy:.3f}"
+                            if eval_accuracy != "" else ""))
+        return self.row(self.second, s, m, num_pairs=m["num_pairs"], reward_accuracy=acc,
+                        reward_margin=m["rewards/margins"], logps_chosen=m["logps/chosen"],
+                        logps_rejected=m["logps/rejected"], kl=m.get("kl", ""),
+                        eval_accuracy=eval_accuracy)
+
+    def summary(self) -> Dict[str, Any]:
+        args, tok, example = self.args, self.tok, self.example
+        return {
+            **self.phase_summary(),
+            "loss": self.spec.describe(), "reference_model": self.needs_reference,
+            "pairs": {**_pairs_key(args), "example": {
+                "prompt": tok.decode(example.prompts[0].tolist()),
+                "chosen": tok.decode(example.chosen[0].tolist()),
+                "rejected": tok.decode(example.rejected[0].tolist())}},
+            "eval_pairs": len(self.held_all), "pairs_per_step": self.micro * self.gas * self.dp}
+
+    def plot(self, summary: Dict[str, Any]) -> Dict[str, Any]:
+        name, pref_rows = self.second_title, self.second_rows()
+        pref_evals = [e for e in self.run.evals if e["phase"] != "init"]
+        return {"curves": [
+            Curve(f"train {name} reward accuracy", [r["step"] for r in pref_rows],
+                  [r["reward_accuracy"] if r["reward_accuracy"] != "" else float("nan")
+                   for r in pref_rows]),
+            Curve("held-out preference accuracy", [e["step"] for e in pref_evals],
+                  [e["accuracy"] for e in pref_evals], "o-")],
+            "title": f"megaloss {name}: {summary['model']}, {self.args.rejected} rejected",
+            "ylabel": "accuracy", "xlabel": f"{name} step (0: after SFT)", "grid": True}
+
+    def table(self, summary: Dict[str, Any]) -> Table:
+        name, cells = self.second_title, self.cells
+        rows = [("held-out preference accuracy (length-normalised log-prob)",
+                 *cells(summary, "accuracy")),
+                (f"held-out {name} reward accuracy", *cells(summary, "reward_accuracy")),
+                (f"held-out {name} rewards margin", *cells(summary, "reward_margin")),
+                (f"held-out {name} loss", *cells(summary, "loss")),
+                ("held-out log-prob per token, chosen", *cells(summary, "logps_chosen")),
+                ("held-out log-prob per token, rejected", *cells(summary, "logps_rejected"))]
+        return Table(f"megaloss {name} job", rows, (
+            f"{summary['sft_steps']} SFT + {summary['steps']} {name} steps in "
+            f"{summary['train_seconds']:.1f} s, DP={summary['dp']}, "
+            f"ZeRO-{summary['zero_stage']}, {summary['pairs_per_step']} pairs per step "
+            f"({summary['pairs']['rejected']} rejected), beta {summary['loss']['beta']:g}, "
+            f"{summary['eval_pairs']} held-out pairs, {summary['model']}"),
+            ("metric", "init", "after SFT", f"after {name}"))
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = job_parser(__doc__)
-    p.add_argument("--deepspeed_config", type=str, default=str(REPO / "configs" / "dpo.json"),
-                   help="ds_config JSON; its 'megaloss.dpo' section sets DPO's loss_type and "
-                        "beta; tensor_parallel_size 1, ZeRO 0-2")
-    add_job_arguments(p, steps=40, output_dir=os.path.join("runs", "dpo"))
-    g = p.add_argument_group("data (the text the pairs are cut from)")
-    g.add_argument("--train_data", nargs="*", default=None,
-                   help="text files or directories (.py/.txt/.md/.rst); default: the stdlib")
-    g.add_argument("--eval_data", nargs="*", default=None,
-                   help="held-out text (the held-out pairs' prompts and continuations)")
-    g.add_argument("--eval_fraction", type=float, default=0.05,
-                   help="share of --train_data files held out when --eval_data is not given")
-    g.add_argument("--max_train_bytes", type=int, default=2_500_000,
-                   help="keep a strided subset of training files under this size (0: all)")
-    g.add_argument("--vocab_size", type=int, default=2048, help="BPE vocabulary size")
+    add_job_arguments(p, steps=40, output_dir=os.path.join("runs", "dpo"), config="dpo.json",
+                      config_help="ds_config JSON; its 'megaloss.dpo' section sets DPO's "
+                                  "loss_type and beta; tensor_parallel_size 1, ZeRO 0-2")
+    add_text_arguments(p, "data (the text the pairs are cut from)",
+                       "held-out text (the held-out pairs' prompts and continuations)")
     g = p.add_argument_group("pairs")
     g.add_argument("--prompt_length", type=int, default=24, help="prompt tokens")
     g.add_argument("--completion_length", type=int, default=8,
@@ -145,29 +272,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--loss", choices=LOSSES, default=None,
                    help="the preference loss (default: that of the ds_config's megaloss "
                         "preference section other than dpo, if any, else dpo)")
-    g.add_argument("--beta", type=float, default=None,
-                   help="the loss's beta (default: the ds_config's megaloss.<loss>.beta; "
-                        "without that section dpo 0.1, simpo 2.0, orpo / cpo / kto 0.1)")
-    g.add_argument("--preference_lr", type=float, default=None,
-                   help="the optimizer's learning rate from the first preference step on "
-                        "(default: the ds_config's, as in SFT)")
-    g.add_argument("--simpo_gamma", type=float, default=None,
-                   help="SimPO's target margin (default: the ds_config's megaloss.simpo "
-                        "section's, else 0.5)")
-    g.add_argument("--cpo_alpha", type=float, default=None,
-                   help="CPO's NLL weight (default: the ds_config's megaloss.cpo section's, "
-                        "else 1.0)")
+    for name, text in (
+            ("beta", "the loss's beta (default: the ds_config's megaloss.<loss>.beta; without "
+                     "that section dpo 0.1, simpo 2.0, orpo / cpo / kto 0.1)"),
+            ("preference_lr", "the optimizer's learning rate from the first preference step "
+                              "on (default: the ds_config's, as in SFT)"),
+            ("simpo_gamma", "SimPO's target margin (default: the ds_config's megaloss.simpo "
+                            "section's, else 0.5)"),
+            ("cpo_alpha", "CPO's NLL weight (default: the ds_config's megaloss.cpo section's, "
+                          "else 1.0)")):
+        g.add_argument(f"--{name}", type=float, default=None, help=text)
     g.add_argument("--eval_every", type=int, default=10,
                    help="preference steps between held-out evaluations (0: only before and "
                         "after)")
-    add_llama_arguments(p)
+    add_llama_arguments(p, default_size=None)  # None: 2 layers x 64 (policy_llama_default)
     add_run_arguments(p)  # --save_every, --resume, --eval_only, --overwrite, --keep_checkpoints
-    p.set_defaults(model_size=None)  # None: 2 layers x 64 (the GRPO job's)
     args = p.parse_args(argv)
-    if args.model_size is None:
-        args.model_size = "small"  # its head layout; the width and depth below
-        args.hidden_size = args.hidden_size or 64
-        args.num_layers = args.num_layers or 2
+    policy_llama_default(args)
     require_at_least(p, args, ("steps", "prompt_length", "completion_length", "eval_pairs"))
     require_at_least(p, args, ("sft_steps", "eval_every"), 0)
     for key in ("beta", "preference_lr"):
@@ -176,304 +297,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(f"--{key} must be > 0")
     if args.completion_length < 2 and args.rejected == "shuffle":
         p.error("--rejected shuffle needs --completion_length >= 2 (one token has one order)")
-    check_run_arguments(p, args)
-    check_input_files(p, args)
-    return args
+    return check_job_arguments(p, args)
 
 
-def _check_layout(ds_config: Dict[str, Any], ml, args) -> None:
-    """Refuse what this job cannot honour (the same verdict on every rank)."""
-    if ml.tensor_parallel_size != 1 or ml.sequence_parallel_size != 1:
-        raise SystemExit(f"{args.deepspeed_config}: the preference job's reference model and "
-                         "evaluation hold the whole lm_head on every rank; set "
-                         "megaloss.tensor_parallel_size and sequence_parallel_size to 1")
-    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    if stage == 3:
-        raise SystemExit(f"{args.deepspeed_config}: ZeRO-3 partitions the weights the held-out "
-                         "evaluation and the reference snapshot read whole; use ZeRO stage 0, 1 "
-                         "or 2")
-
-
-def _preference_spec(args, ml):
-    """``--loss`` (default: the ds_config's preference section other than ``dpo``, else
-    ``dpo``; set on ``args``) with the options of its ds_config section when given, the flags
-    overriding them."""
-    if args.loss is None:
-        args.loss = ml.preference_section()
-    section = ml.preference_options() if args.loss == ml.preference_section() else None
-    return preference_loss(args.loss, section, beta=args.beta, simpo_gamma=args.simpo_gamma,
-                           cpo_alpha=args.cpo_alpha)
-
-
-def _rank_share(pairs: Pairs, dp: int, rank: int) -> Pairs:
-    n = len(pairs) // dp
-    return pairs.rows(rank * n, (rank + 1) * n)
-
-
-def _pairs_key(args) -> Dict[str, Any]:
-    """What a checkpoint's pairs and loss must match on resume."""
-    return {"prompt_length": args.prompt_length, "completion_length": args.completion_length,
-            "rejected": args.rejected, "loss": args.loss}
-
-
-def print_summary(summary: Dict[str, Any]) -> None:
-    evals = [summary["eval_init"], summary["eval_before"], summary["eval_after"]]
-    name = NAMES[summary["loss"]["loss"]]
-
-    def cell(e, key):
-        return "-" if e is None else f"{e[key]:.3f}"
-
-    rows = [("held-out preference accuracy (length-normalised log-prob)",
-             *(cell(e, "accuracy") for e in evals)),
-            (f"held-out {name} reward accuracy", *(cell(e, "reward_accuracy") for e in evals)),
-            (f"held-out {name} rewards margin", *(cell(e, "reward_margin") for e in evals)),
-            (f"held-out {name} loss", *(cell(e, "loss") for e in evals)),
-            ("held-out log-prob per token, chosen", *(cell(e, "logps_chosen") for e in evals)),
-            ("held-out log-prob per token, rejected",
-             *(cell(e, "logps_rejected") for e in evals))]
-    stopped = summary.get("stopped")
-    info = (f"{summary['sft_steps']} SFT + {summary['steps']} {name} steps in "
-            f"{summary['train_seconds']:.1f} s, DP={summary['dp']}, ZeRO-{summary['zero_stage']}, "
-            f"{summary['pairs_per_step']} pairs per step ({summary['pairs']['rejected']} "
-            f"rejected), beta {summary['loss']['beta']:g}, {summary['eval_pairs']} held-out "
-            f"pairs, {summary['model']}"
-            + (f"; stopped by {stopped['signal']} at step {stopped['step']} (resume with "
-               "--resume)" if stopped else ""))
-    print_summary_table(f"megaloss {name} job", rows, info,
-                        columns=("metric", "init", "after SFT", f"after {name}"))
-
-
-# main -------------------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    args = parse_args(argv)
-    t_start = time.perf_counter()
-    from megaloss import Topology
-    from megaloss.integrations.deepspeed import initialize, load_ds_config
-
-    rank, _ = start_process(args.local_rank, args.output_dir)
-    out_dir = Path(args.output_dir)
-    ckpt_dir = out_dir / CHECKPOINTS
-    log = rank0_logger("dpo", rank, t_start)
-
-    ds_config, ml = load_ds_config(args.deepspeed_config, output_dir=str(out_dir))
-    _check_layout(ds_config, ml, args)
-    resume_from = open_run(args, out_dir, ds_config)
-    topo = Topology.build(1)
-    dp, dp_rank = topo.dp_size, topo.dp_rank
-    micro = ds_config.get("train_micro_batch_size_per_gpu", 1)
-    gas = ds_config.get("gradient_accumulation_steps", 1)
-    spec = _preference_spec(args, ml)
-    name = NAMES[spec.name]
-
-    tok, train_stream, eval_stream, info, data_key = load_data(args)
-    p_len, c_len = args.prompt_length, args.completion_length
-
-    def draw(stream, n, seed):
-        return draw_pairs(stream, n, p_len, c_len, args.rejected,
-                          torch.Generator().manual_seed(seed))
-
-    try:
-        example = draw(train_stream, 1, args.seed)
-        held_all = draw(eval_stream, args.eval_pairs // dp * dp, args.seed + 1)
-    except ValueError as e:
-        raise SystemExit(f"{e}: give more text, or a smaller --prompt_length / "
-                         "--completion_length") from None
-    log(f"pairs: {tok.decode(example.prompts[0].tolist())!r} -> chosen "
-        f"{tok.decode(example.chosen[0].tolist())!r}, rejected "
-        f"{tok.decode(example.rejected[0].tolist())!r}")
-    held = _rank_share(held_all, dp, dp_rank)
-    args.seq_len = p_len + c_len  # the model's positions
-    model, cfg = build_llama(args, tok.get_vocab_size())
-    n_params = sum(p.numel() for p in model.parameters())
-    policy = CausalLMLogProbs(model, return_entropy=False)
-    me = initialize(policy, ds_config, topology=topo, output_dir=str(out_dir))
-    engine = me.engine
-    log(f"engine ready: DP={dp}, ZeRO-{engine.zero_optimization_stage()}, {n_params / 1e6:.2f} M "
-        f"params, measured engine loss multiplier {me.engine_scale.loss_multiplier:g}, {name} "
-        f"{spec.describe()}")
-
-    job_state: Dict[str, Any] = {"rows": [], "evals": [], "train_seconds": 0.0, "saves": [],
-                                 "steps_done": 0, "sft_steps": args.sft_steps,
-                                 "pairs": _pairs_key(args), "reference": None}
-    if resume_from is not None:
-        resume_from = resume_job_state(
-            me, resume_from, job_state, {"data_key": data_key},
-            "--train_data / --eval_data / --eval_fraction / --max_train_bytes / --vocab_size",
-            log)
-        for key, flags in (("sft_steps", "--sft_steps"),
-                           ("pairs", "--prompt_length / --completion_length / --rejected / "
-                                     "--loss")):
-            if job_state[key] != {"sft_steps": args.sft_steps, "pairs": _pairs_key(args)}[key]:
-                raise SystemExit(f"checkpoint {resume_from} was trained with another {key} "
-                                 f"({job_state[key]}): pass the same {flags}")
-    start = int(job_state["steps_done"])
-    saves_before = len(job_state["saves"])
-    pref: Dict[str, Any] = {"ref": None, "started": False}
-
-    def reference_module():
-        if not spec.needs_reference or job_state["reference"] is None:
-            return None
-        ref_model, _ = build_llama(args, tok.get_vocab_size())
-        ref_model.load_state_dict(job_state["reference"])
-        ref_model.to(engine.device)
-        return CausalLMLogProbs(ref_model.requires_grad_(False).eval(), return_entropy=False)
-
-    def evaluate() -> Dict[str, float]:
-        return evaluate_pairs(policy, pref["ref"], held, micro, spec, len(held_all),
-                              topo.dp_group, engine.device)
-
-    if args.eval_only:
-        log(f"evaluating checkpoint {resume_from} (step {start})")
-        if start > args.sft_steps:
-            pref["ref"] = reference_module()
-        result = evaluate()
-        return report_checkpoint_eval(out_dir, rank, f"megaloss {name} job", resume_from, start,
-                                      result, [
-                                          ("held-out preference accuracy",
-                                           f"{result['accuracy']:.3f}"),
-                                          (f"held-out {name} reward accuracy",
-                                           f"{result['reward_accuracy']:.3f}"),
-                                          (f"held-out {name} rewards margin",
-                                           f"{result['reward_margin']:.4f}")])
-
-    rows: List[Dict[str, Any]] = job_state["rows"]
-    evals: List[Dict[str, Any]] = job_state["evals"]
-    saves: List[Dict[str, Any]] = job_state["saves"]
-    if not evals:
-        evals.append({"phase": "init", "step": 0, **evaluate()})
-        log(f"at initialisation: held-out preference accuracy {evals[0]['accuracy']:.3f}")
-
-    def start_preference() -> None:
-        """After SFT: the held-out figures and the reference model (the SFT model, frozen; read
-        back from the checkpoint when resuming past this point)."""
-        if not any(e["phase"] == "sft" for e in evals):
-            evals.append({"phase": "sft", "step": 0, **evaluate()})
-            log(f"after SFT: held-out preference accuracy {evals[-1]['accuracy']:.3f}")
-        if spec.needs_reference and job_state["reference"] is None:
-            job_state["reference"] = {k: v.detach().cpu().clone()
-                                      for k, v in model.state_dict().items()}
-        pref["ref"] = reference_module()
-        if args.preference_lr is not None:  # the job's configs have no lr scheduler
-            for group in engine.optimizer.param_groups:
-                group["lr"] = args.preference_lr
-        pref["started"] = True
-
-    def train_pairs(s: int) -> Pairs:
-        return _rank_share(draw(train_stream, micro * gas * dp, args.seed * 1_000_003 + s),
-                           dp, dp_rank)
-
-    def sft(s: int) -> Dict[str, Any]:
-        pairs = train_pairs(s)
-        m = sft_step(me, [sft_batch(pairs.rows(i * micro, (i + 1) * micro))
-                          for i in range(gas)])
-        if s % max(1, args.sft_steps // 5) == 0:
-            log(f"SFT step {s}/{args.sft_steps}: loss {m['loss']:.4f}")
-        return {"phase": "sft", "step": s, "optimizer_step": m["step"], "loss": m["loss"],
-                "num_tokens": m["num_tokens"], "lr": m["lr"], "num_pairs": "",
-                "reward_accuracy": "", "reward_margin": "", "logps_chosen": "",
-                "logps_rejected": "", "kl": "", "eval_accuracy": ""}
-
-    def preference(s: int) -> Dict[str, Any]:
-        pairs = train_pairs(500_000 + s)
-        m = preference_step(me, [pairs.rows(i * micro, (i + 1) * micro) for i in range(gas)],
-                            spec, pref["ref"])
-        eval_accuracy = ""
-        if args.eval_every and s % args.eval_every == 0 and s != args.steps:
-            evals.append({"phase": spec.name, "step": s, **evaluate()})
-            eval_accuracy = evals[-1]["accuracy"]
-        acc = m.get("rewards/accuracies", "")
-        if s % max(1, args.steps // 10) == 0 or s == args.steps:
-            log(f"{name} step {s}/{args.steps}: loss {m['loss']:.4f}, rewards margin "
-                f"{m['rewards/margins']:.4f}"
-                + (f", reward accuracy {acc:.3f}" if acc != "" else "")
-                + (f", held-out accuracy {eval_accuracy:.3f}" if eval_accuracy != "" else ""))
-        return {"phase": spec.name, "step": s, "optimizer_step": m["step"], "loss": m["loss"],
-                "num_tokens": m["num_tokens"], "lr": m["lr"], "num_pairs": m["num_pairs"],
-                "reward_accuracy": acc, "reward_margin": m["rewards/margins"],
-                "logps_chosen": m["logps/chosen"], "logps_rejected": m["logps/rejected"],
-                "kl": m.get("kl", ""), "eval_accuracy": eval_accuracy}
-
-    def save(step: int) -> None:
-        job = {"name": "dpo", "data_key": data_key, "seed": args.seed,
-               "sft_steps": args.sft_steps, "pairs": _pairs_key(args), "steps_done": step,
-               "rows": rows, "evals": evals, "saves": saves, "train_seconds": loop.seconds,
-               "reference": job_state["reference"]}
-        save_run(me, ckpt_dir, step, job, tok, args.keep_checkpoints, saves, log,
-                 tag=f"step_{step}")
-
-    total = args.sft_steps + args.steps
-    loop_args = argparse.Namespace(steps=total, no_progress=args.no_progress,
-                                   save_every=args.save_every, resume=args.resume)
-    stop = StopRequest().install()
-    loop = TrainLoop(loop_args, start, job_state["train_seconds"], stop, engine.device, save, log)
-    for step in loop:
-        if step <= args.sft_steps:
-            rows.append(sft(step))
-        else:
-            if not pref["started"]:
-                start_preference()
-            rows.append(preference(step - args.sft_steps))
-        last = rows[-1]
-        loop.show(phase=last["phase"], loss=f"{last['loss']:.3f}")
-    stopped, train_seconds = loop.stopped, loop.seconds
-    pref_rows = [r for r in rows if r["phase"] != "sft"]
-    sft_rows = [r for r in rows if r["phase"] == "sft"]
-    done = pref_rows[-1]["step"] if pref_rows else 0
-    if stopped is None and not (evals[-1]["phase"] == spec.name and evals[-1]["step"] == done):
-        evals.append({"phase": spec.name, "step": done, **evaluate()})
-        log(f"after {name}: held-out preference accuracy {evals[-1]['accuracy']:.3f} (after "
-            f"SFT {evals[1]['accuracy']:.3f})")
-
-    after_sft = next((e for e in evals if e["phase"] == "sft"), None)
-    after = evals[-1] if stopped is None and evals[-1]["phase"] == spec.name else None
-    summary = {
-        "eval_init": evals[0], "eval_before": after_sft, "eval_after": after,
-        "accuracy_before": after_sft and after_sft["accuracy"],
-        "accuracy_after": after and after["accuracy"],
-        "reward_accuracy_before": after_sft and after_sft["reward_accuracy"],
-        "reward_accuracy_after": after and after["reward_accuracy"],
-        "reward_margin_before": after_sft and after_sft["reward_margin"],
-        "reward_margin_after": after and after["reward_margin"],
-        "evals": evals, "sft_steps": len(sft_rows), "steps": len(pref_rows),
-        "sft_steps_requested": args.sft_steps, "steps_requested": args.steps,
-        "stopped": stopped, "resumed_from": resume_from and str(resume_from),
-        "resumed_at_step": start,
-        "sft_first_loss": sft_rows[0]["loss"] if sft_rows else None,
-        "sft_last_loss": sft_rows[-1]["loss"] if sft_rows else None,
-        "train_loss_first": pref_rows[0]["loss"] if pref_rows else None,
-        "train_loss_last": pref_rows[-1]["loss"] if pref_rows else None,
-        "train_seconds": train_seconds, "total_seconds": time.perf_counter() - t_start,
-        "loss": spec.describe(), "reference_model": spec.needs_reference,
-        "pairs": {**_pairs_key(args), "example": {
-            "prompt": tok.decode(example.prompts[0].tolist()),
-            "chosen": tok.decode(example.chosen[0].tolist()),
-            "rejected": tok.decode(example.rejected[0].tolist())}},
-        "eval_pairs": len(held_all), "pairs_per_step": micro * gas * dp,
-        "dp": dp, "zero_stage": engine.zero_optimization_stage(), "micro_batch": micro,
-        "gas": gas, "vocab_size": tok.get_vocab_size(), "parameters": int(n_params),
-        "engine_loss_multiplier": me.engine_scale.loss_multiplier,
-        "model": f"Llama {cfg.num_hidden_layers}L x {cfg.hidden_size}",
-        "checkpoints": checkpoint_stats(saves, since=saves_before),
-        "data": "stdlib" if not args.train_data else "user files", "data_key": data_key, **info,
-    }
-
-    def write_outputs() -> None:
-        write_metrics_csv(out_dir / "metrics.csv", rows)
-        write_summary_json(out_dir / "summary.json", summary)
-        pref_evals = [e for e in evals if e["phase"] != "init"]
-        plot_loss_curve(
-            out_dir / "loss_curve.png",
-            [Curve(f"train {name} reward accuracy", [r["step"] for r in pref_rows],
-                   [r["reward_accuracy"] if r["reward_accuracy"] != "" else float("nan")
-                    for r in pref_rows]),
-             Curve("held-out preference accuracy", [e["step"] for e in pref_evals],
-                   [e["accuracy"] for e in pref_evals], "o-")],
-            title=f"megaloss {name}: {summary['model']}, {args.rejected} rejected",
-            ylabel="accuracy", xlabel=f"{name} step (0: after SFT)", grid=True)
-
-    finish_run(out_dir, rank, write_outputs, lambda: print_summary(summary), log,
-               engine=engine, stop=stop)
-    return summary
+    return run(Preference(parse_args(argv)), StopRequest)
 
 
 if __name__ == "__main__":

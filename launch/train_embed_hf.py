@@ -49,12 +49,11 @@ import argparse
 import os
 import shutil
 import tempfile
-import time
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from launch.jobs.agreement import agreed
 from launch.jobs.arguments import (
     add_embedding_arguments,
     add_job_arguments,
@@ -66,47 +65,11 @@ from launch.jobs.arguments import (
 )
 from launch.jobs.models import build_encoder
 from launch.jobs.pair_data import load_pairs_cached, tokenizer_cached
-from launch.jobs.reporting import (
-    Curve,
-    plot_loss_curve,
-    print_summary_table,
-    rank0_logger,
-    write_metrics_csv,
-    write_summary_json,
-)
+from launch.jobs.reporting import Curve
 from launch.jobs.retrieval import evaluate_sentence_transformer
-from launch.jobs.runs import (
-    agreed,
-    finish_run,
-    open_trainer_run,
-    quiet_job_environment,
-    run_job,
-    start_trainer_process,
-)
+from launch.jobs.runner import Table, TrainerJob, run_job, run_trainer
 from launch.jobs.summaries import retrieval_summary_rows
 from launch.jobs.text_data import EOS
-
-quiet_job_environment()
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = job_parser(__doc__)
-    # train_embed.py: 200 steps; 150 keep the default run at a few minutes on 2 CPU cores
-    add_job_arguments(p, steps=150, output_dir=os.path.join("runs", "embed_hf"))
-    add_pair_data_arguments(p)
-    add_embedding_arguments(p)
-    p.add_argument("--max_seq_len", type=int, default=128,
-                   help="tokens per text (queries and documents alike)")
-    add_trainer_arguments(p, loss_section="mnr", batch_size=32, gradient_accumulation_steps=1,
-                          unit="pairs")
-    p.add_argument("--save_model", action="store_true",
-                   help="save the trained SentenceTransformer to <output_dir>/model")
-    args = p.parse_args(argv)
-    require_at_least(p, args, ("steps", "batch_size", "gradient_accumulation_steps", "vocab_size",
-                               "max_seq_len", "eval_batch_size", "logging_steps",
-                               "mini_batch_size"))
-    check_input_files(p, args)
-    return args
 
 
 # model -----------------------------------------------------------------------------------------
@@ -190,113 +153,139 @@ def train_rows(log_history: List[Dict[str, Any]]) -> List[Dict[str, float]]:
     return rows
 
 
-def write_outputs(out_dir: Path, rows: List[Dict[str, float]], summary: Dict) -> None:
-    write_metrics_csv(out_dir / "metrics.csv", rows)
-    write_summary_json(out_dir / "summary.json", summary)
-    b, a = summary["eval_before"], summary["eval_after"]
-    plot_loss_curve(
-        out_dir / "loss_curve.png",
-        [Curve(f"{summary['loss']} (global batch)", [r["step"] for r in rows],
-               [r["loss"] for r in rows], "o-", style={"lw": 1, "ms": 3})],
-        title=f"SentenceTransformerTrainer code search: MRR@10 {b['mrr@10']:.3f} -> "
-              f"{a['mrr@10']:.3f}", ylabel="loss")
+# the job ---------------------------------------------------------------------------------------
+def figures(entry: Dict[str, Any]) -> Dict[str, float]:
+    """An evaluation without the step it was recorded at."""
+    return {k: v for k, v in entry.items() if k != "step"}
 
 
-def print_summary(summary: Dict) -> None:
-    rows = retrieval_summary_rows(summary, "train MNR loss (first / last log)")
-    extra = (f"{summary['train_pairs']} train / {summary['eval_pairs']} held-out pairs, "
-             f"{summary['steps']} steps x {summary['global_batch']} pairs (micro-batch "
-             f"{summary['micro_batch']} x GAS {summary['gas']} x DP {summary['dp']}), ZeRO-"
-             f"{summary['zero_stage']}, {summary['loss']}, {summary['parameters'] / 1e6:.2f} M "
-             f"params, {summary['train_seconds']:.0f} s training")
-    print_summary_table("code-search embedding (SentenceTransformerTrainer)", rows, extra)
+class TrainerEmbedding(TrainerJob):
+    """The job for the runner (:func:`launch.jobs.runner.run_trainer`): the bi-encoder with
+    megaloss's gathered MNR in ``SentenceTransformerTrainer``, held-out retrieval before and
+    after training."""
+
+    tag = "embed_hf"
+    hf_trainer: Any = None
+
+    def build(self) -> None:
+        args, world, log = self.args, self.world, self.run.log
+        train, held, self.data_key = load_pairs_cached(args)
+        tokenizer = tokenizer_cached([t for p in train for t in (p.query, p.document)],
+                                     args.vocab_size, args.cache_dir, args.local_rank)
+        micro, gas = args.batch_size, args.gradient_accumulation_steps
+        if len(train) < micro * gas * world:
+            raise SystemExit(f"{len(train)} training pairs cannot fill one global batch of "
+                             f"{micro * gas * world}: give more data or a smaller --batch_size")
+        log(f"data: {len(train)} train / {len(held)} held-out pairs "
+            f"({'stdlib' if args.train_data is None else 'user data'}), BPE vocab "
+            f"{tokenizer.get_vocab_size()}")
+        self.train, self.held = train, held
+        self.model = agreed(lambda: build_sentence_transformer(tokenizer, args), everywhere=True,
+                            what="building the SentenceTransformer")
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+
+    def evaluate(self) -> Dict[str, Any]:
+        model = self.model if self.hf_trainer is None else self.hf_trainer.model
+        return evaluate_sentence_transformer(model, [p.query for p in self.held],
+                                             [p.document for p in self.held],
+                                             self.args.eval_batch_size)
+
+    def on_eval(self, when: str, entry: Dict[str, Any]) -> None:
+        self.run.log(f"{when} training: held-out MRR@10 {entry['mrr@10']:.4f}, "
+                     f"recall@1 {entry['recall@1']:.4f}")
+
+    def trainer(self) -> Any:
+        from datasets import Dataset
+        from sentence_transformers import (
+            SentenceTransformerTrainer,
+            SentenceTransformerTrainingArguments,
+        )
+
+        args, out_dir, world = self.args, self.out_dir, self.world
+        micro, gas = args.batch_size, args.gradient_accumulation_steps
+        self.loss = loss = build_loss(self.model, self.ml.mnr, args.mini_batch_size)
+        train_ds = Dataset.from_dict({"anchor": [p.query for p in self.train],
+                                      "positive": [p.document for p in self.train]})
+        targs = SentenceTransformerTrainingArguments(
+            output_dir=str(out_dir), per_device_train_batch_size=micro,
+            gradient_accumulation_steps=gas, max_steps=args.steps, learning_rate=args.lr,
+            warmup_steps=args.warmup_steps, lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr_rate": 0.1}, weight_decay=0.01, max_grad_norm=1.0,
+            logging_steps=args.logging_steps, logging_first_step=True, save_strategy="no",
+            report_to=args.report_to, run_name=out_dir.name, seed=args.seed,
+            use_cpu=not torch.cuda.is_available(), deepspeed=self.ds_config,
+            dataloader_drop_last=True, dataloader_num_workers=0, disable_tqdm=args.no_progress)
+        self.hf_trainer = SentenceTransformerTrainer(model=self.model, args=targs,
+                                                     train_dataset=train_ds, loss=loss)
+        self.run.log(
+            f"training: DP={world}, ZeRO-"
+            f"{self.ds_config.get('zero_optimization', {}).get('stage', 0)}, micro-batch "
+            f"{micro} x GAS {gas} x DP {world} = {micro * gas * world} pairs/step, "
+            f"{self.n_params / 1e6:.2f} M params, loss {type(loss).__name__}"
+            f"({', '.join(f'{k}={v!r}' for k, v in loss.get_config_dict().items())})")
+        return self.hf_trainer
+
+    def after(self, trainer: Any) -> None:
+        after = self.run.evals[-1]
+        trainer.log({"eval_mrr@10": after["mrr@10"], "eval_recall@1": after["recall@1"]})
+        if self.args.save_model:
+            trainer.save_model(str(self.out_dir / "model"))  # collective under ZeRO-3
+
+    def train_rows(self, trainer: Any) -> List[Dict[str, Any]]:
+        return train_rows(trainer.state.log_history)
+
+    def summary(self) -> Dict[str, Any]:
+        args, evals = self.args, self.run.evals
+        # the SentenceTransformer, trained (DeepSpeed's engine wraps it)
+        config = self.hf_trainer.model[0].auto_model.config
+        return {"eval_before": figures(evals[0]), "eval_after": figures(evals[-1]),
+                "train_pairs": len(self.train), "eval_pairs": len(self.held),
+                "global_batch": args.batch_size * args.gradient_accumulation_steps * self.world,
+                "mini_batch_size": args.mini_batch_size, "loss": type(self.loss).__name__,
+                "loss_config": self.loss.get_config_dict(), "parameters": self.n_params,
+                "model": f"BERT {args.model_size} ({config.num_hidden_layers}"
+                         f"L x {config.hidden_size}) + mean pooling",
+                "data": "stdlib" if args.train_data is None else "user data",
+                "data_key": self.data_key}
+
+    def plot(self, summary: Dict[str, Any]) -> Dict[str, Any]:
+        rows, b, a = self.run.rows, summary["eval_before"], summary["eval_after"]
+        return {"curves": [Curve(f"{summary['loss']} (global batch)", [r["step"] for r in rows],
+                                 [r["loss"] for r in rows], "o-", style={"lw": 1, "ms": 3})],
+                "title": f"SentenceTransformerTrainer code search: MRR@10 {b['mrr@10']:.3f} -> "
+                         f"{a['mrr@10']:.3f}", "ylabel": "loss"}
+
+    def table(self, summary: Dict[str, Any]) -> Table:
+        return Table("code-search embedding (SentenceTransformerTrainer)",
+                     retrieval_summary_rows(summary, "train MNR loss (first / last log)"), (
+            f"{summary['train_pairs']} train / {summary['eval_pairs']} held-out pairs, "
+            f"{summary['steps']} steps x {summary['global_batch']} pairs (micro-batch "
+            f"{summary['micro_batch']} x GAS {summary['gas']} x DP {summary['dp']}), ZeRO-"
+            f"{summary['zero_stage']}, {summary['loss']}, {summary['parameters'] / 1e6:.2f} M "
+            f"params, {summary['train_seconds']:.0f} s training"))
 
 
-# main ------------------------------------------------------------------------------------------
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = job_parser(__doc__)
+    # train_embed.py: 200 steps; 150 keep the default run at a few minutes on 2 CPU cores
+    add_job_arguments(p, steps=150, output_dir=os.path.join("runs", "embed_hf"))
+    add_pair_data_arguments(p)
+    add_embedding_arguments(p)
+    p.add_argument("--max_seq_len", type=int, default=128,
+                   help="tokens per text (queries and documents alike)")
+    add_trainer_arguments(p, loss_section="mnr", batch_size=32, gradient_accumulation_steps=1,
+                          unit="pairs")
+    p.add_argument("--save_model", action="store_true",
+                   help="save the trained SentenceTransformer to <output_dir>/model")
+    args = p.parse_args(argv)
+    require_at_least(p, args, ("steps", "batch_size", "gradient_accumulation_steps", "vocab_size",
+                               "max_seq_len", "eval_batch_size", "logging_steps",
+                               "mini_batch_size"))
+    return check_input_files(p, args)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
-    args = parse_args(argv)
-    t_start = time.perf_counter()
-    out_dir = Path(args.output_dir)
-    rank, world = start_trainer_process(args.local_rank, args.report_to, out_dir)
-    log = rank0_logger("embed_hf", rank, t_start)
-
-    ds_config, ml = open_trainer_run(args, out_dir)
-
-    train, held, data_key = load_pairs_cached(args)
-    tokenizer = tokenizer_cached([t for p in train for t in (p.query, p.document)],
-                                 args.vocab_size, args.cache_dir, args.local_rank)
-    micro, gas = args.batch_size, args.gradient_accumulation_steps
-    if len(train) < micro * gas * world:
-        raise SystemExit(f"{len(train)} training pairs cannot fill one global batch of "
-                         f"{micro * gas * world}: give more data or a smaller --batch_size")
-    log(f"data: {len(train)} train / {len(held)} held-out pairs "
-        f"({'stdlib' if args.train_data is None else 'user data'}), BPE vocab "
-        f"{tokenizer.get_vocab_size()}")
-
-    model = agreed(lambda: build_sentence_transformer(tokenizer, args), everywhere=True,
-                   what="building the SentenceTransformer")
-    n_params = sum(p.numel() for p in model.parameters())
-    queries, documents = [p.query for p in held], [p.document for p in held]
-    before = evaluate_sentence_transformer(model, queries, documents, args.eval_batch_size)
-    log(f"before training: held-out MRR@10 {before['mrr@10']:.4f}, "
-        f"recall@1 {before['recall@1']:.4f}")
-
-    from datasets import Dataset
-    from sentence_transformers import (
-        SentenceTransformerTrainer,
-        SentenceTransformerTrainingArguments,
-    )
-
-    loss = build_loss(model, ml.mnr, args.mini_batch_size)
-    train_ds = Dataset.from_dict({"anchor": [p.query for p in train],
-                                  "positive": [p.document for p in train]})
-    targs = SentenceTransformerTrainingArguments(
-        output_dir=str(out_dir), per_device_train_batch_size=micro,
-        gradient_accumulation_steps=gas, max_steps=args.steps, learning_rate=args.lr,
-        warmup_steps=args.warmup_steps, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": 0.1}, weight_decay=0.01, max_grad_norm=1.0,
-        logging_steps=args.logging_steps, logging_first_step=True, save_strategy="no",
-        report_to=args.report_to, run_name=out_dir.name, seed=args.seed,
-        use_cpu=not torch.cuda.is_available(), deepspeed=ds_config,
-        dataloader_drop_last=True, dataloader_num_workers=0, disable_tqdm=args.no_progress)
-    trainer = SentenceTransformerTrainer(model=model, args=targs, train_dataset=train_ds,
-                                         loss=loss)
-    log(f"training: DP={world}, ZeRO-{ds_config.get('zero_optimization', {}).get('stage', 0)}, "
-        f"micro-batch {micro} x GAS {gas} x DP {world} = {micro * gas * world} pairs/step, "
-        f"{n_params / 1e6:.2f} M params, loss {type(loss).__name__}"
-        f"({', '.join(f'{k}={v!r}' for k, v in loss.get_config_dict().items())})")
-    t_train = time.perf_counter()
-    trainer.train()
-    train_seconds = time.perf_counter() - t_train
-    model = trainer.model  # the SentenceTransformer, trained (DeepSpeed's engine wraps it)
-    log(f"trained {trainer.state.global_step} steps in {train_seconds:.1f} s")
-    after = evaluate_sentence_transformer(model, queries, documents, args.eval_batch_size)
-    log(f"after training: held-out MRR@10 {after['mrr@10']:.4f}, "
-        f"recall@1 {after['recall@1']:.4f}")
-    trainer.log({"eval_mrr@10": after["mrr@10"], "eval_recall@1": after["recall@1"]})
-    if args.save_model:
-        trainer.save_model(str(out_dir / "model"))  # collective under ZeRO-3
-
-    rows = train_rows(trainer.state.log_history)
-    engine = trainer.model_wrapped
-    zero_stage = (engine.zero_optimization_stage()
-                  if hasattr(engine, "zero_optimization_stage") else None)
-    summary = {"eval_before": before, "eval_after": after, "steps": trainer.state.global_step,
-               "first_loss": rows[0]["loss"] if rows else None,
-               "last_loss": rows[-1]["loss"] if rows else None,
-               "train_pairs": len(train), "eval_pairs": len(held), "dp": world,
-               "micro_batch": micro, "gas": gas, "global_batch": micro * gas * world,
-               "mini_batch_size": args.mini_batch_size, "loss": type(loss).__name__,
-               "loss_config": loss.get_config_dict(), "parameters": n_params,
-               "model": f"BERT {args.model_size} ({model[0].auto_model.config.num_hidden_layers}"
-                        f"L x {model[0].auto_model.config.hidden_size}) + mean pooling",
-               "zero_stage": zero_stage, "deepspeed_config": args.deepspeed_config,
-               "data": "stdlib" if args.train_data is None else "user data",
-               "data_key": data_key, "train_seconds": train_seconds,
-               "total_seconds": time.perf_counter() - t_start}
-    finish_run(out_dir, rank, lambda: write_outputs(out_dir, rows, summary),
-               lambda: print_summary(summary), log)
-    return summary
+    return run_trainer(TrainerEmbedding(parse_args(argv)))
 
 
 if __name__ == "__main__":

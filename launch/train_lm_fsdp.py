@@ -39,149 +39,24 @@ import argparse
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from launch.jobs.arguments import (
-    add_job_arguments,
-    add_llama_arguments,
-    add_lm_data_arguments,
-    check_input_files,
+    add_lm_job_arguments,
+    check_job_arguments,
     job_parser,
     require_at_least,
 )
+from launch.jobs.fsdp_checkpoints import FSDPCheckpoints
 from launch.jobs.lm_data import eval_batches, load_blocks
+from launch.jobs.lm_job import LMJob
 from launch.jobs.models import build_llama
-from launch.jobs.reporting import print_summary_table, rank0_logger
-from launch.jobs.runs import (
-    CHECKPOINTS,
-    StopRequest,
-    TrainLoop,
-    add_run_arguments,
-    check_run_arguments,
-    checkpoint_stats,
-    finish_run,
-    open_run,
-    quiet_job_environment,
-    report_checkpoint_eval,
-    run_job,
-)
-from launch.jobs.summaries import lm_summary_rows, write_lm_outputs
-from launch.jobs.text_data import StepBatches
-from megaloss.integrations.deepspeed.train_step import peak_memory_mib
-from megaloss.parallel import all_reduce_sum_
-
-quiet_job_environment()
-
-# The job's record in a checkpoint folder, next to DCP's files. The name ends in
-# ``model_states.pt``: megaloss.integrations.deepspeed.checkpoint.resolve_checkpoint recognises a
-# checkpoint folder by such a file (``--resume PATH`` of one folder), and check_checkpoint_files
-# verifies every ``*.pt`` archive before a resume.
-JOB_RECORD = "job_model_states.pt"
-DCP_FOLDER = "dcp"
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = job_parser(__doc__)
-    g = p.add_argument_group("FSDP2 training (defaults: configs/zero2.json's)")
-    g.add_argument("--micro_batch_size", type=int, default=8,
-                   help="blocks per process per micro-batch")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=2,
-                   help="micro-batches per optimizer step (gradients kept local until the last)")
-    g.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
-    g.add_argument("--warmup_steps", type=int, default=10,
-                   help="linear warm-up: step k uses lr x min(1, k / warmup_steps)")
-    g.add_argument("--weight_decay", type=float, default=0.01)
-    g.add_argument("--grad_clip", type=float, default=1.0,
-                   help="clip the global gradient norm to this (0: no clipping)")
-    g.add_argument("--chunk_size", type=int, default=1024,
-                   help="tokens per chunk of megaloss's chunked CE")
-    g.add_argument("--z_loss", type=float, default=1e-4, help="z-loss coefficient")
-    g.add_argument("--loss_reduction", choices=("token", "sample", "square"), default="token",
-                   help="global loss calibration (megaloss.LossCalibrator): token mean, mean of "
-                        "per-sample means, or 1/sqrt(n) sample weights")
-    g.add_argument("--no_reshard_after_forward", action="store_true",
-                   help="keep the unsharded parameters from forward to backward (fewer "
-                        "all-gathers, more memory)")
-    g.add_argument("--tensor_parallel_size", type=int, default=1,
-                   help="FSDP2 x tensor parallelism: the lm_head split over the vocabulary "
-                        "(ColwiseParallel, a Shard(0) DTensor) across this many ranks, "
-                        "megaloss's vocab-parallel CE on its shard, the decoder replicated over "
-                        "them; NUM_PROCS must be a multiple of it")
-    add_job_arguments(p, steps=150, output_dir=os.path.join("runs", "lm_fsdp"))
-    add_lm_data_arguments(p)
-    add_llama_arguments(p)
-    add_run_arguments(p)
-    args = p.parse_args(argv)
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
-    require_at_least(p, args, ("micro_batch_size", "gradient_accumulation_steps",
-                               "tensor_parallel_size", "chunk_size"))
-    if args.warmup_steps < 0:
-        p.error("--warmup_steps must be >= 0")
-    if args.tensor_parallel_size > 1 and args.tie_word_embeddings:
-        p.error(f"--tie_word_embeddings with --tensor_parallel_size {args.tensor_parallel_size}: "
-                "this job splits only the lm_head over the TP ranks, and a tied input "
-                "embedding would have to be split with it; untie it, or use "
-                "launch/train_lm.sh (DeepSpeed, VocabParallelEmbedding)")
-    world = os.environ.get("MEGALOSS_WORLD_SIZE") or os.environ.get("WORLD_SIZE")
-    if world and int(world) % args.tensor_parallel_size:
-        p.error(f"--tensor_parallel_size {args.tensor_parallel_size} does not divide the "
-                f"{world} processes; set NUM_PROCS to a multiple of it")
-    check_run_arguments(p, args)
-    check_input_files(p, args)
-    return args
-
-
-def print_summary(summary: Dict[str, Any]) -> None:
-    """The before/after table of held-out perplexity and losses, with the run's figures."""
-    after = summary["eval_after"]
-    stopped = summary.get("stopped")
-    info = (f"{summary['steps']} steps in {summary['train_seconds']:.1f} s, "
-            f"{summary['tokens_per_s']:.0f} tokens/s, FSDP2 DP={summary['dp']} x "
-            f"TP={summary['tp']}, "
-            f"measured loss multiplier {summary['engine_loss_multiplier']:g}, peak memory "
-            f"{summary['peak_memory_mib']:.0f} MiB/rank"
-            + (f"; stopped by {stopped['signal']} at step {stopped['step']} (resume with "
-               "--resume)" if stopped else ""))
-    last = "after" if not (stopped and after) else f"step {after['step']}"
-    rows = lm_summary_rows(summary, "train loss (first / last step)")
-    print_summary_table("megaloss LM job (FSDP2)", rows, info,
-                        columns=("metric", "before", last))
-
-
-# process ----------------------------------------------------------------------------------------
-def start_fsdp_process(output_dir: str):
-    """torch.distributed from torchrun's environment (gloo on CPU, NCCL on CUDA; one process
-    without it), the rank's device, threads per process on CPU. Returns ``(rank, world,
-    device)``."""
-    import torch.distributed as dist
-
-    from launch.jobs.peers import record_peers
-    from launch.jobs.processes import keep_tracebacks_in
-    from megaloss.testing import free_port
-
-    keep_tracebacks_in(output_dir)
-    if "RANK" not in os.environ:  # plain `python -m launch.train_lm_fsdp`: one process
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-        if "OMP_NUM_THREADS" not in os.environ:
-            per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"])
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
-    dist.init_process_group(backend)
-    if dist.get_world_size() > 1:
-        record_peers(dist)  # which peer died, should a collective fail (run_job)
-    return dist.get_rank(), dist.get_world_size(), device
+from launch.jobs.processes import start_torchrun_process
+from launch.jobs.runner import StopRequest, Table, run, run_job
+from megaloss.integrations.step.metrics import peak_memory_mib
+from megaloss.parallel.comm import all_reduce_sum_
 
 
 def gather_per_rank(value: float) -> List[float]:
@@ -336,225 +211,154 @@ def evaluate(wrapper, batches, device: torch.device, group=None) -> Dict[str, fl
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "num_tokens": n}
 
 
-# checkpoints ------------------------------------------------------------------------------------
-def save_checkpoint(wrapper, opt, ckpt_dir: Path, step: int, job: dict, tokenizer: Any,
-                    keep: int, saves: List[dict], log) -> Path:
-    """One DCP checkpoint (collective): ``<ckpt_dir>/step_<k>/dcp`` holds the sharded model and
-    optimizer state (each rank writes its shards), rank 0 writes the job's record, the tokenizer
-    and then ``<ckpt_dir>/latest`` (so ``latest`` names only complete saves), and prunes to the
-    ``keep`` newest."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+# the job ----------------------------------------------------------------------------------------
+class FSDPLM(LMJob):
+    """The job for the runner (:mod:`launch.jobs.runner`): the Llama of ``args`` ``fully_shard``
+    -ed over the processes (x TP), :func:`train_step` and :func:`evaluate` above, DCP
+    checkpoints (:class:`launch.jobs.fsdp_checkpoints.FSDPCheckpoints`)."""
 
-    from launch.jobs.text_data import atomic_write
-    from megaloss.integrations.deepspeed.checkpoint import checkpoint_bytes, prune_checkpoints
+    tag, title, name = "lm-fsdp", "megaloss LM job (FSDP2)", "lm_fsdp"
 
-    t0 = time.perf_counter()
-    folder = ckpt_dir / f"step_{step}"
-    model_sd, optim_sd = get_state_dict(wrapper, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / DCP_FOLDER))
-    if dist.get_rank() == 0:
-        import io
+    def start_process(self) -> int:
+        rank, self.world, self.device = start_torchrun_process(self.args.output_dir)
+        return rank
 
-        buf = io.BytesIO()
-        torch.save({"job": job}, buf)
-        atomic_write(folder / JOB_RECORD, buf.getvalue())
-        atomic_write(folder / "tokenizer.json", tokenizer.to_str())
-        atomic_write(ckpt_dir / "latest", folder.name)
-        prune_checkpoints(ckpt_dir, keep)
-    dist.barrier()
-    seconds = time.perf_counter() - t0
-    saves.append({"step": step, "seconds": seconds, "mib": checkpoint_bytes(folder) / 2**20,
-                  "path": str(folder)})
-    log(f"saved {folder} ({saves[-1]['mib']:.1f} MiB) in {seconds:.2f} s")
-    return folder
+    def build(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from megaloss import CrossEntropyOptions, LossCalibrator, Topology
+        from megaloss.calibration import probe_fsdp
+
+        args, world, device, log = self.args, self.world, self.device, self.run.log
+        self.micro, self.gas = micro, gas = args.micro_batch_size, args.gradient_accumulation_steps
+        tp = args.tensor_parallel_size
+        if world % tp:  # what parse_args checks too, when the world size is known to it
+            raise SystemExit(f"--tensor_parallel_size {tp} does not divide the {world} processes")
+        self.dp = dp = world // tp
+        self.tok, self.train_blocks, held_blocks, self.info, self.data_key = load_blocks(args, log)
+        self.vocab = vocab = self.tok.get_vocab_size()
+        model, self.cfg = build_llama(args, vocab)
+        self.n_params = sum(p.numel() for p in model.base_model.parameters()) + (
+            0 if self.cfg.tie_word_embeddings else vocab * self.cfg.hidden_size)
+        options = CrossEntropyOptions(reduction="sum", chunk_size=args.chunk_size,
+                                      z_loss=args.z_loss)
+        if tp == 1:
+            mesh = init_device_mesh(device.type, (world,))
+            dp_mesh, topo = mesh, Topology.default()
+        else:
+            mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+            dp_mesh, topo = mesh["dp"], Topology.from_device_mesh(mesh)
+        self.wrapper = wrapper = build_wrapper(model, options, mesh, tp, device)
+        shard_model(wrapper, model, dp_mesh, reshard=not args.no_reshard_after_forward)
+        self.scale = scale = probe_fsdp(wrapper, gas=gas, accumulation="no_sync")
+        self.calib = LossCalibrator(topo, loss_reduction=args.loss_reduction, engine_scale=scale)
+        self.group, self.dp_rank = topo.dp_sp_group, topo.dp_rank
+        decay = [p for p in wrapper.parameters() if p.ndim >= 2]
+        no_decay = [p for p in wrapper.parameters() if p.ndim < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+        log(f"FSDP2 ready: {world} processes ({device.type}), DP={dp} x TP={tp}, micro-batch "
+            f"{micro} x GAS {gas} x DP {dp} = {micro * gas * dp} x {args.seq_len} tokens/step, "
+            f"{self.n_params / 1e6:.2f} M params, measured loss multiplier "
+            f"{scale.loss_multiplier:g} ({scale.engine}), loss_reduction {args.loss_reduction}")
+        self.held = eval_batches(held_blocks, micro, dp, topo.dp_rank)
+        self.checkpoints = FSDPCheckpoints(wrapper, self.opt, self.tok, self.data_key)
+
+    def begin(self, start: int) -> None:
+        super().begin(start)
+        self.wrapper.train()
+
+    def step(self, step: int) -> Dict[str, Any]:
+        m = train_step(self.wrapper, self.opt, self.calib, next(self.batches), self.args, step,
+                       self.device)
+        m["samples"] = step * self.micro * self.gas * self.dp
+        return m
+
+    def evaluate(self) -> Dict[str, Any]:
+        return evaluate(self.wrapper, self.held, self.device, self.group)
+
+    def summary(self) -> Dict[str, Any]:
+        args, scale = self.args, self.scale
+        return {
+            **self.run_summary(), "engine": "fsdp2", "dp": self.dp, "sp": 1,
+            "tp": args.tensor_parallel_size, "pp": 1,
+            "reshard_after_forward": not args.no_reshard_after_forward,
+            "loss_reduction": args.loss_reduction, "vocab_size": self.vocab,
+            "parameters": int(self.n_params), "engine_loss_multiplier": scale.loss_multiplier,
+            "engine_scale": scale.engine,
+            "ce": {"chunk_size": args.chunk_size, "z_loss": args.z_loss,
+                   "loss_reduction": args.loss_reduction},
+            "optimizer": {"type": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8,
+                          "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
+                          "grad_clip": args.grad_clip},
+            "model": f"Llama {self.cfg.num_hidden_layers}L x {self.cfg.hidden_size}", **self.info,
+        }
+
+    def gather_per_rank(self, value: Any) -> Any:
+        return gather_per_rank(value)
+
+    def local_parameters(self) -> int:
+        return sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                   for p in self.wrapper.parameters())
+
+    def plot_title(self, summary: Dict[str, Any]) -> str:
+        return f"megaloss LM (FSDP2): {summary['model']} on {summary['data']}"
+
+    def table(self, summary: Dict[str, Any]) -> Table:
+        """The before/after table of held-out perplexity and losses, with the run's figures."""
+        return self.lm_table(summary, "megaloss LM job (FSDP2)", self.run_info(
+            summary, f"FSDP2 DP={summary['dp']} x TP={summary['tp']}",
+            "measured loss multiplier"))
 
 
-def load_checkpoint(wrapper, opt, resume_from: str, job_state: dict, data_key: str,
-                    log) -> str:
-    """Load the checkpoint ``resume_from`` (a checkpoints folder: its ``latest``; or one
-    checkpoint folder) into the sharded model and optimizer, and the job's record into
-    ``job_state``. Collective.
-
-    Raises:
-        SystemExit: a damaged checkpoint file; a checkpoint of other data or tokenizer.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from launch.jobs.agreement import agreed
-    from megaloss.integrations.deepspeed.checkpoint import (
-        check_checkpoint_files,
-        resolve_checkpoint,
-    )
-
-    load_dir, tag = resolve_checkpoint(resume_from)
-    folder = load_dir / tag
-
-    def check():
-        try:
-            check_checkpoint_files(folder)
-        except ValueError as e:
-            raise SystemExit(f"--resume {resume_from}: {e}") from None
-        if not (folder / DCP_FOLDER / ".metadata").is_file():
-            raise SystemExit(f"--resume {resume_from}: {folder} holds no DCP checkpoint "
-                             f"({folder / DCP_FOLDER / '.metadata'} is missing): not a "
-                             "checkpoint of train_lm_fsdp")
-
-    agreed(check, what=f"--resume {resume_from}")
-    t0 = time.perf_counter()
-    saved = torch.load(folder / JOB_RECORD, weights_only=False)["job"]
-    if saved.get("data_key") != data_key:
-        raise SystemExit(f"checkpoint {folder} was trained on other data or another tokenizer "
-                         f"(data_key {saved.get('data_key')}; these options give {data_key}): "
-                         "pass the same --train_data / --eval_data / --eval_fraction / "
-                         "--max_train_bytes / --vocab_size")
-    model_sd, optim_sd = get_state_dict(wrapper, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(folder / DCP_FOLDER))
-    set_state_dict(wrapper, opt, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    job_state.update({k: saved[k] for k in job_state if k in saved})
-    log(f"resumed from {folder} at step {job_state['steps_done']} in "
-        f"{time.perf_counter() - t0:.2f} s")
-    return str(folder)
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = job_parser(__doc__)
+    g = p.add_argument_group("FSDP2 training (defaults: configs/zero2.json's)")
+    g.add_argument("--micro_batch_size", type=int, default=8,
+                   help="blocks per process per micro-batch")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=2,
+                   help="micro-batches per optimizer step (gradients kept local until the last)")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
+    g.add_argument("--warmup_steps", type=int, default=10,
+                   help="linear warm-up: step k uses lr x min(1, k / warmup_steps)")
+    g.add_argument("--weight_decay", type=float, default=0.01)
+    g.add_argument("--grad_clip", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0: no clipping)")
+    g.add_argument("--chunk_size", type=int, default=1024,
+                   help="tokens per chunk of megaloss's chunked CE")
+    g.add_argument("--z_loss", type=float, default=1e-4, help="z-loss coefficient")
+    g.add_argument("--loss_reduction", choices=("token", "sample", "square"), default="token",
+                   help="global loss calibration (megaloss.LossCalibrator): token mean, mean of "
+                        "per-sample means, or 1/sqrt(n) sample weights")
+    g.add_argument("--no_reshard_after_forward", action="store_true",
+                   help="keep the unsharded parameters from forward to backward (fewer "
+                        "all-gathers, more memory)")
+    g.add_argument("--tensor_parallel_size", type=int, default=1,
+                   help="FSDP2 x tensor parallelism: the lm_head split over the vocabulary "
+                        "(ColwiseParallel, a Shard(0) DTensor) across this many ranks, "
+                        "megaloss's vocab-parallel CE on its shard, the decoder replicated over "
+                        "them; NUM_PROCS must be a multiple of it")
+    add_lm_job_arguments(p, steps=150, output_dir=os.path.join("runs", "lm_fsdp"))
+    args = p.parse_args(argv)
+    require_at_least(p, args, ("steps", "micro_batch_size", "gradient_accumulation_steps",
+                               "tensor_parallel_size", "chunk_size"))
+    if args.warmup_steps < 0:
+        p.error("--warmup_steps must be >= 0")
+    if args.tensor_parallel_size > 1 and args.tie_word_embeddings:
+        p.error(f"--tie_word_embeddings with --tensor_parallel_size {args.tensor_parallel_size}: "
+                "this job splits only the lm_head over the TP ranks, and a tied input "
+                "embedding would have to be split with it; untie it, or use "
+                "launch/train_lm.sh (DeepSpeed, VocabParallelEmbedding)")
+    world = os.environ.get("MEGALOSS_WORLD_SIZE") or os.environ.get("WORLD_SIZE")
+    if world and int(world) % args.tensor_parallel_size:
+        p.error(f"--tensor_parallel_size {args.tensor_parallel_size} does not divide the "
+                f"{world} processes; set NUM_PROCS to a multiple of it")
+    return check_job_arguments(p, args)
 
 
-# main -------------------------------------------------------------------------------------------
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    args = parse_args(argv)
-    t_start = time.perf_counter()
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from megaloss import CrossEntropyOptions, LossCalibrator, Topology
-    from megaloss.calibration import probe_fsdp
-
-    rank, world, device = start_fsdp_process(args.output_dir)
-    out_dir = Path(args.output_dir)
-    ckpt_dir = out_dir / CHECKPOINTS
-    log = rank0_logger("lm-fsdp", rank, t_start)
-
-    resume_from = open_run(args, out_dir, {})
-    micro, gas = args.micro_batch_size, args.gradient_accumulation_steps
-    tp = args.tensor_parallel_size
-    if world % tp:  # what parse_args checks too, when the world size is known to it
-        raise SystemExit(f"--tensor_parallel_size {tp} does not divide the {world} processes")
-    dp = world // tp
-    tok, train_blocks, held_blocks, info, data_key = load_blocks(args, log)
-    vocab = tok.get_vocab_size()
-
-    model, cfg = build_llama(args, vocab)
-    n_params = sum(p.numel() for p in model.base_model.parameters()) + (
-        0 if cfg.tie_word_embeddings else vocab * cfg.hidden_size)
-    options = CrossEntropyOptions(reduction="sum", chunk_size=args.chunk_size,
-                                  z_loss=args.z_loss)
-    if tp == 1:
-        mesh = init_device_mesh(device.type, (world,))
-        dp_mesh, topo = mesh, Topology.default()
-    else:
-        mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-        dp_mesh, topo = mesh["dp"], Topology.from_device_mesh(mesh)
-    wrapper = build_wrapper(model, options, mesh, tp, device)
-    shard_model(wrapper, model, dp_mesh, reshard=not args.no_reshard_after_forward)
-    scale = probe_fsdp(wrapper, gas=gas, accumulation="no_sync")
-    calib = LossCalibrator(topo, loss_reduction=args.loss_reduction, engine_scale=scale)
-    group = topo.dp_sp_group
-    decay = [p for p in wrapper.parameters() if p.ndim >= 2]
-    no_decay = [p for p in wrapper.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    log(f"FSDP2 ready: {world} processes ({device.type}), DP={dp} x TP={tp}, micro-batch "
-        f"{micro} x GAS {gas} x DP {dp} = {micro * gas * dp} x {args.seq_len} tokens/step, "
-        f"{n_params / 1e6:.2f} M params, measured loss multiplier {scale.loss_multiplier:g} "
-        f"({scale.engine}), loss_reduction {args.loss_reduction}")
-    held = eval_batches(held_blocks, micro, dp, topo.dp_rank)
-
-    job_state: Dict[str, Any] = {"rows": [], "evals": [], "train_seconds": 0.0, "saves": [],
-                                 "steps_done": 0}
-    if resume_from is not None:
-        resume_from = load_checkpoint(wrapper, opt, resume_from, job_state, data_key, log)
-    start = int(job_state["steps_done"])
-    saves_before = len(job_state["saves"])
-
-    if args.eval_only:
-        log(f"evaluating checkpoint {resume_from} (step {start})")
-        result = evaluate(wrapper, held, device, group)
-        return report_checkpoint_eval(out_dir, rank, "megaloss LM job (FSDP2)", resume_from,
-                                      start, result, [
-                                          ("held-out perplexity", f"{result['perplexity']:.1f}"),
-                                          ("held-out CE (nats/token)", f"{result['loss']:.4f}")])
-
-    rows: List[Dict[str, Any]] = job_state["rows"]
-    evals: List[Dict[str, Any]] = job_state["evals"]
-    saves: List[Dict[str, Any]] = job_state["saves"]
-    if not evals:
-        evals.append({"step": 0, **evaluate(wrapper, held, device, group)})
-        log(f"before training: held-out CE {evals[0]['loss']:.4f}, perplexity "
-            f"{evals[0]['perplexity']:.1f}")
-
-    def save(step: int) -> None:
-        job = {"name": "lm_fsdp", "data_key": data_key, "seed": args.seed,
-               "seq_len": args.seq_len, "steps_done": step, "rows": rows, "evals": evals,
-               "saves": saves, "train_seconds": loop.seconds}
-        save_checkpoint(wrapper, opt, ckpt_dir, step, job, tok, args.keep_checkpoints, saves,
-                        log)
-
-    batches = StepBatches(train_blocks, micro=micro, gas=gas, dp_size=dp, dp_rank=topo.dp_rank,
-                          seed=args.seed).iter_from(start)
-    stop = StopRequest().install()
-    loop = TrainLoop(args, start, job_state["train_seconds"], stop, device, save, log)
-    wrapper.train()
-    for step in loop:
-        m = train_step(wrapper, opt, calib, next(batches), args, step, device)
-        m["samples"] = step * micro * gas * dp
-        rows.append(m)
-        if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-            evals.append({"step": step, **evaluate(wrapper, held, device, group)})
-        loop.show(loss=f"{m['loss']:.3f}", ppl_eval=f"{evals[-1]['perplexity']:.0f}",
-                  tok_s=f"{m['tokens_per_s']:.0f}")
-    stopped, train_seconds = loop.stopped, loop.seconds
-    last = rows[-1]["step"] if rows else start
-    if stopped is None and evals[-1]["step"] != last:
-        evals.append({"step": last, **evaluate(wrapper, held, device, group)})
-        log(f"after training: held-out CE {evals[-1]['loss']:.4f}, perplexity "
-            f"{evals[-1]['perplexity']:.1f}")
-
-    tokens = sum(r["num_tokens"] for r in rows)
-    peak = max((r["peak_memory_mib"] for r in rows), default=0.0)
-    summary = {
-        "eval_before": evals[0], "eval_after": evals[-1] if len(evals) > 1 else None,
-        "steps": last, "steps_requested": args.steps, "stopped": stopped,
-        "resumed_from": resume_from and str(resume_from), "resumed_at_step": start,
-        "first_loss": rows[0]["loss"] if rows else None,
-        "last_loss": rows[-1]["loss"] if rows else None,
-        "train_seconds": train_seconds, "tokens_per_s": tokens / max(train_seconds, 1e-9),
-        "train_tokens_seen": tokens, "peak_memory_mib": peak,
-        "peak_memory_mib_per_rank": gather_per_rank(peak),
-        "parameters_per_rank": gather_per_rank(sum(
-            (p.to_local() if hasattr(p, "to_local") else p).numel()
-            for p in wrapper.parameters())),
-        "engine": "fsdp2", "dp": dp, "sp": 1, "tp": tp, "pp": 1, "micro_batch": micro,
-        "gas": gas, "reshard_after_forward": not args.no_reshard_after_forward,
-        "loss_reduction": args.loss_reduction, "seq_len": args.seq_len, "vocab_size": vocab,
-        "parameters": int(n_params), "engine_loss_multiplier": scale.loss_multiplier,
-        "engine_scale": scale.engine,
-        "ce": {"chunk_size": args.chunk_size, "z_loss": args.z_loss,
-               "loss_reduction": args.loss_reduction},
-        "optimizer": {"type": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8,
-                      "weight_decay": args.weight_decay, "warmup_steps": args.warmup_steps,
-                      "grad_clip": args.grad_clip},
-        "data": "stdlib" if not args.train_data else "user files",
-        "model": f"Llama {cfg.num_hidden_layers}L x {cfg.hidden_size}",
-        "checkpoints": checkpoint_stats(saves, since=saves_before), "data_key": data_key,
-        "total_seconds": time.perf_counter() - t_start, **info,
-    }
-    finish_run(out_dir, rank, lambda: write_lm_outputs(
-        out_dir, rows, evals, summary,
-        f"megaloss LM (FSDP2): {summary['model']} on {summary['data']}"),
-        lambda: print_summary(summary), log, stop=stop)
-    return summary
+    return run(FSDPLM(parse_args(argv)), StopRequest)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import time
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -59,40 +57,9 @@ from launch.jobs.arguments import (
     require_at_least,
 )
 from launch.jobs.lm_data import eval_batches, load_blocks
+from launch.jobs.lm_job import LMReports
 from launch.jobs.models import build_llama
-from launch.jobs.reporting import print_summary_table, rank0_logger
-from launch.jobs.runs import (
-    finish_run,
-    open_trainer_run,
-    quiet_job_environment,
-    run_job,
-    start_trainer_process,
-)
-from launch.jobs.summaries import lm_summary_rows, write_lm_outputs
-
-quiet_job_environment()
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = job_parser(__doc__)
-    add_job_arguments(p, steps=150, output_dir=os.path.join("runs", "lm_hf"))
-    add_lm_data_arguments(p)
-    add_llama_arguments(p)
-    g = p.add_argument_group("optimization")
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--warmup_steps", type=int, default=10)
-    g.add_argument("--lr_scheduler", type=str, default="constant_with_warmup",
-                   help="the Trainer's lr_scheduler_type (the default: linear warm-up, then "
-                        "constant, as train_lm.py's configs)")
-    g.add_argument("--eval_batch_size", type=int, default=8)
-    add_trainer_arguments(p, loss_section="ce", batch_size=4, gradient_accumulation_steps=2,
-                          unit="blocks")
-    args = p.parse_args(argv)
-    require_at_least(p, args, ("steps", "batch_size", "gradient_accumulation_steps", "seq_len",
-                               "eval_blocks", "eval_batch_size", "logging_steps"))
-    require_at_least(p, args, ("eval_every",), minimum=0)
-    check_input_files(p, args)
-    return args
+from launch.jobs.runner import Table, TrainerJob, run_job, run_trainer
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -173,102 +140,123 @@ def train_rows(log_history: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return rows
 
 
-def print_summary(summary: Dict[str, Any]) -> None:
-    rows = lm_summary_rows(summary, "train loss (first / last log)")
-    info = (f"{summary['steps']} steps in {summary['train_seconds']:.1f} s, "
+# the job ---------------------------------------------------------------------------------------
+class TrainerLM(LMReports, TrainerJob):
+    """The job for the runner (:func:`launch.jobs.runner.run_trainer`): the Llama with
+    megaloss's CE in ``MegalossTrainer``, held-out CE before, every ``--eval_every`` steps and
+    after."""
+
+    tag, train_label = "lm_hf", "train loss (first / last log)"
+    hf_trainer: Any = None
+
+    def build(self) -> None:
+        from megaloss import CausalLMWithLoss
+
+        args, ml, world, log = self.args, self.ml, self.world, self.run.log
+        if ml.tensor_parallel_size != 1 or ml.sequence_parallel_size != 1:
+            raise SystemExit(f"{args.deepspeed_config}: the Trainer job is data parallel only "
+                             "(megaloss.tensor_parallel_size and sequence_parallel_size must be "
+                             "1; launch/train_lm.py runs TP / SP)")
+        self.tok, self.train_blocks, held_blocks, self.info, self.data_key = load_blocks(args, log)
+        self.vocab = self.tok.get_vocab_size()
+        micro, gas = args.batch_size, args.gradient_accumulation_steps
+        if self.train_blocks["input_ids"].shape[0] < micro * gas * world:
+            raise SystemExit(f"{self.train_blocks['input_ids'].shape[0]} training blocks cannot "
+                             f"fill one global batch of {micro * gas * world}: give more text or "
+                             "a smaller --batch_size / --seq_len")
+        llama, self.cfg = build_llama(args, self.vocab)
+        self.model = CausalLMWithLoss(llama, options=ml.ce.options())
+        self.n_params = sum(p.numel() for p in llama.parameters())
+        self.held = eval_batches(held_blocks, args.eval_batch_size, world, self.run.rank)
+
+    def evaluate(self) -> Dict[str, Any]:
+        return evaluate(self.model if self.hf_trainer is None else self.hf_trainer.model,
+                        self.held)
+
+    def trainer(self) -> Any:
+        from transformers import TrainingArguments, default_data_collator
+
+        from megaloss.integrations.hf.trainer import MegalossTrainer
+
+        args, out_dir, world = self.args, self.out_dir, self.world
+        micro, gas = args.batch_size, args.gradient_accumulation_steps
+        targs = TrainingArguments(
+            output_dir=str(out_dir), per_device_train_batch_size=micro,
+            gradient_accumulation_steps=gas, max_steps=args.steps, learning_rate=args.lr,
+            adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.01, warmup_steps=args.warmup_steps,
+            lr_scheduler_type=args.lr_scheduler,
+            max_grad_norm=1.0, logging_steps=args.logging_steps, logging_first_step=True,
+            save_strategy="no", report_to=args.report_to, run_name=out_dir.name, seed=args.seed,
+            use_cpu=not torch.cuda.is_available(), deepspeed=self.ds_config,
+            remove_unused_columns=False, dataloader_drop_last=True, dataloader_num_workers=0,
+            disable_tqdm=args.no_progress)
+        callback = eval_callback(self.held, self.run.evals, args.eval_every, self.run.log)
+        trainer = MegalossTrainer(model=self.model, args=targs,
+                                  train_dataset=Blocks(self.train_blocks),
+                                  data_collator=default_data_collator, callbacks=[callback])
+        callback.trainer = self.hf_trainer = trainer
+        self.run.log(
+            f"training: DP={world}, ZeRO-"
+            f"{self.ds_config.get('zero_optimization', {}).get('stage', 0)}, micro-batch "
+            f"{micro} x GAS {gas} x DP {world} = {micro * gas * world} x {args.seq_len} "
+            f"tokens/step, {self.n_params / 1e6:.2f} M params, CE {self.ml.ce.model_dump()}")
+        return trainer
+
+    def after(self, trainer: Any) -> None:
+        after = self.run.evals[-1]
+        trainer.log({"eval_loss": after["loss"], "eval_perplexity": after["perplexity"]})
+
+    def train_rows(self, trainer: Any) -> List[Dict[str, Any]]:
+        return train_rows(trainer.state.log_history)
+
+    def summary(self) -> Dict[str, Any]:
+        args, evals = self.args, self.run.evals
+        tokens = (self.run.last * args.batch_size * args.gradient_accumulation_steps
+                  * self.world * args.seq_len)
+        return {"eval_before": evals[0], "eval_after": evals[-1], "evals": evals,
+                "tokens_per_s": tokens / max(self.run.seconds, 1e-9),
+                "train_tokens_seen": tokens, "seq_len": args.seq_len, "vocab_size": self.vocab,
+                "parameters": int(self.n_params), "ce": self.ml.ce.model_dump(),
+                "report_to": args.report_to,
+                "data": "stdlib" if not args.train_data else "user files",
+                "model": f"Llama {self.cfg.num_hidden_layers}L x {self.cfg.hidden_size}",
+                "data_key": self.data_key, **self.info}
+
+    def plot_title(self, summary: Dict[str, Any]) -> str:
+        return f"MegalossTrainer: {summary['model']} on {summary['data']}"
+
+    def table(self, summary: Dict[str, Any]) -> Table:
+        return self.lm_table(summary, "megaloss LM job (transformers.Trainer)", (
+            f"{summary['steps']} steps in {summary['train_seconds']:.1f} s, "
             f"{summary['tokens_per_s']:.0f} tokens/s, micro-batch {summary['micro_batch']} x "
             f"GAS {summary['gas']} x DP {summary['dp']} x {summary['seq_len']} tokens, ZeRO-"
             f"{summary['zero_stage']}, {summary['parameters'] / 1e6:.2f} M params, "
-            f"loss_reduction {summary['ce']['loss_reduction']}")
-    print_summary_table("megaloss LM job (transformers.Trainer)", rows, info)
+            f"loss_reduction {summary['ce']['loss_reduction']}"))
 
 
-# main ------------------------------------------------------------------------------------------
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = job_parser(__doc__)
+    add_job_arguments(p, steps=150, output_dir=os.path.join("runs", "lm_hf"))
+    add_lm_data_arguments(p)
+    add_llama_arguments(p)
+    g = p.add_argument_group("optimization")
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--warmup_steps", type=int, default=10)
+    g.add_argument("--lr_scheduler", type=str, default="constant_with_warmup",
+                   help="the Trainer's lr_scheduler_type (the default: linear warm-up, then "
+                        "constant, as train_lm.py's configs)")
+    g.add_argument("--eval_batch_size", type=int, default=8)
+    add_trainer_arguments(p, loss_section="ce", batch_size=4, gradient_accumulation_steps=2,
+                          unit="blocks")
+    args = p.parse_args(argv)
+    require_at_least(p, args, ("steps", "batch_size", "gradient_accumulation_steps", "seq_len",
+                               "eval_blocks", "eval_batch_size", "logging_steps"))
+    require_at_least(p, args, ("eval_every",), minimum=0)
+    return check_input_files(p, args)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    args = parse_args(argv)
-    t_start = time.perf_counter()
-    from megaloss import CausalLMWithLoss
-
-    out_dir = Path(args.output_dir)
-    rank, world = start_trainer_process(args.local_rank, args.report_to, out_dir)
-    log = rank0_logger("lm_hf", rank, t_start)
-
-    ds_config, ml = open_trainer_run(args, out_dir)
-    if ml.tensor_parallel_size != 1 or ml.sequence_parallel_size != 1:
-        raise SystemExit(f"{args.deepspeed_config}: the Trainer job is data parallel only "
-                         "(megaloss.tensor_parallel_size and sequence_parallel_size must be 1; "
-                         "launch/train_lm.py runs TP / SP)")
-
-    tok, train_blocks, held_blocks, info, data_key = load_blocks(args, log)
-    vocab = tok.get_vocab_size()
-    micro, gas = args.batch_size, args.gradient_accumulation_steps
-    if train_blocks["input_ids"].shape[0] < micro * gas * world:
-        raise SystemExit(f"{train_blocks['input_ids'].shape[0]} training blocks cannot fill one "
-                         f"global batch of {micro * gas * world}: give more text or a smaller "
-                         "--batch_size / --seq_len")
-
-    llama, cfg = build_llama(args, vocab)
-    model = CausalLMWithLoss(llama, options=ml.ce.options())
-    n_params = sum(p.numel() for p in llama.parameters())
-    held = eval_batches(held_blocks, args.eval_batch_size, world, rank)
-    evals: List[Dict[str, Any]] = [{"step": 0, **evaluate(model, held)}]
-    log(f"before training: held-out CE {evals[0]['loss']:.4f}, perplexity "
-        f"{evals[0]['perplexity']:.1f}")
-
-    from transformers import TrainingArguments, default_data_collator
-
-    from megaloss.integrations.hf.trainer import MegalossTrainer
-
-    targs = TrainingArguments(
-        output_dir=str(out_dir), per_device_train_batch_size=micro,
-        gradient_accumulation_steps=gas, max_steps=args.steps, learning_rate=args.lr,
-        adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.01, warmup_steps=args.warmup_steps,
-        lr_scheduler_type=args.lr_scheduler,
-        max_grad_norm=1.0, logging_steps=args.logging_steps, logging_first_step=True,
-        save_strategy="no", report_to=args.report_to, run_name=out_dir.name, seed=args.seed,
-        use_cpu=not torch.cuda.is_available(), deepspeed=ds_config,
-        remove_unused_columns=False, dataloader_drop_last=True, dataloader_num_workers=0,
-        disable_tqdm=args.no_progress)
-    callback = eval_callback(held, evals, args.eval_every, log)
-    trainer = MegalossTrainer(model=model, args=targs, train_dataset=Blocks(train_blocks),
-                              data_collator=default_data_collator, callbacks=[callback])
-    callback.trainer = trainer
-    log(f"training: DP={world}, ZeRO-{ds_config.get('zero_optimization', {}).get('stage', 0)}, "
-        f"micro-batch {micro} x GAS {gas} x DP {world} = {micro * gas * world} x "
-        f"{args.seq_len} tokens/step, {n_params / 1e6:.2f} M params, CE {ml.ce.model_dump()}")
-    t_train = time.perf_counter()
-    trainer.train()
-    train_seconds = time.perf_counter() - t_train
-    steps = trainer.state.global_step
-    log(f"trained {steps} steps in {train_seconds:.1f} s")
-    evals.append({"step": steps, **evaluate(trainer.model, held)})
-    after = evals[-1]
-    log(f"after training: held-out CE {after['loss']:.4f}, perplexity {after['perplexity']:.1f}")
-    trainer.log({"eval_loss": after["loss"], "eval_perplexity": after["perplexity"]})
-
-    rows = train_rows(trainer.state.log_history)
-    engine = trainer.model_wrapped
-    zero_stage = (engine.zero_optimization_stage()
-                  if hasattr(engine, "zero_optimization_stage") else None)
-    tokens = steps * micro * gas * world * args.seq_len
-    summary = {
-        "eval_before": evals[0], "eval_after": after, "evals": evals, "steps": steps,
-        "first_loss": rows[0]["loss"] if rows else None,
-        "last_loss": rows[-1]["loss"] if rows else None,
-        "train_seconds": train_seconds, "tokens_per_s": tokens / max(train_seconds, 1e-9),
-        "train_tokens_seen": tokens, "dp": world, "zero_stage": zero_stage,
-        "micro_batch": micro, "gas": gas, "seq_len": args.seq_len, "vocab_size": vocab,
-        "parameters": int(n_params), "ce": ml.ce.model_dump(),
-        "deepspeed_config": args.deepspeed_config, "report_to": args.report_to,
-        "data": "stdlib" if not args.train_data else "user files",
-        "model": f"Llama {cfg.num_hidden_layers}L x {cfg.hidden_size}", "data_key": data_key,
-        "total_seconds": time.perf_counter() - t_start, **info,
-    }
-    finish_run(out_dir, rank, lambda: write_lm_outputs(
-        out_dir, rows, evals, summary,
-        f"MegalossTrainer: {summary['model']} on {summary['data']}"),
-        lambda: print_summary(summary), log)
-    return summary
+    return run_trainer(TrainerLM(parse_args(argv)))
 
 
 if __name__ == "__main__":

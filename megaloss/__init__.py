@@ -28,12 +28,12 @@ Return values: a loss function returns its loss tensor; ``return_stats=True`` re
 (:func:`linear_log_probs`) come as their Output always.
 
 ``__all__`` is what a user calls: the losses (functions, modules, options, ``*Output`` types,
-step weights and metrics), :class:`Topology`, :class:`LossCalibrator`, :func:`causal_shift`, the
-ds_config section :class:`MegalossConfig` and the Hugging Face wrappers. Everything else is
-imported from its subpackage or module (:mod:`megaloss.calibration`'s probes,
-:mod:`megaloss.parallel`'s meshes, ...); the names that left the top level still resolve as
-``megaloss.<name>`` for one release, with a warning naming their home
-(:data:`megaloss._deprecated.MOVED`).
+step weights and metrics), :class:`Topology` and ``SINGLE_RANK``, :class:`LossCalibrator`,
+:func:`causal_shift`, the ds_config section :class:`MegalossConfig` and the Hugging Face
+wrappers. Everything else is imported from its subpackage or module
+(:mod:`megaloss.calibration`'s probes, :mod:`megaloss.parallel`'s meshes, ...); the names that
+left the top level still resolve as ``megaloss.<name>`` for one release, with a warning naming
+their home (:data:`megaloss._deprecated.MOVED`).
 
 ``import megaloss`` imports torch and nothing optional: the integration names
 (``MegalossConfig``, ``CausalLMWithLoss``, ...) are loaded on first use.

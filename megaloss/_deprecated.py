@@ -28,8 +28,6 @@ from .losses.distillation import DistillationOutput, linear_distillation_loss
 from .losses.grad_cache import grad_cache_step
 from .losses.mnr import MNROutput, mnr_loss
 from .losses.vocab_parallel import VocabParallelOptions
-from .ops.cross_entropy_options import CrossEntropyOptions
-from .ops.options import resolve_options
 from .parallel.groups import GroupLike
 
 __all__ = ["linear_cross_entropy_with_stats", "linear_distillation_loss_with_stats",
@@ -64,58 +62,36 @@ mnr_loss_with_metrics: Callable[..., MNROutput] = renamed_keywords(gather="gathe
                 "mnr_loss(..., return_stats=True) (formerly mnr_loss_with_stats)"))
 
 
-def vocab_parallel_linear_cross_entropy_with_stats(
-    hidden_states: torch.Tensor,
-    weight_shard: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    tp_group: GroupLike = None,
-    vocab_size: Optional[int] = None,
-    sequence_parallel: bool = False,
-    bias: Optional[torch.Tensor] = None,
-    loss_weights: Optional[torch.Tensor] = None,
-    options: Optional[CrossEntropyOptions] = None,
-) -> CrossEntropyOutput:
-    """Deprecated: :func:`megaloss.linear_cross_entropy` with ``return_stats=True`` and
-    ``vocab_parallel_options=VocabParallelOptions(tp_group, vocab_size, sequence_parallel)``."""
-    warn_renamed("vocab_parallel_linear_cross_entropy_with_stats",
-                 "linear_cross_entropy(..., return_stats=True, vocab_parallel_options="
-                 "VocabParallelOptions(...))")
-    return linear_cross_entropy(
-        hidden_states, weight_shard, labels, bias=bias, loss_weights=loss_weights,
-        options=resolve_options(CrossEntropyOptions, options, {}), return_stats=True,
-        vocab_parallel_options=VocabParallelOptions(tp_group, vocab_size, sequence_parallel))
+def _vocab_parallel(old: str, new: str, return_stats: bool) -> Callable[..., Any]:
+    """:func:`megaloss.linear_cross_entropy` under the old vocab-parallel name ``old``: the old
+    ``tp_group`` / ``vocab_size`` / ``sequence_parallel`` keywords become its
+    ``vocab_parallel_options``; every other argument is passed on (with the warning)."""
+
+    def alias(hidden_states: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor, *,
+              tp_group: GroupLike = None, vocab_size: Optional[int] = None,
+              sequence_parallel: bool = False, **keywords: Any) -> Any:
+        warn_renamed(old, new)
+        parallel = VocabParallelOptions(tp_group, vocab_size, sequence_parallel)
+        return linear_cross_entropy(hidden_states, weight_shard, labels,
+                                    vocab_parallel_options=parallel, return_stats=return_stats,
+                                    **keywords)
+
+    alias.__name__ = alias.__qualname__ = old
+    alias.__doc__ = (f"Deprecated: :func:`megaloss.linear_cross_entropy` with "
+                     f"{'``return_stats=True`` and ' if return_stats else ''}"
+                     "``vocab_parallel_options=VocabParallelOptions(tp_group, vocab_size, "
+                     "sequence_parallel)``.")
+    return alias
 
 
-def vocab_parallel_linear_cross_entropy(
-    hidden_states: torch.Tensor,
-    weight_shard: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    tp_group: GroupLike = None,
-    vocab_size: Optional[int] = None,
-    sequence_parallel: bool = False,
-    bias: Optional[torch.Tensor] = None,
-    loss_weights: Optional[torch.Tensor] = None,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    logit_softcapping: Optional[float] = None,
-    chunk_size: Optional[int] = None,
-    accum_dtype: torch.dtype = torch.float32,
-    impl: str = "auto",
-) -> torch.Tensor:
-    """Deprecated: :func:`megaloss.linear_cross_entropy` with
-    ``vocab_parallel_options=VocabParallelOptions(tp_group, vocab_size, sequence_parallel)``."""
-    warn_renamed("vocab_parallel_linear_cross_entropy",
-                 "linear_cross_entropy(..., vocab_parallel_options=VocabParallelOptions(...))")
-    return linear_cross_entropy(
-        hidden_states, weight_shard, labels, bias=bias, loss_weights=loss_weights,
-        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-        z_loss=z_loss, logit_softcapping=logit_softcapping, chunk_size=chunk_size,
-        accum_dtype=accum_dtype, impl=impl,
-        vocab_parallel_options=VocabParallelOptions(tp_group, vocab_size, sequence_parallel))
+vocab_parallel_linear_cross_entropy_with_stats: Callable[..., CrossEntropyOutput] = (
+    _vocab_parallel("vocab_parallel_linear_cross_entropy_with_stats",
+                    "linear_cross_entropy(..., return_stats=True, vocab_parallel_options="
+                    "VocabParallelOptions(...))", return_stats=True))
+vocab_parallel_linear_cross_entropy: Callable[..., torch.Tensor] = _vocab_parallel(
+    "vocab_parallel_linear_cross_entropy",
+    "linear_cross_entropy(..., vocab_parallel_options=VocabParallelOptions(...))",
+    return_stats=False)
 
 
 @functools.wraps(grad_cache_step)

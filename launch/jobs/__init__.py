@@ -17,6 +17,13 @@ that needs no download, the models, the options and what the jobs write and prin
   :mod:`launch.jobs.check_args`: a job's command line checked once before any rank starts.
 - :mod:`launch.jobs.reporting`: metrics CSV, loss-curve PNG, ``summary.json``, summary table,
   rank-0 log.
+- :mod:`launch.jobs.runner`: the one runner of every job (process, run folder, resume,
+  ``--eval_only``, checkpoints, stop signals, the step loop, evaluation, summary and outputs; a
+  job supplies build / step / evaluate and its reports); :mod:`launch.jobs.lm_job` (the LM jobs'
+  loop and reports), :mod:`launch.jobs.sft_phases` (SFT then a second phase on one engine: the
+  preference and GRPO jobs), :mod:`launch.jobs.layouts` (their layout refusal and rank share),
+  :mod:`launch.jobs.embed_step` (the embedding job's MNR step), :mod:`launch.jobs.fsdp_checkpoints`
+  (the FSDP job's DCP checkpoints).
 - :mod:`launch.jobs.runs`: what ties a run together around the training loop: the run options
   (``--save_every``, ``--resume``, ``--eval_only``, ``--overwrite``), a trainer job's run folder
   and the end-of-run tail (outputs, summary table, barrier); it re-exports the pieces below.

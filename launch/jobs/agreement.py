@@ -1,14 +1,14 @@
 """Agreement across ranks on a piece of set-up: :func:`agreed` runs it (on global rank 0, or on
 every rank) and, when it fails anywhere, every rank exits with the cause (:class:`AgreedExit`
 on the ranks told of it), so the launcher's last lines name it rather than another rank's
-``Connection closed by peer``. Single-process use (``torch.distributed`` not initialised)
-works too: nothing to agree with.
+``Connection closed by peer``; :func:`rank0_decides` also hands rank 0's result to every rank.
+Single-process use (``torch.distributed`` not initialised) works too: nothing to agree with.
 """
 from __future__ import annotations
 
 from typing import Callable, List, Optional, TypeVar
 
-__all__ = ["agreed", "AgreedExit", "distributed_or_none"]
+__all__ = ["agreed", "rank0_decides", "AgreedExit", "distributed_or_none"]
 
 T = TypeVar("T")
 
@@ -57,6 +57,16 @@ def agreed(fn: Callable[[], T], *, everywhere: bool = False, what: str = "set-up
     # Reported by rank r (the first that failed): this rank exits with the same status and no
     # message of its own, so the cause is printed once and the ranks' lines never interleave.
     raise AgreedExit(f"error on rank {r} ({what}): {m}")
+
+
+def rank0_decides(fn: Callable[[], T], *, what: str = "set-up") -> T:
+    """:func:`agreed` of ``fn`` on global rank 0, its result (a picklable object) broadcast to
+    every rank. Collective."""
+    out = [agreed(fn, what=what)]
+    d = distributed_or_none()
+    if d is not None:
+        d.broadcast_object_list(out, src=0)
+    return out[0]
 
 
 class AgreedExit(SystemExit):

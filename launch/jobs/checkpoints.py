@@ -1,8 +1,9 @@
 """A run's output folder, checkpoints and resume: one run per ``--output_dir``
 (:func:`prepare_output_dir`, :func:`open_fresh_run`, :func:`open_run`), where ``--resume``
 loads from (:func:`resume_source`, :func:`follow_branch`), a checkpoint's save and load
-(:func:`save_run`, :func:`resume_job_state`), ``--eval_only``'s report
-(:func:`report_checkpoint_eval`) and ``summary.json``'s record (:func:`checkpoint_stats`).
+(:func:`save_run`, :func:`resume_job_state`; both for a job of the runner:
+:class:`DeepSpeedCheckpoints`), ``--eval_only``'s report (:func:`report_checkpoint_eval`) and
+``summary.json``'s record (:func:`checkpoint_stats`).
 """
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .agreement import agreed, distributed_or_none
+from .agreement import agreed, distributed_or_none, rank0_decides
 
 __all__ = ["RUN_OUTPUTS", "CHECKPOINTS", "LEFTOVERS", "resume_source", "prepare_output_dir",
            "output_dir_refusal", "fresh_run_refusal", "open_run", "open_fresh_run",
-           "follow_branch", "save_run", "resume_job_state", "report_checkpoint_eval",
-           "checkpoint_stats"]
+           "follow_branch", "save_run", "resume_job_state", "DeepSpeedCheckpoints",
+           "LM_DATA_OPTIONS", "report_checkpoint_eval", "checkpoint_stats"]
 
 # What a job writes into --output_dir (the only names --overwrite removes).
 RUN_OUTPUTS = ("metrics.csv", "summary.json", "loss_curve.png", "monitor", "wandb",
@@ -162,11 +163,7 @@ def open_run(args: argparse.Namespace, out_dir: Path, ds_config: dict) -> Option
             follow_branch(source, out_dir / CHECKPOINTS)
         return None if source is None else str(source)
 
-    source = [agreed(run_folder, what=f"--output_dir {out_dir}")]
-    dist = distributed_or_none()
-    if dist is not None:
-        dist.broadcast_object_list(source, src=0)
-    return source[0]
+    return rank0_decides(run_folder, what=f"--output_dir {out_dir}")
 
 
 def follow_branch(source: Path, ckpt_dir: Path) -> None:
@@ -288,6 +285,29 @@ def resume_job_state(me: Any, resume_from: str, job_state: dict, expected: Dict[
     log(f"resumed from {path} at step {step} "
         f"({engine.global_samples} samples{optimizer}) in {time.perf_counter() - t0:.2f} s")
     return str(path)
+
+
+class DeepSpeedCheckpoints:
+    """The checkpoints of a DeepSpeed job of the runner (:mod:`launch.jobs.runner`):
+    :func:`save_run` of ``me`` with ``tokenizer`` beside each checkpoint, folder ``step_<k>``
+    after the job's step ``k``; :func:`resume_job_state` refusing a checkpoint whose record
+    differs from ``expected`` (``options``: the command-line options that decide it)."""
+
+    def __init__(self, me: Any, tokenizer: Any, expected: Dict[str, Any], options: str) -> None:
+        self.me, self.tokenizer, self.expected, self.options = me, tokenizer, expected, options
+
+    def save(self, ckpt_dir: Path, step: int, record: dict, keep: int, saves: List[dict],
+             log: Callable[[str], Any]) -> Path:
+        return save_run(self.me, ckpt_dir, step, record, self.tokenizer, keep, saves, log,
+                        tag=f"step_{step}")
+
+    def load(self, resume_from: str, state: dict, log: Callable[[str], Any]) -> str:
+        return resume_job_state(self.me, resume_from, state, self.expected, self.options, log)
+
+
+# The data options of the LM jobs' checkpoints (what their data cache key depends on).
+LM_DATA_OPTIONS = ("--train_data / --eval_data / --eval_fraction / --max_train_bytes / "
+                   "--vocab_size")
 
 
 def report_checkpoint_eval(out_dir: Path, rank: int, title: str, resume_from: str, step: int,

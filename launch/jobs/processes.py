@@ -1,5 +1,6 @@
 """A launched job's process, start to end: :func:`start_process` / :func:`start_trainer_process`
-(quiet DeepSpeed, threads, DeepSpeed's comm, the rank's device), :func:`run_job` (a job's
+(quiet DeepSpeed, threads, DeepSpeed's comm, the rank's device), :func:`start_torchrun_process`
+(a job without DeepSpeed, under ``torchrun``), :func:`run_job` (a job's
 ``__main__``: exit status, its error reported once and blamed on the rank that found it,
 :func:`report_error`) and :func:`end_process` (process groups destroyed) on every exit path.
 """
@@ -16,8 +17,8 @@ from .agreement import AgreedExit
 from .peers import leave, left_on_error, mark_left, peer_failure, record_peers
 from .quiet_logs import quiet_accelerate_logger
 
-__all__ = ["start_process", "start_trainer_process", "run_job", "end_process",
-           "report_error", "keep_tracebacks_in", "is_input_check"]
+__all__ = ["start_process", "start_trainer_process", "start_torchrun_process", "run_job",
+           "end_process", "report_error", "keep_tracebacks_in", "is_input_check"]
 
 _RUN_DIR: List[Path] = []  # where a failing rank keeps its traceback (keep_tracebacks_in)
 
@@ -83,6 +84,36 @@ def start_trainer_process(local_rank: int, report_to: str, out_dir: Path) -> Tup
 
         keep_wandb_cache_in_run_dir()  # wandb-core's debug log too
     return rank, world
+
+
+def start_torchrun_process(output_dir: Optional[os.PathLike] = None
+                           ) -> Tuple[int, int, torch.device]:
+    """torch.distributed from torchrun's environment (gloo on CPU, NCCL on CUDA; one process
+    without it), the rank's device, threads per process on CPU. ``output_dir``: as
+    :func:`start_process`'s. Returns ``(rank, world, device)``."""
+    import torch.distributed as dist
+
+    from megaloss.testing import free_port
+
+    keep_tracebacks_in(output_dir)
+    if "RANK" not in os.environ:  # plain `python -m launch.<job>`: one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        if "OMP_NUM_THREADS" not in os.environ:
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"])
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+    dist.init_process_group(backend)
+    if dist.get_world_size() > 1:
+        record_peers(dist)  # which peer died, should a collective fail (run_job)
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def end_process() -> bool:

@@ -3,7 +3,7 @@ output folder, failures that every rank reports with their cause, preemption tha
 the command-line options for checkpoints and resume the megaloss-loop jobs share.
 
 - :func:`add_run_arguments`: ``--save_every``, ``--resume [latest|PATH]``, ``--eval_only``,
-  ``--overwrite``, ``--keep_checkpoints``.
+  ``--overwrite``, ``--keep_checkpoints`` (from :mod:`launch.jobs.arguments`).
 - :func:`agreed`: run a piece of set-up (on global rank 0, or on every rank) and agree on
   failure: when it fails anywhere, every rank exits with the cause, so the launcher's last lines
   name it rather than another rank's ``Connection closed by peer``.
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Tuple
 
 from .agreement import AgreedExit, agreed, distributed_or_none
+from .arguments import add_run_arguments, check_run_arguments
 from .checkpoints import (
     CHECKPOINTS,
     LEFTOVERS,
@@ -73,43 +74,6 @@ __all__ = ["RUN_OUTPUTS", "CHECKPOINTS", "LEFTOVERS", "add_run_arguments",
            "finish_run", "TrainLoop", "quiet_job_environment", "AgreedExit", "LineProgress",
            "follow_branch", "end_process", "run_job", "dead_peers", "DEEPSPEED_NOISE",
            "ACCELERATE_NOISE"]
-
-
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of runs, checkpoints and resume of the megaloss-loop jobs."""
-    g = p.add_argument_group("runs, checkpoints and resume")
-    g.add_argument("--overwrite", action="store_true",
-                   help="replace the run already in --output_dir (its metrics, plot, summary, "
-                        "monitor, wandb and checkpoints folders); without it, or --resume, a "
-                        "job refuses an --output_dir that holds a run")
-    g.add_argument("--save_every", type=int, default=0, metavar="N",
-                   help="save a checkpoint (DeepSpeed's engine.save_checkpoint) to "
-                        "<output_dir>/checkpoints/step_<k> every N optimizer steps and after "
-                        "the last (0: only when stopped by SIGTERM / SIGINT, which always save "
-                        "at the next step boundary)")
-    g.add_argument("--keep_checkpoints", type=int, default=0, metavar="K",
-                   help="keep only the K newest checkpoints (0: keep all)")
-    g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|PATH",
-                   help="continue from a checkpoint: 'latest' (the default when the flag has no "
-                        "value) is the newest in <output_dir>/checkpoints, and starts fresh when "
-                        "there is none yet, so one command line serves a job that may be "
-                        "requeued; PATH is a checkpoints folder or one checkpoint folder. "
-                        "--steps is the total to reach")
-    g.add_argument("--eval_only", action="store_true",
-                   help="with --resume: evaluate the checkpoint, write eval_step<k>.json to "
-                        "--output_dir and exit (no training, no monitors)")
-
-
-def check_run_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``p.error`` for inconsistent run options."""
-    if args.save_every < 0:
-        p.error("--save_every must be >= 0")
-    if args.keep_checkpoints < 0:
-        p.error("--keep_checkpoints must be >= 0")
-    if args.eval_only and args.resume is None:
-        p.error("--eval_only needs --resume (which checkpoint to evaluate)")
-    if args.overwrite and args.resume is not None:
-        p.error("--overwrite and --resume exclude each other (replace the run, or continue it)")
 
 
 def open_trainer_run(args: argparse.Namespace, out_dir: Path) -> Tuple[dict, Any]:

@@ -11,8 +11,11 @@ A paired loss (``2P`` rows: ``P`` chosen, ``P`` rejected completions) supplies
   PairTerms``: its ``[P]`` per-pair losses, the per-pair quantities its ``rewards/*`` (times
   ``beta``) and ``logps/*`` metrics report, its further per-pair metrics and its NLL term,
   checking the inputs only it reads (``inputs``: reference log-probs, lengths, ...);
-- its options (a frozen dataclass on :class:`~megaloss.ops.options.OptionsBase` with a
-  ``beta``), its ``*Output`` (``loss``, ``stats``) and its metric names;
+- its options: a frozen dataclass on :class:`LossTypeOptions` (``loss_type`` and ``beta``
+  checked there, the loss types a class keyword), or on
+  :class:`~megaloss.ops.options.OptionsBase` with a ``beta`` (ORPO's);
+- its ``*Output``: :class:`PreferenceOutput` (``loss``, ``stats``) under the loss's name, and
+  its metric names;
 
 and its public function is ``paired_loss(pair_terms, Output, resolve_options(...), chosen,
 rejected, pair_weights=..., nll_weight=..., return_stats=..., **inputs)``, its metrics
@@ -24,15 +27,22 @@ Also here: the per-pair / per-example and NLL-token weights of a step
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..calibration.calibrator import StepCalibration
+from ..ops.options import OptionsBase, check_choice, check_finite_positive
 from ..parallel.comm import all_reduce_sum_
 from ..parallel.groups import GroupLike
 
 WEIGHT_CONVENTIONS = ("global", "micro_batch")
+
+# the losses' argument types
+Tensor = torch.Tensor
+MaybeTensor = Optional[torch.Tensor]
+ScalarWeight = Union[None, float, torch.Tensor]  # a float or a scalar tensor
 
 
 class PreferenceWeights(NamedTuple):
@@ -98,6 +108,40 @@ def preference_weights(step: StepCalibration, i: int, *, convention: str = "glob
     tokens = torch.where(tokens > 0, tokens, one)
     dtype = step.weights(i).dtype
     return PreferenceWeights((rows / pairs).to(dtype), (counted / tokens).to(dtype))
+
+
+@dataclass(frozen=True)
+class LossTypeOptions(OptionsBase):
+    """The two fields TRL's preference configs share, checked before a subclass's own:
+    ``loss_type``, one of the subclass's ``loss_types`` (a class keyword: ``class
+    KTOOptions(LossTypeOptions, loss_types=KTO_LOSS_TYPES)``; the subclass gives the default),
+    and ``beta``, finite ``> 0`` (made a float).
+
+    Raises:
+        ValueError: an unknown ``loss_type`` or a ``beta`` out of range, naming it.
+    """
+
+    loss_type: str
+    beta: float = 0.1
+    loss_types = ()  # not a field: the subclass's choices
+
+    def __init_subclass__(cls, loss_types: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.loss_types = tuple(loss_types)
+
+    def __post_init__(self) -> None:
+        check_choice("loss_type", self.loss_type, self.loss_types)
+        check_finite_positive("beta", self.beta)
+        object.__setattr__(self, "beta", float(self.beta))
+
+
+class PreferenceOutput(NamedTuple):
+    """What a preference loss returns with ``return_stats=True`` (each loss's ``*Output`` is
+    this under its own name): ``loss`` (differentiable scalar, this call's share of the global
+    loss) and ``stats`` (detached float64 local sums for the loss's ``*_metrics``)."""
+
+    loss: torch.Tensor
+    stats: torch.Tensor
 
 
 class NLLTerm(NamedTuple):
@@ -176,6 +220,8 @@ class ExampleTerms(NamedTuple):
         log_probs: the policy's log-probs (``logps/*``).
         desirable: ``[B]`` bool, the desirable examples (``chosen``).
         kl: the KL baseline used (a 0-dim tensor).
+        loss_weights, nll: ``None`` (as :class:`PairTerms`'s: one loss per example, no NLL
+            term), so that the driver reads both kinds of terms alike.
     """
 
     losses: torch.Tensor
@@ -206,9 +252,9 @@ Terms = Union[PairTerms, ExampleTerms]
 
 
 def paired_loss(pair_terms: Callable[..., PairTerms], output: Callable[..., Any], opts: Any,
-                chosen_log_probs: torch.Tensor, rejected_log_probs: torch.Tensor, *,
-                pair_weights: Optional[torch.Tensor], nll_weight: Union[None, float, torch.Tensor],
-                return_stats: bool, not_floating: type = ValueError, **inputs: Any):
+                chosen_log_probs: Tensor, rejected_log_probs: Tensor, *, pair_weights: MaybeTensor,
+                nll_weight: ScalarWeight, return_stats: bool, not_floating: type = ValueError,
+                **inputs: Any):
     """A paired loss of one micro-batch: ``sum_p w_p l_p`` (plus its NLL term), or with
     ``return_stats`` its ``output(loss, stats)``.
 
@@ -237,8 +283,8 @@ def paired_loss(pair_terms: Callable[..., PairTerms], output: Callable[..., Any]
 
 
 def unpaired_loss(example_terms: Callable[..., ExampleTerms], output: Callable[..., Any],
-                  opts: Any, log_probs: torch.Tensor, *, sample_weights: Optional[torch.Tensor],
-                  return_stats: bool, **inputs: Any):
+                  opts: Any, log_probs: Tensor, *, sample_weights: MaybeTensor, return_stats: bool,
+                  **inputs: Any):
     """An unpaired loss (KTO) of one micro-batch: ``sum_b w_b l_b``, or with ``return_stats``
     its ``output(loss, stats)``; the arguments as :func:`paired_loss`'s, ``sample_weights``
     ``[B]`` (``None``: ``1 / B``) in place of ``pair_weights``."""
@@ -248,9 +294,8 @@ def unpaired_loss(example_terms: Callable[..., ExampleTerms], output: Callable[.
     return _weighted_loss(terms, weights, None, opts.beta, return_stats, output)
 
 
-def _weighted_loss(terms: Terms, weights: torch.Tensor,
-                   nll_weight: Union[None, float, torch.Tensor], beta: float, return_stats: bool,
-                   output: Callable[..., Any]):
+def _weighted_loss(terms: Terms, weights: Tensor, nll_weight: ScalarWeight, beta: float,
+                   return_stats: bool, output: Callable[..., Any]):
     """The weighted sum of ``terms.losses`` plus the NLL term; with ``return_stats``, the
     call's local stats: the metric rows summed over the rows of weight > 0, then the totals."""
     loss = (terms.losses * (weights if terms.loss_weights is None else terms.loss_weights)).sum()
@@ -276,7 +321,7 @@ def check_vector(name: str, x: torch.Tensor, n: Optional[int], first: str,
     other than ``n``)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 1:
         raise not_floating(f"{name} must be a floating [P] torch.Tensor, got "
-                         f"{getattr(x, 'shape', type(x).__name__)}")
+                           f"{getattr(x, 'shape', type(x).__name__)}")
     if n is not None and x.shape[0] != n:
         raise ValueError(f"{name} must have shape ({n},) (that of {first}), got "
                          f"{tuple(x.shape)}")

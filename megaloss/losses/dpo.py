@@ -76,30 +76,37 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from ..calibration.calibrator import StepCalibration
-from ..ops.options import OptionsBase, check_choice, check_finite_positive, resolve_options
+from ..ops.options import check_finite_positive, resolve_options
 from ..parallel.groups import SINGLE_RANK, GroupLike, group_size
 from ..parallel.mappings import all_reduce_sum_autograd
-from ._preference import PairTerms, check_vector, paired_loss, paired_metrics, preference_weights
+from ._preference import (
+    LossTypeOptions,
+    MaybeTensor,
+    PairTerms,
+    PreferenceOutput,
+    Tensor,
+    check_vector,
+    paired_loss,
+    paired_metrics,
+    preference_weights,
+)
 
-__all__ = ["DPOOptions", "DPOOutput", "dpo_loss", "dpo_pair_weights", "dpo_metrics",
-           "sequence_log_probs", "DPO_METRICS", "DPO_LOSS_TYPES"]
+__all__ = ["dpo_loss", "dpo_metrics", "dpo_pair_weights", "sequence_log_probs",
+           "DPOOptions", "DPOOutput", "DPO_METRICS", "DPO_LOSS_TYPES"]
 
-DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-               "logps/chosen", "logps/rejected")
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
                   "sppo_hard", "apo_zero", "apo_down", "discopop", "sigmoid_norm", "aot",
                   "aot_unpaired")
 
 
-
 @dataclass(frozen=True)
-class DPOOptions(OptionsBase):
+class DPOOptions(LossTypeOptions, loss_types=DPO_LOSS_TYPES):
     """Options of :func:`megaloss.dpo_loss` (names and defaults of TRL 1.16's ``DPOConfig``,
     ``trl/trainer/dpo_config.py``).
 
@@ -130,13 +137,11 @@ class DPOOptions(OptionsBase):
     """
 
     loss_type: str = "sigmoid"
-    beta: float = 0.1
     label_smoothing: float = 0.0
     discopop_tau: float = 0.05
 
     def __post_init__(self) -> None:
-        check_choice("loss_type", self.loss_type, DPO_LOSS_TYPES)
-        check_finite_positive("beta", self.beta)
+        super().__post_init__()
         eps = self.label_smoothing
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 <= eps < 1.0:
             raise ValueError(f"label_smoothing must be a float in [0, 1), got {eps!r}")
@@ -147,18 +152,19 @@ class DPOOptions(OptionsBase):
             raise ValueError("label_smoothing must be in (0, 1) for loss_type='exo_pair' (its "
                              f"log is taken; EXO recommends 1e-3), got {eps!r}")
         check_finite_positive("discopop_tau", self.discopop_tau)
-        for name in ("beta", "label_smoothing", "discopop_tau"):
+        for name in ("label_smoothing", "discopop_tau"):
             object.__setattr__(self, name, float(getattr(self, name)))
 
 
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+               "logps/chosen", "logps/rejected")
 
-class DPOOutput(NamedTuple):
-    """What :func:`dpo_loss` returns with ``return_stats=True``: ``loss`` (differentiable
-    scalar, this call's share of the global loss) and ``stats`` (detached float64 ``[7]``
+
+class DPOOutput(PreferenceOutput):
+    """What :func:`dpo_loss` returns with ``return_stats=True``: ``loss`` and ``stats`` (``[7]``
     local sums for :func:`dpo_metrics`)."""
 
-    loss: torch.Tensor
-    stats: torch.Tensor
+    __slots__ = ()
 
 
 def sequence_log_probs(log_probs: torch.Tensor, completion_mask: torch.Tensor, *,
@@ -174,10 +180,10 @@ def sequence_log_probs(log_probs: torch.Tensor, completion_mask: torch.Tensor, *
         sp_group: the sequence-parallel group (``Topology.sp_group``) when each of its ranks
             holds a contiguous slice of the same sequences' tokens: the slice sums (and
             lengths) are then added over the group by ONE autograd all-reduce
-            (:func:`megaloss.parallel.all_reduce_sum_autograd`, SUM forward and backward, as
-            :func:`megaloss.policy_loss` does for its sequence-level sums), so every rank holds
-            the whole sequences' values and the gradient of the sum of the ranks' losses
-            reaches each slice. Every rank of the group must call it. Default: no SP.
+            (:func:`~megaloss.parallel.mappings.all_reduce_sum_autograd`, SUM forward and
+            backward, as :func:`megaloss.policy_loss` does for its sequence-level sums), so
+            every rank holds the whole sequences' values and the gradient of the sum of the
+            ranks' losses reaches each slice. Every rank of the group must call it. Default: no SP.
         return_lengths: also return the ``[B]`` completion token counts (whole sequences under
             SP), in ``log_probs``' dtype.
 
@@ -286,22 +292,12 @@ def _pair_loss(opts: DPOOptions, chosen_ratio: torch.Tensor,
     raise AssertionError(kind)  # DPOOptions admits only the types above
 
 
-def dpo_loss(
-    chosen_log_probs: torch.Tensor,
-    rejected_log_probs: torch.Tensor,
-    ref_chosen_log_probs: torch.Tensor,
-    ref_rejected_log_probs: torch.Tensor,
-    *,
-    chosen_lengths: Optional[torch.Tensor] = None,
-    rejected_lengths: Optional[torch.Tensor] = None,
-    pair_weights: Optional[torch.Tensor] = None,
-    loss_type: str = "sigmoid",
-    beta: float = 0.1,
-    label_smoothing: float = 0.0,
-    discopop_tau: float = 0.05,
-    return_stats: bool = False,
-    options: Optional[DPOOptions] = None,
-):
+def dpo_loss(chosen_log_probs: Tensor, rejected_log_probs: Tensor, ref_chosen_log_probs: Tensor,
+             ref_rejected_log_probs: Tensor, *, chosen_lengths: MaybeTensor = None,
+             rejected_lengths: MaybeTensor = None, pair_weights: MaybeTensor = None,
+             loss_type: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
+             discopop_tau: float = 0.05, return_stats: bool = False,
+             options: Optional[DPOOptions] = None):
     """The pairwise preference loss of a micro-batch of pairs (module docstring for the
     math of each ``loss_type``).
 

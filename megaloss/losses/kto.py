@@ -40,16 +40,21 @@ either is missing, where TRL logs nothing), ``logps/chosen``, ``logps/rejected``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Union
 
 import torch
 
-from ..ops.options import OptionsBase, check_choice, check_finite_positive, resolve_options
+from ..ops.options import check_finite_positive, resolve_options
 from ..parallel.comm import all_reduce_sum_
 from ..parallel.groups import GroupLike, group_size
 from ._preference import (
     WEIGHT_CONVENTIONS,
     ExampleTerms,
+    LossTypeOptions,
+    MaybeTensor,
+    PreferenceOutput,
+    ScalarWeight,
+    Tensor,
     check_scalar_weight,
     check_vector,
     ratio,
@@ -67,7 +72,7 @@ _NUM_STATS = 8  # sums of r_D, count D, sums of r_U, count U, logp D, logp U, z0
 
 
 @dataclass(frozen=True)
-class KTOOptions(OptionsBase):
+class KTOOptions(LossTypeOptions, loss_types=KTO_LOSS_TYPES):
     """Options of :func:`kto_loss` (names and defaults of TRL 1.16's ``KTOConfig``,
     ``trl/trainer/kto_config.py``).
 
@@ -78,28 +83,25 @@ class KTOOptions(OptionsBase):
             recommends ``lambda_D n_D / (lambda_U n_U)`` in ``[1, 4/3]``).
 
     Raises:
-        ValueError: an option out of range, naming it.
+        ValueError: an unknown ``loss_type``, or ``beta`` or a weight not finite ``> 0``.
     """
 
     loss_type: str = "kto"
-    beta: float = 0.1
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        check_choice("loss_type", self.loss_type, KTO_LOSS_TYPES)
-        for name in ("beta", "desirable_weight", "undesirable_weight"):
+        super().__post_init__()
+        for name in ("desirable_weight", "undesirable_weight"):
             check_finite_positive(name, getattr(self, name))
             object.__setattr__(self, name, float(getattr(self, name)))
 
 
-class KTOOutput(NamedTuple):
-    """What :func:`kto_loss` returns with ``return_stats=True``: ``loss`` (differentiable
-    scalar, this call's share of the global loss) and ``stats`` (detached float64 ``[8]`` local
-    sums for :func:`kto_metrics`)."""
+class KTOOutput(PreferenceOutput):
+    """What :func:`kto_loss` returns with ``return_stats=True``: ``loss`` and ``stats`` (``[8]``
+    local sums for :func:`kto_metrics`)."""
 
-    loss: torch.Tensor
-    stats: torch.Tensor
+    __slots__ = ()
 
 
 def kto_kl_baseline(kl_log_probs: Union[torch.Tensor, Sequence[torch.Tensor]],
@@ -160,20 +162,11 @@ def kto_kl_baseline(kl_log_probs: Union[torch.Tensor, Sequence[torch.Tensor]],
     return (rank_means / group_size(group)).clamp(min=0.0)
 
 
-def kto_loss(
-    log_probs: torch.Tensor,
-    ref_log_probs: torch.Tensor,
-    desirable: torch.Tensor,
-    *,
-    kl: Union[None, float, torch.Tensor] = None,
-    sample_weights: Optional[torch.Tensor] = None,
-    loss_type: str = "kto",
-    beta: float = 0.1,
-    desirable_weight: float = 1.0,
-    undesirable_weight: float = 1.0,
-    return_stats: bool = False,
-    options: Optional[KTOOptions] = None,
-):
+def kto_loss(log_probs: Tensor, ref_log_probs: Tensor, desirable: Tensor, *,
+             kl: ScalarWeight = None, sample_weights: MaybeTensor = None,
+             loss_type: str = "kto", beta: float = 0.1, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0, return_stats: bool = False,
+             options: Optional[KTOOptions] = None):
     """The KTO loss of a micro-batch of examples (module docstring for the math).
 
     Args:
@@ -187,15 +180,18 @@ def kto_loss(
             ``None``: the mean over this call's examples.
         loss_type, beta, desirable_weight, undesirable_weight: the fields of
             :class:`KTOOptions`.
-        return_stats: return a :class:`KTOOutput` instead of the loss alone.
-        options: the fields as one :class:`KTOOptions` instead of the keywords.
+        return_stats: return the loss with the local sums of :func:`kto_metrics` (a
+            :class:`KTOOutput`).
+        options: the four fields as one :class:`KTOOptions`.
 
     Returns:
-        The loss (differentiable scalar), or a :class:`KTOOutput` holding it.
+        The weighted sum of the examples' losses (differentiable scalar), or its
+        :class:`KTOOutput`.
 
     Raises:
-        ValueError: an argument of the wrong shape or type, naming it; an option out of range.
-        TypeError: ``options`` not a :class:`KTOOptions`, or given with option keywords.
+        ValueError: ``ref_log_probs``, ``desirable``, ``kl`` or ``sample_weights`` of the wrong
+            shape or type, naming it; an option out of range.
+        TypeError: ``options`` together with option keywords, or not a :class:`KTOOptions`.
     """
     opts = resolve_options(KTOOptions, options, locals())
     return unpaired_loss(_kto_examples, KTOOutput, opts, log_probs,

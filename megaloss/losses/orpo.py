@@ -39,7 +39,7 @@ Metrics (:func:`orpo_metrics`, TRL's names, means over the step's global pairs):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +47,13 @@ import torch.nn.functional as F
 from ..ops.options import OptionsBase, check_finite_positive, resolve_options
 from ..parallel.groups import GroupLike
 from ._preference import (
+    MaybeTensor,
     NLLTerm,
     PairTerms,
+    PreferenceOutput,
     PreferenceWeights,
+    ScalarWeight,
+    Tensor,
     check_lengths,
     check_vector,
     paired_loss,
@@ -84,13 +88,11 @@ class ORPOOptions(OptionsBase):
         object.__setattr__(self, "beta", float(self.beta))
 
 
-class ORPOOutput(NamedTuple):
-    """What :func:`orpo_loss` returns with ``return_stats=True``: ``loss`` (differentiable
-    scalar, this call's share of the global loss) and ``stats`` (detached float64 ``[11]``
+class ORPOOutput(PreferenceOutput):
+    """What :func:`orpo_loss` returns with ``return_stats=True``: ``loss`` and ``stats`` (``[11]``
     local sums for :func:`orpo_metrics`)."""
 
-    loss: torch.Tensor
-    stats: torch.Tensor
+    __slots__ = ()
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -101,20 +103,12 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
                        torch.log(-torch.expm1(x)))
 
 
-def orpo_loss(
-    chosen_log_probs: torch.Tensor,
-    rejected_log_probs: torch.Tensor,
-    *,
-    chosen_lengths: Optional[torch.Tensor] = None,
-    rejected_lengths: Optional[torch.Tensor] = None,
-    nll_log_probs: Optional[torch.Tensor] = None,
-    nll_lengths: Optional[torch.Tensor] = None,
-    pair_weights: Optional[torch.Tensor] = None,
-    nll_weight: Union[None, float, torch.Tensor] = None,
-    beta: float = 0.1,
-    return_stats: bool = False,
-    options: Optional[ORPOOptions] = None,
-):
+def orpo_loss(chosen_log_probs: Tensor, rejected_log_probs: Tensor, *,
+              chosen_lengths: MaybeTensor = None, rejected_lengths: MaybeTensor = None,
+              nll_log_probs: MaybeTensor = None, nll_lengths: MaybeTensor = None,
+              pair_weights: MaybeTensor = None, nll_weight: ScalarWeight = None,
+              beta: float = 0.1, return_stats: bool = False,
+              options: Optional[ORPOOptions] = None):
     """The ORPO loss of a micro-batch of pairs (module docstring for the math).
 
     Args:
@@ -129,16 +123,18 @@ def orpo_loss(
         nll_weight: the weight of each NLL token (:attr:`PreferenceWeights.nll_weight`);
             ``None``: ``1 / sum(nll_lengths)`` of this call.
         beta: the field of :class:`ORPOOptions`.
-        return_stats: return an :class:`ORPOOutput` instead of the loss alone.
-        options: the fields as one :class:`ORPOOptions` instead of the keywords.
+        return_stats: also return the local sums :func:`orpo_metrics` reads, as an
+            :class:`ORPOOutput`.
+        options: an :class:`ORPOOptions` instead of ``beta=``.
 
     Returns:
-        The loss (differentiable scalar), or an :class:`ORPOOutput` holding it.
+        The loss, a differentiable scalar in the log-probs' dtype (an :class:`ORPOOutput`
+        with ``return_stats=True``).
 
     Raises:
-        ValueError: an argument of the wrong shape or type, or missing, naming it; ``beta``
-            out of range.
-        TypeError: ``options`` not an :class:`ORPOOptions`, or given with option keywords.
+        ValueError: missing lengths, ``nll_lengths`` without ``nll_log_probs``, or a vector of
+            the wrong shape or type, naming it; ``beta`` out of range.
+        TypeError: ``options`` is no :class:`ORPOOptions`, or comes with ``beta=``.
     """
     opts = resolve_options(ORPOOptions, options, locals())
     return paired_loss(_orpo_pairs, ORPOOutput, opts, chosen_log_probs, rejected_log_probs,

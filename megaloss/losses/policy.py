@@ -433,8 +433,9 @@ def _sequence_sums(token_log_ratio: torch.Tensor, valid: torch.Tensor, opts: Pol
     """The per-sequence ``[B, 1]`` sums a ``loss_type`` needs: ``log_ratio`` (GSPO's, with
     gradient), ``clamped_log_ratio`` (VESPO's, detached) and ``tokens`` (completion lengths),
     over the whole sequence: under SP (``sp_group`` of size > 1) this rank's slice sums added
-    over the group in ONE autograd all-reduce (:func:`megaloss.parallel.all_reduce_sum_autograd`:
-    SUM forward and backward, so each slice's gradient collects every rank's loss)."""
+    over the group in ONE autograd all-reduce
+    (:func:`~megaloss.parallel.mappings.all_reduce_sum_autograd`: SUM forward and backward, so
+    each slice's gradient collects every rank's loss)."""
     sequence = opts.importance_sampling_level == "sequence"
     vespo = opts.loss_type == "vespo"
     names, cols = ["tokens"], [valid.sum(-1).to(token_log_ratio.dtype)]

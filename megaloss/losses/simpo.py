@@ -45,21 +45,29 @@ compute it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
 from ..ops.options import (
-    OptionsBase,
-    check_choice,
-    check_finite_positive,
     check_float,
     option_values,
     resolve_options,
 )
 from ..parallel.groups import GroupLike
-from ._preference import NLLTerm, PairTerms, check_lengths, paired_loss, paired_metrics
+from ._preference import (
+    LossTypeOptions,
+    MaybeTensor,
+    NLLTerm,
+    PairTerms,
+    PreferenceOutput,
+    ScalarWeight,
+    Tensor,
+    check_lengths,
+    paired_loss,
+    paired_metrics,
+)
 
 __all__ = ["CPOOptions", "CPOOutput", "CPO_LOSS_TYPES", "CPO_METRICS", "cpo_loss", "simpo_loss",
            "cpo_metrics"]
@@ -71,7 +79,7 @@ _AVERAGED = ("ipo", "simpo")  # on the per-token average log-probs
 
 
 @dataclass(frozen=True)
-class CPOOptions(OptionsBase):
+class CPOOptions(LossTypeOptions, loss_types=CPO_LOSS_TYPES):
     """Options of :func:`cpo_loss` / :func:`simpo_loss` (names and defaults of TRL 1.16's
     ``CPOConfig``, ``trl/experimental/cpo/cpo_config.py``).
 
@@ -86,18 +94,17 @@ class CPOOptions(OptionsBase):
             ``"simpo"`` only.
 
     Raises:
-        ValueError: an option out of range, naming it.
+        ValueError: an option out of range (``label_smoothing`` other than 0 for ``"hinge"`` /
+            ``"ipo"`` too), naming it.
     """
 
     loss_type: str = "sigmoid"
-    beta: float = 0.1
     label_smoothing: float = 0.0
     cpo_alpha: float = 1.0
     simpo_gamma: float = 0.5
 
     def __post_init__(self) -> None:
-        check_choice("loss_type", self.loss_type, CPO_LOSS_TYPES)
-        check_finite_positive("beta", self.beta)
+        super().__post_init__()
         check_float("label_smoothing", self.label_smoothing, 0.0, 0.5)
         if self.loss_type in ("hinge", "ipo") and self.label_smoothing != 0:
             raise ValueError(f"label_smoothing must be 0 for loss_type={self.loss_type!r} (it "
@@ -108,17 +115,15 @@ class CPOOptions(OptionsBase):
         check_float("simpo_gamma", self.simpo_gamma, 0.0, float("inf"))
         if not self.simpo_gamma < float("inf"):
             raise ValueError(f"simpo_gamma must be finite, got {self.simpo_gamma!r}")
-        for name in ("beta", "label_smoothing", "cpo_alpha", "simpo_gamma"):
+        for name in ("label_smoothing", "cpo_alpha", "simpo_gamma"):
             object.__setattr__(self, name, float(getattr(self, name)))
 
 
-class CPOOutput(NamedTuple):
-    """What :func:`cpo_loss` returns with ``return_stats=True``: ``loss`` (differentiable
-    scalar, this call's share of the global loss) and ``stats`` (detached float64 ``[9]`` local
-    sums for :func:`cpo_metrics`)."""
+class CPOOutput(PreferenceOutput):
+    """What :func:`cpo_loss` returns with ``return_stats=True``: ``loss`` and ``stats`` (``[9]``
+    local sums for :func:`cpo_metrics`)."""
 
-    loss: torch.Tensor
-    stats: torch.Tensor
+    __slots__ = ()
 
 
 def _pair_loss(opts: CPOOptions, d: torch.Tensor) -> torch.Tensor:
@@ -132,22 +137,12 @@ def _pair_loss(opts: CPOOptions, d: torch.Tensor) -> torch.Tensor:
     return loss * (1 - eps) - F.logsigmoid(-z) * eps if eps else loss
 
 
-def cpo_loss(
-    chosen_log_probs: torch.Tensor,
-    rejected_log_probs: torch.Tensor,
-    *,
-    chosen_lengths: Optional[torch.Tensor] = None,
-    rejected_lengths: Optional[torch.Tensor] = None,
-    pair_weights: Optional[torch.Tensor] = None,
-    nll_weight: Union[None, float, torch.Tensor] = None,
-    loss_type: str = "sigmoid",
-    beta: float = 0.1,
-    label_smoothing: float = 0.0,
-    cpo_alpha: float = 1.0,
-    simpo_gamma: float = 0.5,
-    return_stats: bool = False,
-    options: Optional[CPOOptions] = None,
-):
+def cpo_loss(chosen_log_probs: Tensor, rejected_log_probs: Tensor, *,
+             chosen_lengths: MaybeTensor = None, rejected_lengths: MaybeTensor = None,
+             pair_weights: MaybeTensor = None, nll_weight: ScalarWeight = None,
+             loss_type: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
+             cpo_alpha: float = 1.0, simpo_gamma: float = 0.5, return_stats: bool = False,
+             options: Optional[CPOOptions] = None):
     """The CPO / SimPO loss of a micro-batch of pairs (module docstring for the math).
 
     Args:
@@ -163,15 +158,17 @@ def cpo_loss(
             ``1 / sum(chosen_lengths)`` of this call.
         loss_type, beta, label_smoothing, cpo_alpha, simpo_gamma: the fields of
             :class:`CPOOptions`.
-        return_stats: return a :class:`CPOOutput` instead of the loss alone.
-        options: the fields as one :class:`CPOOptions` instead of the keywords.
+        return_stats: return a :class:`CPOOutput`, the loss with the local sums
+            :func:`cpo_metrics` reads.
+        options: a :class:`CPOOptions` in place of its fields' keywords (not both).
 
     Returns:
-        The loss (differentiable scalar), or a :class:`CPOOutput` holding it.
+        The loss (a differentiable scalar in the log-probs' dtype), or its :class:`CPOOutput`.
 
     Raises:
-        ValueError: an argument of the wrong shape or type, or missing, naming it; an option
-            out of range.
+        ValueError: a log-prob, length or weight vector of the wrong shape or type, or lengths
+            missing where the loss type or the NLL term needs them, naming it; an option out
+            of range.
         TypeError: ``options`` not a :class:`CPOOptions`, or given with option keywords.
     """
     opts = resolve_options(CPOOptions, options, locals())
@@ -203,20 +200,11 @@ def _cpo_pairs(opts: CPOOptions, chosen: torch.Tensor, rejected: torch.Tensor,
     return PairTerms(_pair_loss(opts, x_c - x_r), x_c, x_r, x_c, x_r, nll=nll)
 
 
-def simpo_loss(
-    chosen_log_probs: torch.Tensor,
-    rejected_log_probs: torch.Tensor,
-    *,
-    chosen_lengths: Optional[torch.Tensor] = None,
-    rejected_lengths: Optional[torch.Tensor] = None,
-    pair_weights: Optional[torch.Tensor] = None,
-    nll_weight: Union[None, float, torch.Tensor] = None,
-    beta: float = 0.1,
-    simpo_gamma: float = 0.5,
-    label_smoothing: float = 0.0,
-    cpo_alpha: float = 0.0,
-    return_stats: bool = False,
-):
+def simpo_loss(chosen_log_probs: Tensor, rejected_log_probs: Tensor, *,
+               chosen_lengths: MaybeTensor = None, rejected_lengths: MaybeTensor = None,
+               pair_weights: MaybeTensor = None, nll_weight: ScalarWeight = None,
+               beta: float = 0.1, simpo_gamma: float = 0.5, label_smoothing: float = 0.0,
+               cpo_alpha: float = 0.0, return_stats: bool = False):
     """SimPO (arXiv:2405.14734): :func:`cpo_loss` with ``loss_type="simpo"`` and, by default,
     no NLL term (``cpo_alpha=0``; > 0 is CPO-SimPO). Arguments and errors as :func:`cpo_loss`;
     ``chosen_lengths`` and ``rejected_lengths`` are required (the rewards are length-averaged).

@@ -9,8 +9,8 @@ all-reduce over the TP group then gives every rank the full embedding (exactly o
 contributes a non-zero row per token, so the sum is exact in any dtype). Backward is the identity
 through that all-reduce (Megatron's ``reduce_from_tensor_model_parallel_region``): the layers
 after the embedding are replicated over TP (or TP layers entered through
-:func:`megaloss.parallel.copy_to_region`), so every TP rank already holds the full gradient of
-the embedding output, and each rank's shard gets the gradient of its own rows.
+:func:`~megaloss.parallel.mappings.copy_to_region`), so every TP rank already holds the full
+gradient of the embedding output, and each rank's shard gets the gradient of its own rows.
 
 Tying. :meth:`VocabParallelEmbedding.tied_to` builds the embedding on the *same* ``Parameter``
 as a :class:`~megaloss.VocabParallelLMHead`: autograd then sums the gradients of both uses into

@@ -101,15 +101,12 @@ class CrossEntropyKernel(ChunkKernel):
         return ClassWeights(of_label, w[start:start + n_local], float(w.sum()))
 
     def _epilogue(self, logits, rows, coef, lse) -> ChunkResult:
-        vocab = self.vocab
         weights = self._weights(rows, logits.shape[1], stats_dtype(logits.dtype))
         epilogue = torch_epilogue
         if weights is None and epilogue_impl(self.opts.impl, logits) == "triton":
             from .triton_epilogue import triton_chunk_epilogue as epilogue  # imports triton
         kwargs = {} if weights is None else {"class_weights": weights}
-        return epilogue(logits, self.labels[rows], coef, self.opts, vocab_size=vocab.vocab_size,
-                        vocab_start=vocab.start, lse=lse, reduce_max=vocab.reduce_max,
-                        reduce_sum=vocab.reduce_sum, **kwargs)
+        return epilogue(logits, self.labels[rows], coef, self.opts, self.vocab, lse=lse, **kwargs)
 
     def forward(self, logits, rows, coef):
         res = self._epilogue(logits, rows, coef, None)
@@ -163,33 +160,25 @@ def chunk_cross_entropy(
     return kernel._epilogue(head_logits(hidden, weight, bias), slice(None), coef, lse)
 
 
-def torch_epilogue(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    coef: Optional[torch.Tensor],
-    opts: CrossEntropyOptions,
-    *,
-    vocab_size: int,
-    vocab_start: int = 0,
-    lse: Optional[torch.Tensor] = None,
-    reduce_max: Reduce = no_reduce,
-    reduce_sum: Reduce = no_reduce,
-    class_weights: Optional[ClassWeights] = None,
-) -> ChunkResult:
+def torch_epilogue(logits: torch.Tensor, labels: torch.Tensor, coef: Optional[torch.Tensor],
+                   opts: CrossEntropyOptions, vocab: VocabSlice, *,
+                   lse: Optional[torch.Tensor] = None,
+                   class_weights: Optional[ClassWeights] = None) -> ChunkResult:
     """The eager epilogue: :func:`chunk_cross_entropy` after its GEMM, on ``logits
-    [C, V_local]`` (the caller's own buffer: worked on in place when already in the stats dtype).
-    Returns a :class:`ChunkResult` in the stats dtype; ``class_weights`` (a chunk's
-    :class:`~megaloss.ops.chunk_stats.ClassWeights`) weights the classes as the module doc."""
+    [C, V_local]`` (the caller's own buffer: worked on in place when already in the stats dtype)
+    of the vocabulary slice ``vocab``. Returns a :class:`ChunkResult` in the stats dtype;
+    ``class_weights`` (a chunk's :class:`~megaloss.ops.chunk_stats.ClassWeights`) weights the
+    classes as the module doc."""
     sdt = stats_dtype(logits.dtype)
     n_local = logits.shape[1]
     logits, tanh = softcap(logits.to(sdt), opts.logit_softcapping)  # no copy for fp32/fp64
-    cols = label_columns(labels, opts.ignore_index, vocab_start, n_local)
+    cols = label_columns(labels, opts.ignore_index, vocab.start, n_local)
 
     correct = None
     if lse is None:
-        row_max, stats, probs = _row_statistics(logits, cols, opts, reduce_max, reduce_sum,
-                                                class_weights)
-        loss, lse, correct = loss_from_stats(row_max, stats, labels, opts, vocab_size,
+        row_max, stats, probs = _row_statistics(logits, cols, opts, vocab.reduce_max,
+                                                vocab.reduce_sum, class_weights)
+        loss, lse, correct = loss_from_stats(row_max, stats, labels, opts, vocab.vocab_size,
                                              class_weights)
         probs_scale: Optional[torch.Tensor] = 1.0 / stats[0]  # exp(y - max) / sum_exp = softmax
     else:  # second pass (deferred gradient): the softmax straight from the saved lse
@@ -200,8 +189,8 @@ def torch_epilogue(
 
     if coef is None:
         return ChunkResult(loss, lse, None, correct)
-    grad = _logit_gradient(probs, probs_scale, lse, coef.to(sdt), cols, tanh, opts, vocab_size,
-                           class_weights)
+    grad = _logit_gradient(probs, probs_scale, lse, coef.to(sdt), cols, tanh, opts,
+                           vocab.vocab_size, class_weights)
     return ChunkResult(loss, lse, grad, correct)
 
 

@@ -7,17 +7,14 @@ from typing import Optional
 
 import torch
 
-from .options import (
-    CE_IMPLS,
-    CE_REDUCTIONS,
-    OptionsBase,
-    check_choice,
-    check_chunk_fields,
-    check_float,
-    check_softcapping,
-)
+from .options import OptionsBase, check_choice, check_chunk_fields, check_float, check_softcapping
 
-__all__ = ["CrossEntropyOptions"]
+__all__ = ["CrossEntropyOptions", "CE_REDUCTIONS", "CE_IMPLS"]
+
+# torch's reductions, which the distillation loss takes too; the chunk epilogues (``impl``),
+# which the log-probabilities take too
+CE_REDUCTIONS = ("mean", "sum", "none")
+CE_IMPLS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)

@@ -51,10 +51,8 @@ import torch
 from .chunk_driver import head_logits
 from .chunk_kernel import (
     ChunkKernel,
-    Reduce,
     VocabSlice,
     label_columns,
-    no_reduce,
     softcap,
     softcap_chain_,
     stats_dtype,
@@ -108,11 +106,9 @@ def _terms(kind: str, beta: float, log_p: torch.Tensor, log_q: torch.Tensor
     return d, where0(q > 0, (1 - beta) * (log_q - log_m))
 
 
-def distillation_epilogue(
-    z: torch.Tensor, teacher: "torch.Tensor | TopKTeacher", labels: torch.Tensor,
-    coef: Optional[torch.Tensor], opts: DistillationOptions, *, vocab_size: int,
-    vocab_start: int = 0, reduce_max: Reduce = no_reduce, reduce_sum: Reduce = no_reduce,
-) -> DistillationChunk:
+def distillation_epilogue(z: torch.Tensor, teacher: "torch.Tensor | TopKTeacher",
+                          labels: torch.Tensor, coef: Optional[torch.Tensor],
+                          opts: DistillationOptions, vocab: VocabSlice) -> DistillationChunk:
     """Loss, metrics and (optionally) the student-logit gradient of one chunk.
 
     Args:
@@ -123,9 +119,9 @@ def distillation_epilogue(
         coef: ``[C]`` gradient coefficient per token (0 at ignored tokens), or ``None``.
         opts: :class:`~megaloss.DistillationOptions` (``reduction``, ``chunk_size``
             and ``accum_dtype`` are the caller's).
-        vocab_size: the real, global ``V`` (a top-k of all ``V`` ids leaves no tail).
-        vocab_start: global id of this slice's first row.
-        reduce_max / reduce_sum: in-place combiners across vocab slices.
+        vocab: this device's :class:`~megaloss.ops.chunk_kernel.VocabSlice`: the real, global
+            ``V`` (a top-k of all ``V`` ids leaves no tail), the slice's first id and the
+            in-place combiners across slices.
 
     Returns:
         :class:`DistillationChunk`.
@@ -133,7 +129,7 @@ def distillation_epilogue(
     sdt = stats_dtype(z.dtype)
     y, tanh = softcap(z.to(sdt), opts.logit_softcapping)
     del z  # the fp32 copy (or the soft-capped values) is what is kept
-    valid, in_slice, target_idx = label_columns(labels, opts.ignore_index, vocab_start,
+    valid, in_slice, target_idx = label_columns(labels, opts.ignore_index, vocab.start,
                                                 y.shape[1])
     if isinstance(teacher, TopKTeacher):
         temp = opts.temperature
@@ -141,11 +137,12 @@ def distillation_epilogue(
         s_max_local = (s.amax(dim=1) if s.shape[1] > 0
                        else s.new_full((s.shape[0],), float("-inf")))
         return _topk_chunk(s, y, tanh, teacher, labels, valid, in_slice, target_idx, coef, opts,
-                           vocab_start, vocab_size, s_max_local, reduce_max, reduce_sum)
+                           vocab.start, vocab.vocab_size, s_max_local, vocab.reduce_max,
+                           vocab.reduce_sum)
     t, _ = softcap(teacher.to(sdt), opts.teacher_logit_softcapping)
     del teacher
-    return _full_chunk(y, tanh, t, valid, in_slice, target_idx, coef, opts, reduce_max,
-                       reduce_sum)
+    return _full_chunk(y, tanh, t, valid, in_slice, target_idx, coef, opts, vocab.reduce_max,
+                       vocab.reduce_sum)
 
 
 class Teacher:
@@ -194,11 +191,8 @@ class DistillationKernel(ChunkKernel):
         self.teacher, self.labels, self.opts, self.vocab = teacher, labels, opts, vocab
 
     def forward(self, logits, rows, coef):
-        vocab = self.vocab
-        res = distillation_epilogue(
-            logits, self.teacher.chunk(rows), self.labels[rows], coef, self.opts,
-            vocab_size=vocab.vocab_size, vocab_start=vocab.start, reduce_max=vocab.reduce_max,
-            reduce_sum=vocab.reduce_sum)
+        res = distillation_epilogue(logits, self.teacher.chunk(rows), self.labels[rows], coef,
+                                    self.opts, self.vocab)
         return (res.loss, res.divergence, res.ce, res.top1_match), res.grad_logits
 
     def backward(self, logits, rows, saved: Sequence[torch.Tensor], upstream):

@@ -7,8 +7,8 @@ from typing import Optional
 
 import torch
 
+from .cross_entropy_options import CE_REDUCTIONS
 from .options import (
-    CE_REDUCTIONS,
     OptionsBase,
     check_bool,
     check_choice,

@@ -25,7 +25,7 @@ def _triton_importable() -> bool:
 def _interpreter_ready() -> bool:
     """Whether triton was imported under ``TRITON_INTERPRET=1`` (its interpreter runs kernels on
     CPU tensors). Imports triton: only asked when ``impl="triton"`` meets CPU tensors."""
-    from .triton_epilogue import interpreted  # imports triton
+    from .triton_common import interpreted  # imports triton
     return interpreted()
 
 

@@ -23,8 +23,7 @@ from typing import Any, Dict, Mapping, Optional, Type, TypeVar
 
 import torch
 
-__all__ = ["OptionsBase", "CE_REDUCTIONS", "CE_IMPLS", "resolve_options", "module_options",
-           "option_values"]
+__all__ = ["OptionsBase", "resolve_options", "module_options", "option_values"]
 
 OptionsT = TypeVar("OptionsT", bound="OptionsBase")
 
@@ -43,13 +42,6 @@ class OptionsBase:
     def as_dict(self) -> Dict[str, Any]:
         """``{field name: value}`` in field order."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-# the reductions and epilogues of the chunked lm_head losses (torch's reduction names)
-CE_REDUCTIONS = ("mean", "sum", "none")
-
-CE_IMPLS = ("auto", "torch", "triton")
-
 
 
 def check_float(name: str, value: Any, low: float, high: float, *, open_low: bool = False,

@@ -1,7 +1,8 @@
 """What the two Triton epilogues (:mod:`megaloss.ops.triton_epilogue` for the cross-entropy,
 :mod:`megaloss.ops.triton_log_probs` for the log-probabilities) share: the fp32 ``tanh`` of
-soft-capping, the block size of a launch, the CUDA device guard, and whether Triton's
-interpreter runs them.
+soft-capping, how a program finds its row, its label's column and its block of (soft-capped)
+logits, the block size of a launch, the CUDA device guard, and whether Triton's interpreter
+runs them.
 
 Imports ``triton``; only those two modules import this one.
 """
@@ -13,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_BLOCK", "tanh_f32", "block_size", "device_guard", "interpreted"]
+__all__ = ["MAX_BLOCK", "tanh_f32", "row_label", "grad_block", "load_logits", "block_size",
+           "device_guard", "interpreted", "row_major"]
 
 MAX_BLOCK = 4096
 """Largest block of columns a program handles at once (a power of two)."""
@@ -30,6 +32,42 @@ def tanh_f32(a):
                                                                - a2 * 0.0539682539683))),
                  (1.0 - e) / (1.0 + e))
     return tl.where(a < 0, -t, t)
+
+
+@triton.jit
+def row_label(labels_ptr, ignore_index, vocab_start):
+    """This program's row (``program_id(0)``, int64) and its label's column in this vocabulary
+    slice: -1 (which never matches a column) for an ignored label or one outside the slice."""
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(labels_ptr + row)
+    return row, tl.where(label != ignore_index, label - vocab_start, -1)
+
+
+@triton.jit
+def grad_block(logits_ptr, stride_row, row, n_cols, BLOCK: tl.constexpr):
+    """The columns of this program's block (``program_id(1)``) of ``row``, their mask and their
+    pointers: the launch grid of the gradient kernels is (rows, column blocks)."""
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    return cols, mask, logits_ptr + row * stride_row + cols
+
+
+@triton.jit
+def load_logits(ptrs, mask, cap, HAS_CAP: tl.constexpr):
+    """A block of logits in fp32 (0 where masked) and, with ``HAS_CAP``, soft-capped:
+    ``(cap * t, t)`` with ``t = tanh(z / cap)`` (the gradient's chain factor is ``1 - t^2``;
+    ``t`` is unused without soft-capping)."""
+    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    t = y
+    if HAS_CAP:
+        t = tanh_f32(y / cap)
+        y = cap * t
+    return y, t
+
+
+def row_major(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` with unit column stride (the kernels step along a row's columns)."""
+    return logits if logits.stride(1) == 1 else logits.contiguous()
 
 
 def block_size(n_cols: int) -> int:

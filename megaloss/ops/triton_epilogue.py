@@ -34,7 +34,8 @@ polynomial near 0, where ``(1 - e) / (1 + e)`` loses digits), because libdevice'
 not available under Triton's interpreter.
 
 This module imports ``triton``: :mod:`megaloss.ops.cross_entropy_chunk` imports it only when
-the Triton epilogue is selected (or to ask :func:`interpreted`). Triton's interpreter
+the Triton epilogue is selected (:mod:`megaloss.ops.epilogue_choice` asks
+:func:`~megaloss.ops.triton_common.interpreted`). Triton's interpreter
 (``TRITON_INTERPRET=1``, which runs the
 kernels on CPU tensors, slowly) is chosen when triton is imported: triton's own library
 (``tl.sum``, ``tl.zeros``, ...) is jitted then, so the variable must be set before the first
@@ -48,21 +49,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_kernel import Reduce
+from .chunk_kernel import VocabSlice
 from .chunk_stats import ChunkResult, loss_from_stats
 from .cross_entropy_options import CrossEntropyOptions
-from .triton_common import block_size, device_guard, interpreted, tanh_f32
+from .triton_common import block_size, device_guard, grad_block, load_logits, row_label, row_major
 
-__all__ = ["triton_chunk_epilogue", "interpreted"]
+__all__ = ["triton_chunk_epilogue"]
 
 @triton.jit
 def _stats_kernel(logits_ptr, stride_row, labels_ptr, max_ptr, sumexp_ptr, target_ptr,
                   sumlogits_ptr, n_cols, vocab_start, ignore_index, cap,
                   HAS_CAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+    row, local = row_label(labels_ptr, ignore_index, vocab_start)
     row_ptr = logits_ptr + row * stride_row
-    label = tl.load(labels_ptr + row)
-    local = tl.where(label != ignore_index, label - vocab_start, -1)  # -1 never matches a column
     m = float("-inf")
     s = 0.0
     # Per-lane partial sums, reduced once after the loop: only max and sum-exp reduce per block.
@@ -71,9 +70,7 @@ def _stats_kernel(logits_ptr, stride_row, labels_ptr, max_ptr, sumexp_ptr, targe
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        y = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_CAP:
-            y = cap * tanh_f32(y / cap)
+        y, _ = load_logits(row_ptr + cols, mask, cap, HAS_CAP)
         target += tl.where(cols == local, y, 0.0)  # masked lanes hold y = 0
         if HAS_SMOOTH:
             sum_y += y
@@ -92,18 +89,11 @@ def _stats_kernel(logits_ptr, stride_row, labels_ptr, max_ptr, sumexp_ptr, targe
 def _grad_kernel(logits_ptr, stride_row, labels_ptr, lse_ptr, coef_ptr, n_cols, vocab_start,
                  ignore_index, cap, two_z, eps_over_v, one_minus_eps,
                  HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    ptrs = logits_ptr + row * stride_row + cols
-    lse = tl.load(lse_ptr + row)
+    row, local = row_label(labels_ptr, ignore_index, vocab_start)
+    cols, mask, ptrs = grad_block(logits_ptr, stride_row, row, n_cols, BLOCK)
+    y, t = load_logits(ptrs, mask, cap, HAS_CAP)
     coef = tl.load(coef_ptr + row)
-    label = tl.load(labels_ptr + row)
-    local = tl.where(label != ignore_index, label - vocab_start, -1)
-    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_CAP:
-        t = tanh_f32(y / cap)
-        y = cap * t
+    lse = tl.load(lse_ptr + row)
     g = tl.exp(y - lse) * (coef * (1.0 + two_z * lse)) - coef * eps_over_v
     g = tl.where(cols == local, g - coef * one_minus_eps, g)
     if HAS_CAP:
@@ -111,18 +101,9 @@ def _grad_kernel(logits_ptr, stride_row, labels_ptr, lse_ptr, coef_ptr, n_cols, 
     tl.store(ptrs, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
-def triton_chunk_epilogue(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    coef: Optional[torch.Tensor],
-    opts: CrossEntropyOptions,
-    *,
-    vocab_size: int,
-    vocab_start: int = 0,
-    lse: Optional[torch.Tensor] = None,
-    reduce_max: Reduce,
-    reduce_sum: Reduce,
-) -> ChunkResult:
+def triton_chunk_epilogue(logits: torch.Tensor, labels: torch.Tensor,
+                          coef: Optional[torch.Tensor], opts: CrossEntropyOptions,
+                          vocab: VocabSlice, *, lse: Optional[torch.Tensor] = None) -> ChunkResult:
     """Loss, log-sum-exp and (when ``coef`` is given) logit gradient of one chunk, from its
     logits; the contract of :func:`megaloss.ops.cross_entropy_chunk.chunk_cross_entropy` after
     its GEMM.
@@ -132,18 +113,17 @@ def triton_chunk_epilogue(
             is overwritten by the gradient (same dtype) and returned as ``grad_logits``.
         labels: ``[C]`` int64 global ids or ``opts.ignore_index``.
         coef: ``[C]`` gradient coefficient per token (0 at ignored tokens) or ``None``.
-        opts, vocab_size, vocab_start, lse, reduce_max, reduce_sum: as ``chunk_cross_entropy``.
+        opts, lse: as ``chunk_cross_entropy``.
+        vocab: this device's :class:`~megaloss.ops.chunk_kernel.VocabSlice` (its size, first
+            id and the combiners across slices).
 
     Returns:
         :class:`~megaloss.ops.chunk_stats.ChunkResult`: ``loss`` and ``lse`` in fp32,
         ``grad_logits`` is ``logits`` itself (or ``None``).
     """
+    logits, labels = row_major(logits), labels.contiguous()
     n_rows, n_cols = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    labels = labels.contiguous()
-    cap = opts.logit_softcapping
-    eps = opts.label_smoothing
+    cap, eps = opts.logit_softcapping, opts.label_smoothing
     dev = logits.device
     with device_guard(logits):
         if lse is None:
@@ -155,17 +135,17 @@ def triton_chunk_epilogue(
                 block = block_size(n_cols)
                 _stats_kernel[(n_rows,)](
                     logits, logits.stride(0), labels, local_max, packed[0], packed[1],
-                    packed[2] if eps > 0 else packed[1], n_cols, vocab_start,
+                    packed[2] if eps > 0 else packed[1], n_cols, vocab.start,
                     opts.ignore_index, 1.0 if cap is None else cap,
                     HAS_CAP=cap is not None, HAS_SMOOTH=eps > 0, BLOCK=block,
                     num_warps=8 if block >= 2048 else 4)
             # Combine across slices: the global max; each slice's sum-exp moved from its own
             # max to the global one (exp(-inf) = 0 for a slice with no rows); one SUM.
-            row_max = reduce_max(local_max.clone())
+            row_max = vocab.reduce_max(local_max.clone())
             packed[0].mul_(torch.exp(local_max - row_max))
-            packed = reduce_sum(packed)
+            packed = vocab.reduce_sum(packed)
             # Step 3: the loss from the statistics.
-            loss, lse, correct = loss_from_stats(row_max, packed, labels, opts, vocab_size)
+            loss, lse, correct = loss_from_stats(row_max, packed, labels, opts, vocab.vocab_size)
         else:
             lse = lse.to(torch.float32)
             loss = torch.zeros_like(lse)
@@ -176,7 +156,7 @@ def triton_chunk_epilogue(
             block = min(block_size(n_cols), 2048)
             _grad_kernel[(n_rows, triton.cdiv(n_cols, block))](
                 logits, logits.stride(0), labels, lse.contiguous(),
-                coef.to(torch.float32).contiguous(), n_cols, vocab_start, opts.ignore_index,
-                1.0 if cap is None else cap, 2.0 * opts.z_loss, eps / vocab_size, 1.0 - eps,
+                coef.to(torch.float32).contiguous(), n_cols, vocab.start, opts.ignore_index,
+                1.0 if cap is None else cap, 2.0 * opts.z_loss, eps / vocab.vocab_size, 1.0 - eps,
                 HAS_CAP=cap is not None, BLOCK=block, num_warps=4)
     return ChunkResult(loss, lse, logits, correct)

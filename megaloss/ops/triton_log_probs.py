@@ -29,7 +29,7 @@ import triton.language as tl
 from .chunk_kernel import Reduce, no_reduce
 from .log_probs_chunk import LogProbsChunk, results_from_stats
 from .log_probs_options import LogProbsOptions
-from .triton_common import block_size, device_guard, tanh_f32
+from .triton_common import block_size, device_guard, grad_block, load_logits, row_label, row_major
 
 __all__ = ["triton_chunk_log_probs", "triton_chunk_log_probs_grad"]
 
@@ -38,20 +38,16 @@ __all__ = ["triton_chunk_log_probs", "triton_chunk_log_probs_grad"]
 def _stats_kernel(logits_ptr, stride_row, labels_ptr, max_ptr, sumexp_ptr, target_ptr,
                   weighted_ptr, n_cols, vocab_start, ignore_index, cap, temperature,
                   HAS_CAP: tl.constexpr, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+    row, local = row_label(labels_ptr, ignore_index, vocab_start)
     row_ptr = logits_ptr + row * stride_row
-    label = tl.load(labels_ptr + row)
-    local = tl.where(label != ignore_index, label - vocab_start, -1)  # -1 never matches a column
+    target = tl.zeros([BLOCK], dtype=tl.float32)
     m = float("-inf")
     s = 0.0
     w = 0.0
-    target = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        y = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_CAP:
-            y = cap * tanh_f32(y / cap)
+        y, _ = load_logits(row_ptr + cols, mask, cap, HAS_CAP)
         y = y / temperature
         target += tl.where(cols == local, y, 0.0)
         y = tl.where(mask, y, float("-inf"))
@@ -75,20 +71,12 @@ def _stats_kernel(logits_ptr, stride_row, labels_ptr, max_ptr, sumexp_ptr, targe
 def _grad_kernel(logits_ptr, stride_row, labels_ptr, lse_ptr, mu_ptr, a_ptr, b_ptr, n_cols,
                  vocab_start, ignore_index, cap, temperature,
                  HAS_CAP: tl.constexpr, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    ptrs = logits_ptr + row * stride_row + cols
-    lse = tl.load(lse_ptr + row)
-    a = tl.load(a_ptr + row)
-    label = tl.load(labels_ptr + row)
-    local = tl.where(label != ignore_index, label - vocab_start, -1)
-    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_CAP:
-        t = tanh_f32(y / cap)
-        y = cap * t
+    row, local = row_label(labels_ptr, ignore_index, vocab_start)
+    cols, mask, ptrs = grad_block(logits_ptr, stride_row, row, n_cols, BLOCK)
+    y, t = load_logits(ptrs, mask, cap, HAS_CAP)
     y = y / temperature
-    p = tl.exp(y - lse)
+    p = tl.exp(y - tl.load(lse_ptr + row))
+    a = tl.load(a_ptr + row)
     if HAS_ENT:
         mu = tl.load(mu_ptr + row)
         b = tl.load(b_ptr + row)
@@ -107,12 +95,9 @@ def triton_chunk_log_probs(logits: torch.Tensor, labels: torch.Tensor, opts: Log
                            reduce_sum: Reduce = no_reduce) -> LogProbsChunk:
     """:func:`megaloss.ops.log_probs_chunk.chunk_log_probs` (same arguments and results, in
     fp32) with the fused statistics kernel; ``logits`` (fp32 / bf16 / fp16) is only read."""
+    logits, labels = row_major(logits), labels.contiguous()
     n_rows, n_cols = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    labels = labels.contiguous()
-    cap = opts.logit_softcapping
-    ent = opts.return_entropy
+    cap, ent = opts.logit_softcapping, opts.return_entropy
     dev = logits.device
     with device_guard(logits):
         local_max = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
@@ -142,9 +127,8 @@ def triton_chunk_log_probs_grad(logits: torch.Tensor, labels: torch.Tensor, lse:
                                 vocab_start: int = 0) -> torch.Tensor:
     """:func:`megaloss.ops.log_probs_chunk.chunk_log_probs_grad` with the fused gradient kernel:
     the gradient is written over ``logits`` (same dtype) and returned."""
+    logits = row_major(logits)
     n_rows, n_cols = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
     cap = opts.logit_softcapping
     ent = grad_entropy is not None
     f32 = torch.float32

@@ -6,7 +6,7 @@ import megaloss
 from megaloss import CrossEntropyOptions
 from megaloss.ops import epilogue_choice
 from megaloss.ops.cross_entropy_chunk import epilogue_impl
-from megaloss.ops.options import CE_IMPLS
+from megaloss.ops.cross_entropy_options import CE_IMPLS
 
 
 def test_impl_option_is_validated():

@@ -15,7 +15,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from megaloss.ops import triton_epilogue  # noqa: E402
+from megaloss.ops import triton_common, triton_epilogue  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = os.path.join("tests", "ops", "triton_interpreter_cases.py")
@@ -49,7 +49,7 @@ def test_kernels_compile_for_hopper():
     """The interpreter runs the kernels as Python; this compiles them as the GPU would (TTIR ->
     PTX -> cubin for sm_90, the H100/H200; no GPU needed), each dtype and each soft-capping /
     smoothing specialisation at least once."""
-    if triton_epilogue.interpreted():
+    if triton_common.interpreted():
         pytest.skip("this process runs triton in its interpreter")
     try:
         from triton.backends.compiler import GPUTarget
@@ -80,7 +80,7 @@ def test_kernels_compile_for_hopper():
 def test_log_probs_kernels_compile_for_hopper():
     """The log-probabilities kernels (:mod:`megaloss.ops.triton_log_probs`) compiled for sm_90
     as the GPU would, each dtype and soft-capping / entropy specialisation at least once."""
-    if triton_epilogue.interpreted():
+    if triton_common.interpreted():
         pytest.skip("this process runs triton in its interpreter")
     try:
         from triton.backends.compiler import GPUTarget

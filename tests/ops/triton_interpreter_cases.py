@@ -27,10 +27,10 @@ from vocab_slices import slices_and_one_device  # noqa: E402  (tests/ops/)
 
 import megaloss  # noqa: E402
 from megaloss import CrossEntropyOptions  # noqa: E402
-from megaloss.ops import triton_common, triton_epilogue  # noqa: E402
+from megaloss.ops import triton_common  # noqa: E402
 from megaloss.ops.cross_entropy_chunk import chunk_cross_entropy  # noqa: E402
 
-assert triton_epilogue.interpreted(), "triton was imported before TRITON_INTERPRET=1 was set"
+assert triton_common.interpreted(), "triton was imported before TRITON_INTERPRET=1 was set"
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -22,10 +22,10 @@ from vocab_slices import Lockstep  # noqa: E402  (tests/ops/)
 
 import megaloss  # noqa: E402
 from megaloss import LogProbsOptions  # noqa: E402
-from megaloss.ops import triton_common, triton_epilogue, triton_log_probs  # noqa: E402
+from megaloss.ops import triton_common, triton_log_probs  # noqa: E402
 from megaloss.ops.log_probs_chunk import chunk_log_probs, chunk_log_probs_grad  # noqa: E402
 
-assert triton_epilogue.interpreted(), "triton was imported before TRITON_INTERPRET=1 was set"
+assert triton_common.interpreted(), "triton was imported before TRITON_INTERPRET=1 was set"
 
 
 @pytest.fixture(scope="module", autouse=True)

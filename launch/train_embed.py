@@ -197,15 +197,13 @@ class Embedding(Job):
 
         engine, args = self.engine, self.args
         t0 = time.perf_counter()
-        loss, accuracy, grad_norm = embed_step(
-            engine, next(self.batches), group=self.group, multiplier=self.multiplier,
-            dp_size=self.dp_size, mini=self.ml.mnr.mini_batch_size)
+        m = embed_step(self.me, next(self.batches), mini=self.ml.mnr.mini_batch_size)
         seconds = time.perf_counter() - t0
-        row = {"step": int(engine.global_steps), "loss": loss, "accuracy": accuracy,
-               "lr": float(engine.get_lr()[0]), "grad_norm": grad_norm,
+        row = {"step": m.step, "loss": m.metrics["mnr_loss"], "accuracy": m.metrics["accuracy"],
+               "lr": m.lr, "grad_norm": float("nan") if m.grad_norm is None else m.grad_norm,
                "pairs_per_s": self.micro * self.gas * self.dp_size / seconds,
                "step_time_s": seconds, "peak_memory_mib": peak_memory_mib(engine.device),
-               "samples": int(engine.global_samples)}
+               "samples": m.samples}
         if step % args.log_every == 0 or step == args.steps:
             events = {("mnr_" + k if k in ("loss", "accuracy") else k): v
                       for k, v in row.items() if k not in ("step", "samples")}

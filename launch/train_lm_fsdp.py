@@ -16,7 +16,9 @@ The data, tokenizer, model, held-out perplexity and outputs are those of ``launc
 used inside an FSDP-managed forward; see ``megaloss/integrations/hf/causal_lm.py``), then
 ``fully_shard`` is applied to every decoder layer and to the wrapper as root (torchtitan's layout,
 the head in the root unit) on a 1-D mesh over all processes. Every optimizer step is calibrated
-globally: :class:`megaloss.LossCalibrator` (``--loss_reduction``, token mean by default) with the
+globally (megaloss's one calibrated step on its FSDP2 adapter,
+:class:`megaloss.integrations.fsdp.FSDPStepEngine`): :class:`megaloss.LossCalibrator`
+(``--loss_reduction``, token mean by default) with the
 gradient factor of FSDP2 measured at start-up by :func:`megaloss.calibration.probe_fsdp`;
 gradient accumulation keeps the gradients local on non-final micro-batches
 (``set_requires_gradient_sync(False)``); AdamW with a linear warm-up and gradient clipping.
@@ -36,9 +38,7 @@ position follows from the step, so a resumed run sees the batches an uninterrupt
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -55,8 +55,9 @@ from launch.jobs.lm_job import LMJob
 from launch.jobs.models import build_llama
 from launch.jobs.processes import start_torchrun_process
 from launch.jobs.runner import StopRequest, Table, run, run_job
-from megaloss.integrations.step.metrics import peak_memory_mib
-from megaloss.parallel.comm import all_reduce_sum_
+from megaloss.integrations.fsdp import FSDPStepEngine
+from megaloss.integrations.step import run_step
+from megaloss.integrations.step.lm import LanguageModelLoss, evaluate_lm
 
 
 def gather_per_rank(value: float) -> List[float]:
@@ -125,90 +126,10 @@ def learning_rate(args: argparse.Namespace, step: int) -> float:
     return args.lr * min(1.0, step / args.warmup_steps)
 
 
-def grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float, tp: int = 1) -> float:
-    """The global L2 norm of the (sharded) gradients, clipped to ``max_norm`` when it is > 0.
-    Under TP the gradients live on two meshes (the decoder's on the data-parallel dimension,
-    replicated over TP; the lm_head's on both), which ``clip_grad_norm_`` does not combine: each
-    local shard's squares are divided by the number of ranks holding the same shard, summed
-    over the world, and the gradients scaled in place."""
-    if tp > 1:
-        import torch.distributed as dist
-        from torch.distributed.tensor import Replicate
-
-        grads = [p.grad for p in params if p.grad is not None]
-        total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-        for g in grads:
-            mesh = g.device_mesh
-            copies = dist.get_world_size() // mesh.size()
-            for size, placement in zip(mesh.shape, g.placements):
-                copies *= size if isinstance(placement, Replicate) else 1
-            total += g.to_local().detach().to(torch.float64).pow(2).sum() / copies
-        norm = float(all_reduce_sum_(total).sqrt())
-        if max_norm > 0 and norm > max_norm:
-            coef = max_norm / (norm + 1e-6)
-            with torch.no_grad():
-                for g in grads:
-                    g.mul_(coef)
-        return norm
-    if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if hasattr(norm, "full_tensor"):  # a DTensor (Partial / Replicate over the mesh)
-        norm = norm.full_tensor()
-    return float(norm)
-
-
-def train_step(wrapper, opt, calib, micro_batches, args, step: int,
-               device: torch.device) -> Dict[str, Any]:
-    """One calibrated optimizer step over this rank's ``gas`` micro-batches (``input_ids`` and
-    ``shift_labels``, :func:`launch.jobs.text_data.lm_blocks`' rows): one all-reduce for
-    the weights, a backward per micro-batch (gradients kept local until the last), clipping,
-    AdamW; the global loss (z-loss included) and z-loss, one all-reduce each."""
-    t0 = time.perf_counter()
-    gas = len(micro_batches)
-    mbs = [{k: v.to(device) for k, v in mb.items()} for mb in micro_batches]
-    calibration = calib.begin_step([mb["shift_labels"] for mb in mbs])
-    z_local = torch.zeros((), dtype=torch.float64, device=device)
-    for i, mb in enumerate(mbs):
-        wrapper.set_requires_gradient_sync(i == gas - 1)
-        out = wrapper(mb["input_ids"], shift_labels=calibration.local_labels(i),
-                      loss_weights=calibration.weights(i))
-        z_local += out.z_loss.detach().to(torch.float64)
-        calibration.loss_for_backward(out.loss).backward()
-    lr = learning_rate(args, step)
-    for group in opt.param_groups:
-        group["lr"] = lr
-    norm = grad_norm([p for p in wrapper.parameters() if p.requires_grad], args.grad_clip,
-                     args.tensor_parallel_size)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    loss = float(calibration.global_loss())
-    z = float(all_reduce_sum_(z_local, calib.topology.dp_sp_group))  # TP ranks: same tokens
-    elapsed = time.perf_counter() - t0
-    tokens = float(calibration.num_tokens)
-    return {"step": step, "loss": loss, "z_loss": z, "num_tokens": tokens, "lr": lr,
-            "grad_norm": norm, "tokens_per_s": tokens / max(elapsed, 1e-9),
-            "peak_memory_mib": peak_memory_mib(device), "step_time_s": elapsed}
-
-
-@torch.no_grad()
-def evaluate(wrapper, batches, device: torch.device, group=None) -> Dict[str, float]:
-    """Held-out token-mean CE (z-loss excluded) and perplexity, global over the data-parallel
-    ranks ``group`` (every rank passes the same number of batches; one all-reduce)."""
-    was_training = wrapper.training
-    wrapper.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
-    for mb in batches:
-        ids = mb["input_ids"].to(device)
-        out = wrapper(ids, shift_labels=mb["shift_labels"].to(device))
-        sums[0] += (out.loss - out.z_loss).to(torch.float64)
-        sums[1] += out.num_valid_tokens.to(torch.float64)
-    all_reduce_sum_(sums, group)
-    wrapper.train(was_training)
-    n = float(sums[1])
-    loss = float(sums[0]) / n if n > 0 else 0.0
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "num_tokens": n}
+# the metrics.csv columns of a step (megaloss's StepMetrics but the distillation fields), then
+# the job's sample count
+ROW_KEYS = ("step", "loss", "z_loss", "num_tokens", "lr", "grad_norm", "tokens_per_s",
+            "peak_memory_mib", "step_time_s")
 
 
 # the job ----------------------------------------------------------------------------------------
@@ -252,7 +173,7 @@ class FSDPLM(LMJob):
         shard_model(wrapper, model, dp_mesh, reshard=not args.no_reshard_after_forward)
         self.scale = scale = probe_fsdp(wrapper, gas=gas, accumulation="no_sync")
         self.calib = LossCalibrator(topo, loss_reduction=args.loss_reduction, engine_scale=scale)
-        self.group, self.dp_rank = topo.dp_sp_group, topo.dp_rank
+        self.dp_rank = topo.dp_rank
         decay = [p for p in wrapper.parameters() if p.ndim >= 2]
         no_decay = [p for p in wrapper.parameters() if p.ndim < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -264,19 +185,31 @@ class FSDPLM(LMJob):
             f"{scale.loss_multiplier:g} ({scale.engine}), loss_reduction {args.loss_reduction}")
         self.held = eval_batches(held_blocks, micro, dp, topo.dp_rank)
         self.checkpoints = FSDPCheckpoints(wrapper, self.opt, self.tok, self.data_key)
+        # megaloss's FSDP2 adapter to its one calibrated step: gradients reduce-scattered at
+        # the step's last micro-batch, the warm-up lr, clipping, AdamW
+        self.step_engine = FSDPStepEngine(
+            wrapper, self.opt, self.calib, max_grad_norm=args.grad_clip,
+            lr_schedule=lambda k: learning_rate(args, k), gradient_accumulation_steps=gas,
+            tensor_parallel_size=tp)
 
     def begin(self, start: int) -> None:
         super().begin(start)
         self.wrapper.train()
+        self.step_engine.steps_done = start
 
     def step(self, step: int) -> Dict[str, Any]:
-        m = train_step(self.wrapper, self.opt, self.calib, next(self.batches), self.args, step,
-                       self.device)
-        m["samples"] = step * self.micro * self.gas * self.dp
-        return m
+        m = run_step(self.step_engine, LanguageModelLoss(), next(self.batches), log=False)
+        row = {k: v for k, v in m.as_dict().items() if k in ROW_KEYS}
+        row["samples"] = step * self.micro * self.gas * self.dp
+        return row
 
     def evaluate(self) -> Dict[str, Any]:
-        return evaluate(self.wrapper, self.held, self.device, self.group)
+        was_training = self.wrapper.training
+        self.wrapper.eval()
+        result = evaluate_lm(self.wrapper, self.held, self.calib.topology,
+                             ignore_index=self.calib.ignore_index, device=self.device)
+        self.wrapper.train(was_training)
+        return vars(result)
 
     def summary(self) -> Dict[str, Any]:
         args, scale = self.args, self.scale

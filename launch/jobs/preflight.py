@@ -5,8 +5,9 @@ find tens of seconds later, on every rank at once.
 - data (``--train_data`` / ``--eval_data``): every file exists, is not empty and is text (no NUL
   byte, valid UTF-8), and the training files split into train and held-out
   (:func:`launch.jobs.lm_data.split_files`) or, for the embedding jobs, give pairs;
-- the ds_config: its ``"megaloss"`` section (:func:`megaloss.load_megaloss_config`, with "did you
-  mean" for a misspelled key), DeepSpeed's own top-level keys (a near miss of one DeepSpeed
+- the ds_config: its ``"megaloss"`` section
+  (:func:`megaloss.integrations.config.load_megaloss_config`, with "did you mean" for a
+  misspelled key), DeepSpeed's own top-level keys (a near miss of one DeepSpeed
   reads is refused: DeepSpeed would ignore it), the layout against the world size
   (``NUM_PROCS`` x nodes) and DeepSpeed's batch arithmetic
   (``train_batch_size = micro-batch x gradient_accumulation_steps x data-parallel size``);

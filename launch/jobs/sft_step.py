@@ -1,17 +1,23 @@
-"""The GRPO job's supervised warm-up: one calibrated optimizer step of the negative
+"""The GRPO and DPO jobs' supervised warm-up: one calibrated optimizer step of the negative
 log-likelihood of the answer tokens, on an engine whose module returns per-token log-probs
-(:class:`launch.jobs.policy_model.CausalLMLogProbs`), so SFT and GRPO train the same module.
+(:class:`launch.jobs.policy_model.CausalLMLogProbs`), so SFT and the policy / preference phase
+train the same module.
 
-The step's calibrator (the ds_config's ``megaloss.ce.loss_reduction``, ``token`` by default)
-turns the labels of every micro-batch into global weights with one all-reduce, and
-``engine.backward(step.loss_for_backward(...))`` undoes the engine's measured ``1 / (GAS x
-DP)``: the update is the one a single device makes on the whole global batch.
+It is megaloss's one calibrated step (:func:`megaloss.integrations.step.run_step`) with its NLL
+family (:class:`megaloss.integrations.step.lm.NLLLoss`) on the DeepSpeed engine: the step's
+calibrator (the ds_config's ``megaloss.ce.loss_reduction``, ``token`` by default) turns the
+labels of every micro-batch into global weights with one all-reduce, and the engine's measured
+``1 / (GAS x DP)`` is undone: the update is the one a single device makes on the whole global
+batch.
 """
 from __future__ import annotations
 
 from typing import Dict, Mapping, Sequence
 
 import torch
+
+from megaloss.integrations.step import run_step
+from megaloss.integrations.step.lm import NLLLoss
 
 __all__ = ["sft_step"]
 
@@ -25,19 +31,8 @@ def sft_step(me, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> Dict[st
         every rank.
 
     Raises:
-        ValueError: the number of micro-batches differs from the engine's accumulation steps.
+        ValueError: the number of micro-batches differs from the engine's accumulation steps
+            (on every rank alike).
     """
-    engine = me.engine
-    gas = int(engine.gradient_accumulation_steps())
-    if len(micro_batches) != gas:
-        raise ValueError(f"micro_batches must hold gradient_accumulation_steps={gas} entries, got "
-                         f"{len(micro_batches)}")
-    mbs = [{k: v.to(engine.device) for k, v in mb.items()} for mb in micro_batches]
-    step = me.calibrator.begin_step([mb["shift_labels"] for mb in mbs])
-    for i, mb in enumerate(mbs):
-        out = engine(mb["input_ids"], shift_labels=step.local_labels(i))
-        nll = -(out.log_probs * step.weights(i)).sum()
-        engine.backward(step.loss_for_backward(nll))
-        engine.step()
-    return {"step": int(engine.global_steps), "loss": float(step.global_loss()),
-            "num_tokens": float(step.num_tokens), "lr": float(engine.get_lr()[0])}
+    m = run_step(me, NLLLoss(), micro_batches, log=False)
+    return {"step": m.step, "loss": m.loss, "num_tokens": m.num_tokens, "lr": m.lr}

@@ -110,7 +110,7 @@ def probe_deepspeed(config: Mapping[str, Any], *, mpu: Any = None, group: GroupL
     Raises:
         ValueError: ``backward`` unknown, ``config`` not a mapping, or ``group`` holding other
             ranks than the engine's reduction group.
-        EngineScaleError: see :func:`megaloss.calibration.measure_grad_scale`.
+        EngineScaleError: see :func:`megaloss.calibration.engine_scale.measure_grad_scale`.
     """
     if backward not in ("engine", "loss"):
         raise ValueError(f"backward must be 'engine' or 'loss', got {backward!r}")

@@ -4,16 +4,17 @@ step (:mod:`megaloss.integrations.step`): :class:`FSDPStepEngine`.
 A torch module whose forward computes megaloss's loss (:class:`megaloss.CausalLMWithLoss` built
 *before* ``fully_shard``, so the loss head runs inside an FSDP-managed forward), a torch
 optimizer and a :class:`megaloss.LossCalibrator` whose engine scale was measured on that module
-(:func:`megaloss.probe_fsdp`, :func:`megaloss.probe_ddp`) are all the step needs::
+(:func:`megaloss.calibration.probe_fsdp`, :func:`megaloss.calibration.probe_ddp`) are all the
+step needs::
 
     engine = FSDPStepEngine(model, optimizer, calibrator, max_grad_norm=1.0)
     metrics = run_step(engine, LanguageModelLoss(), micro_batches)   # one optimizer step
 
 Per micro-batch the module's forward and ``loss.backward()``; the gradient reduction is kept for
 the step's last micro-batch (FSDP2's ``set_requires_gradient_sync(False)`` on the others, as
-:func:`megaloss.probe_fsdp`'s ``accumulation="no_sync"`` measures it; DDP's ``no_sync()``); after
-it the learning rate of the step (``lr_schedule``), the global gradient norm (clipped to
-``max_grad_norm`` when > 0), ``optimizer.step()`` and ``zero_grad``.
+:func:`megaloss.calibration.probe_fsdp`'s ``accumulation="no_sync"`` measures it; DDP's
+``no_sync()``); after it the learning rate of the step (``lr_schedule``), the global gradient
+norm (clipped to ``max_grad_norm`` when > 0), ``optimizer.step()`` and ``zero_grad``.
 """
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ class FSDPStepEngine(StepEngine):
             shift_labels=, loss_weights=, ...)``).
         optimizer: a torch optimizer over its parameters.
         calibrator: a :class:`megaloss.LossCalibrator` whose ``engine_scale`` was measured on
-            this module (:func:`megaloss.probe_fsdp` / :func:`megaloss.probe_ddp`).
+            this module (:func:`megaloss.calibration.probe_fsdp` /
+            :func:`megaloss.calibration.probe_ddp`).
         max_grad_norm: clip the global gradient norm to this (0: no clipping, the norm still
             computed).
         lr_schedule: ``step -> learning rate`` of optimizer step ``step`` (1-based), set on

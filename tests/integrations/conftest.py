@@ -7,7 +7,7 @@ A test marked ``deepspeed`` gets freshly spawned ranks from the root conftest (a
 process-global state behind). Most of the cost of these tests is that spawn: each rank imports
 torch, deepspeed and transformers (~7 CPU-s) for a few seconds of work. Modules marked
 ``deepspeed_pool`` (in ``pytestmark``) instead run their ``run_distributed`` calls on DeepSpeed-only
-:class:`megaloss.testing.ProcessGroupPool` s, one per world size, shared by every such test of
+:class:`tests.helpers.pools.ProcessGroupPool` s, one per world size, shared by every such test of
 this folder (started on first use, stopped after the last such module): one spawn and one set
 of imports per world size for all the engine test files.
 

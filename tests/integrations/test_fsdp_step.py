@@ -62,6 +62,7 @@ def _step_rank(rank, world, engine_kind):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import megaloss
+    from megaloss.calibration import probe_ddp, probe_fsdp
     from megaloss.integrations.fsdp import FSDPStepEngine
     from megaloss.integrations.step import run_step
     from megaloss.integrations.step.lm import LanguageModelLoss
@@ -73,11 +74,11 @@ def _step_rank(rank, world, engine_kind):
         for layer in llama.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        scale = megaloss.probe_fsdp(model, gas=GAS)
+        scale = probe_fsdp(model, gas=GAS)
         module = model
     else:
         module = DDP(model)
-        scale = megaloss.probe_ddp(gas=GAS)
+        scale = probe_ddp(gas=GAS)
     calibrator = megaloss.LossCalibrator(megaloss.Topology.default(), engine_scale=scale,
                                          weight_dtype=torch.float64)
     optimizer = torch.optim.SGD(module.parameters(), lr=1.0)

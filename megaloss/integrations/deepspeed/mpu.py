@@ -73,7 +73,8 @@ class DeepSpeedMPU:
 
     @classmethod
     def from_device_mesh(cls, mesh: Any) -> "DeepSpeedMPU":
-        """From a mesh with dims ``("dp", "tp")`` (see :func:`megaloss.init_dp_tp_mesh`)."""
+        """From a mesh with dims ``("dp", "tp")``
+        (:func:`megaloss.parallel.init_dp_tp_mesh`)."""
         return cls(Topology.from_device_mesh(mesh))
 
     def _group(self, group):

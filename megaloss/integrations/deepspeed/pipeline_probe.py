@@ -68,7 +68,7 @@ def probe_pipeline(config: Mapping[str, Any], layout: PipelineLayout) -> Pipelin
 
     Raises:
         EngineScaleError: either factor is not one uniform ``k`` or ``1/k`` on all ranks (see
-            :func:`~megaloss.calibration.measure_grad_scale`).
+            :func:`~megaloss.calibration.engine_scale.measure_grad_scale`).
     """
     import deepspeed
     from deepspeed.pipe import PipelineModule

@@ -56,7 +56,7 @@ def policy_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, A
             the module's attention routed through
             :func:`megaloss.integrations.hf.ulysses.enable_ulysses_attention`) every SP rank of
             a DP rank passes the same *full* micro-batches; each forwards its contiguous slice
-            of the tokens (:func:`megaloss.calibration.split_for_sequence_parallel`, global
+            of the tokens (:func:`megaloss.calibration.weights.split_for_sequence_parallel`, global
             ``position_ids``), the sequence-level sums are added over the SP group
             (``policy_loss(..., sp_group=...)``) and each sequence counts once; an
             ``attention_mask`` must then be all ones (right padding).

@@ -31,7 +31,7 @@ Label convention: Hugging Face's. ``labels`` are *unshifted* (usually ``labels =
 ``-100`` where no loss) and shifted inside (:func:`causal_shift`), as ``*ForCausalLM(labels=...)``
 does; already shifted targets go through ``shift_labels=`` (the name recent ``transformers``
 uses), which is what a calibrated training step passes (its weights, from
-:func:`megaloss.calibration.compute_loss_weights`, are counted after the shift).
+:func:`megaloss.calibration.weights.compute_loss_weights`, are counted after the shift).
 """
 from __future__ import annotations
 

@@ -115,13 +115,11 @@ class EmbeddingModelWithMNR(nn.Module):
                  gather_across_ranks: bool = True, group: GroupLike = None,
                  local_loss: bool = True, chunk_size: int = 1024,
                  options: Optional[MNROptions] = None) -> None:
+        arguments = locals()  # the option keywords, read by field name
         super().__init__()
         if not isinstance(encoder, nn.Module):
             raise TypeError(f"encoder must be an nn.Module, got {type(encoder).__name__}")
-        self.options = resolve_options(MNROptions, options, dict(
-            temperature=temperature, similarity=similarity, symmetric=symmetric,
-            gather_across_ranks=gather_across_ranks, local_loss=local_loss,
-            chunk_size=chunk_size))
+        self.options = resolve_options(MNROptions, options, arguments)
         self.encoder = encoder
         self.group = group
 

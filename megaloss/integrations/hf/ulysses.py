@@ -1,12 +1,13 @@
 """DeepSpeed-Ulysses sequence parallelism for Hugging Face models, over a Topology's ``sp`` group.
 
 Each rank of an SP group holds a contiguous slice of every sample's tokens (the inputs cut as
-:func:`megaloss.calibration.split_for_sequence_parallel` cuts the labels). Attention needs the
-whole sequence: DeepSpeed's ``UlyssesSPAttentionHF`` (``deepspeed/runtime/sequence_parallel/
-ulysses_sp.py``, DeepSpeed 0.19; Jacobs et al. 2023, arXiv:2309.14509, and the Arctic Long
-Sequence Training recipe, arXiv:2506.13996) all-to-alls the query/key/value heads so that each
-rank attends over the full sequence for ``heads / sp`` heads, then all-to-alls back. Everything
-else (MLP, norms, the lm_head and megaloss's loss) runs on the rank's token slice.
+:func:`megaloss.calibration.weights.split_for_sequence_parallel` cuts the labels). Attention needs
+the whole sequence: DeepSpeed's ``UlyssesSPAttentionHF``
+(``deepspeed/runtime/sequence_parallel/ulysses_sp.py``, DeepSpeed 0.19; Jacobs et al. 2023,
+arXiv:2309.14509, and the Arctic Long Sequence Training recipe, arXiv:2506.13996) all-to-alls the
+query/key/value heads so that each rank attends over the full sequence for ``heads / sp`` heads,
+then all-to-alls back. Everything else (MLP, norms, the lm_head and megaloss's loss) runs on the
+rank's token slice.
 
 DeepSpeed's own ``UlyssesSPAttentionHF.register_with_transformers`` builds its SP groups itself
 from consecutive ranks (``parallel_state_sp.py``) and aliases model parallelism to SP, so it

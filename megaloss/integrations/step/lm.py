@@ -110,8 +110,9 @@ def model_inputs(mb: Mapping[str, Any], topology: Topology) -> Dict[str, Any]:
 
 def _edge_split(x: torch.Tensor, rank: int, sp: int) -> torch.Tensor:
     """SP rank ``rank``'s slice of ``x [B, T, ...]`` along ``T`` as
-    :func:`~megaloss.calibration.split_for_sequence_parallel` cuts it, the padding a copy of the
-    last position (a valid top-k teacher there, whose label is ``ignore_index``: weight 0)."""
+    :func:`~megaloss.calibration.weights.split_for_sequence_parallel` cuts it, the padding a copy
+    of the last position (a valid top-k teacher there, whose label is ``ignore_index``: weight
+    0)."""
     length = x.shape[1]
     pad = -(-length // sp) * sp - length
     if pad and length:

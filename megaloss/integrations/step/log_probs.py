@@ -56,11 +56,11 @@ def sp_slices(topology: Topology, mb: Mapping[str, Any], labels: torch.Tensor,
               ignore_index: int) -> Tuple[Dict[str, Any], torch.Tensor]:
     """This SP rank's view of a micro-batch: its contiguous slice of every ``[B, T]`` tensor
     (cut and right-padded as the calibration cuts the labels:
-    :func:`megaloss.calibration.split_for_sequence_parallel`; the mask, log-probs and ``[B, T]``
-    advantages padded with 0, the labels with ``ignore_index``), the *global* ``position_ids``
-    Ulysses needs (``arange`` when not given), no attention mask (all ones, checked: Ulysses
-    attends causally over the gathered sequence); ``advantages [B]`` as given. With ``sp = 1``
-    the micro-batch and labels as given."""
+    :func:`megaloss.calibration.weights.split_for_sequence_parallel`; the mask, log-probs and
+    ``[B, T]`` advantages padded with 0, the labels with ``ignore_index``), the *global*
+    ``position_ids`` Ulysses needs (``arange`` when not given), no attention mask (all ones,
+    checked: Ulysses attends causally over the gathered sequence); ``advantages [B]`` as given.
+    With ``sp = 1`` the micro-batch and labels as given."""
     if topology.sp_size == 1:
         return dict(mb), labels
     sp, rank = topology.sp_size, topology.sp_rank

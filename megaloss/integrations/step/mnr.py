@@ -77,7 +77,7 @@ def step_loss_weights(local_sizes: Sequence[int], group: GroupLike, *,
             DeepSpeed's ``engine.backward``, ``G * D``.
         device: where the result lives (CPU by default).
         dtype: of the result (computed in float64): the loss's compute dtype
-            (:func:`megaloss.calibration.loss_weight_dtype` of the model).
+            (:func:`megaloss.calibration.weights.loss_weight_dtype` of the model).
 
     Returns:
         ``[G]`` tensor ``w_m`` of ``dtype`` (all ones for DeepSpeed when every micro-batch has the

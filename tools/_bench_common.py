@@ -1,6 +1,6 @@
 """Shared pieces of the benchmark tools: honest peak-memory probes, timing, tables and CSV.
 
-How memory is measured (the README states the same):
+How memory is measured (docs/benchmarks.md states the same):
 
 * CPU: every case runs in a *fresh* process, so no earlier case's high-water mark or allocator
   cache can hide or inflate its figure. After the inputs, the weight and everything the run keeps

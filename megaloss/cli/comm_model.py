@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """What megaloss's losses send as the world grows: a model of their collectives, checked against
-counts measured on real gloo processes, and the scaling table and plot of the README.
+counts measured on real gloo processes, and the scaling table and plot of docs/communication.md.
 
     megaloss-comm-model                      # the scaling tables (model)
     megaloss-comm-model --measure            # measure at world 1-4, compare to the model
     megaloss-comm-model --measure --json docs/comm_measured.json --plot docs/comm_scaling.png
-    megaloss-comm-model --markdown           # the README section's tables
+    megaloss-comm-model --markdown           # docs/communication.md's tables
 
 (``python -m megaloss.cli.comm_model`` is the same.)
 
@@ -109,7 +109,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--records", metavar="PATH", help="read measured records (instead of "
                    "--measure) for the plot")
     p.add_argument("--plot", metavar="PATH", help="write the scaling plot (PNG)")
-    p.add_argument("--markdown", action="store_true", help="print the README tables")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the tables of docs/communication.md")
     args = p.parse_args(argv)
 
     records = None

@@ -1,5 +1,5 @@
 """The communication model at scale (:mod:`megaloss.cli.comm_costs`): a :class:`Scenario`'s rows,
-tables and crossing points, the README's markdown and the scaling plot.
+tables and crossing points, the markdown of docs/communication.md and the scaling plot.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ __all__ = ["Scenario", "TABLE_TP", "TABLE_DP", "MEASURED_WORLDS", "lm_row", "mnr
 
 @dataclass(frozen=True)
 class Scenario:
-    """The stated sizes of the scaling tables (README, "Communication at scale")."""
+    """The stated sizes of the scaling tables (docs/communication.md)."""
 
     params: float = 7e9              # model parameters (Llama-2-7B class)
     grad_bytes: int = 2              # bf16 gradients
@@ -246,7 +246,7 @@ def _count(n: float) -> str:
 
 
 def markdown(s: Scenario = Scenario()) -> str:
-    """The tables of the README's "Communication at scale" section."""
+    """The tables of docs/communication.md."""
     c = crossings(s)
     ce = ", ".join(f"TP {tp}: {_count(n)} tokens" for tp, n in c["ce_tokens"].items())
     return "\n".join([

@@ -153,8 +153,8 @@ def test_wandb_and_tensorboard_get_every_series(shared_launch, monkeypatch):
 SCRIPT = textwrap.dedent("""
     import os, torch, deepspeed
     from megaloss import Topology
-    from megaloss.integrations.deepspeed import (configure_launched_process, initialize,
-                                                 write_metrics)
+    from megaloss.integrations.deepspeed import initialize, write_metrics
+    from megaloss.integrations.deepspeed.compat import configure_launched_process
     from megaloss.testing import free_port
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))

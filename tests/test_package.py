@@ -78,6 +78,7 @@ def test_package_data_and_console_scripts():
     assert PROJECT["license"] == "Apache-2.0"
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: ~2 s of the fast tier
 def test_import_megaloss_leaves_the_integrations_to_first_use():
     """``import megaloss`` imports neither deepspeed nor transformers; its lazy names do, on
     first use, and are then the integration modules' objects."""

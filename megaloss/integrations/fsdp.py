@@ -7,6 +7,9 @@ optimizer and a :class:`megaloss.LossCalibrator` whose engine scale was measured
 (:func:`megaloss.calibration.probe_fsdp`, :func:`megaloss.calibration.probe_ddp`) are all the
 step needs::
 
+    from megaloss.integrations.fsdp import FSDPStepEngine
+    from megaloss.integrations.step import LanguageModelLoss, run_step
+
     engine = FSDPStepEngine(model, optimizer, calibrator, max_grad_norm=1.0)
     metrics = run_step(engine, LanguageModelLoss(), micro_batches)   # one optimizer step
 

@@ -40,7 +40,7 @@ class LossHead:
         return self.loss(hidden_states, labels, **kwargs)
 
     def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> Any:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} (a loss head) must define loss()")
 
 
 class LinearHead(LossHead, nn.Module):

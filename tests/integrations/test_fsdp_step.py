@@ -142,3 +142,23 @@ def test_count_checked():
     _, engine = _one_process_engine(gradient_accumulation_steps=3)
     with pytest.raises(ValueError, match="gradient_accumulation_steps=3"):
         run_step(engine, LanguageModelLoss(), _micro_batches(0), log=False)
+
+
+def test_what_is_not_a_step_is_refused_naming_it():
+    """A tensor or a dict instead of the list of micro-batches, an empty list, a loss or an
+    engine of the wrong type: a TypeError / ValueError naming the argument, before any
+    forward."""
+    from megaloss.integrations.step import LanguageModelLoss, run_step
+
+    _, engine = _one_process_engine()
+    mb = _micro_batches(0)[0]
+    with pytest.raises(TypeError, match="micro_batches must be a list of dicts"):
+        run_step(engine, LanguageModelLoss(), mb, log=False)
+    with pytest.raises(TypeError, match=r"micro_batches\[0\] must be a dict of tensors"):
+        run_step(engine, LanguageModelLoss(), [mb["input_ids"]], log=False)
+    with pytest.raises(ValueError, match="micro_batches is empty"):
+        run_step(engine, LanguageModelLoss(), [], log=False)
+    with pytest.raises(TypeError, match="loss must be a megaloss.integrations.step.StepLoss"):
+        run_step(engine, engine, [mb], log=False)
+    with pytest.raises(TypeError, match="engine must be a megaloss.integrations.step.StepEngine"):
+        run_step(LanguageModelLoss(), engine, [mb], log=False)

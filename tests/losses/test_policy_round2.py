@@ -572,6 +572,7 @@ def _dist_worker(rank, world):
     return results
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_dp2_gas2_equals_single_process():
     ranks = run_distributed(_dist_worker, 2, timeout=220)

@@ -572,7 +572,8 @@ class MegalossTrainer(Trainer):
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
-        self._step = CalibratedStep(TrainerCausalLMLoss(device), self._calibrator(), batches)
+        self._step = CalibratedStep(TrainerCausalLMLoss(device), self._calibrator(), batches,
+                                    allow_empty=True)
         calibration = self._step.calibration
         for i, b in enumerate(batches):
             b.pop("labels", None)

@@ -16,8 +16,9 @@ A new engine is a :class:`StepEngine` in its adapter (DeepSpeed:
 :class:`megaloss.integrations.fsdp.FSDPStepEngine`); a new loss family is one
 :class:`StepLoss` module here.
 """
+from .lm import LanguageModelLoss
 from .loop import CalibratedStep, StepEngine, StepLoss, run_step
 from .metrics import EvalResult, PolicyStepMetrics, StepMetrics, StepOutcome
 
-__all__ = ["run_step", "CalibratedStep", "StepEngine", "StepLoss", "StepOutcome", "StepMetrics",
-           "PolicyStepMetrics", "EvalResult"]
+__all__ = ["run_step", "CalibratedStep", "StepEngine", "StepLoss", "LanguageModelLoss",
+           "StepOutcome", "StepMetrics", "PolicyStepMetrics", "EvalResult"]

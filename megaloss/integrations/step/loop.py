@@ -71,7 +71,8 @@ class StepEngine:
     @property
     def device(self) -> torch.device:
         """Where the micro-batches go."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} (an engine adapter) must define "
+                                  "device")
 
     def gradient_accumulation_steps(self) -> Optional[int]:
         """The number of micro-batches a step must hold (checked), or None (any)."""
@@ -80,7 +81,8 @@ class StepEngine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward through its loss (``input_ids``, ``shift_labels=``,
         ``loss_weights=`` ...: the loss family's call)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} (an engine adapter) must define "
+                                  "forward")
 
     def micro_batch(self, last: bool) -> ContextManager:
         """Entered around a micro-batch's forward and backward: where an engine defers its
@@ -103,11 +105,13 @@ class StepEngine:
 
     def lr(self) -> float:
         """The learning rate the step used."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} (an engine adapter) must define "
+                                  "lr")
 
     def step_count(self) -> int:
         """Optimizer steps done (after this step)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} (an engine adapter) must define "
+                                  "step_count")
 
     def samples(self) -> int:
         """The engine's global sample count (the monitors' x-axis), 0 when it keeps none."""
@@ -130,7 +134,8 @@ class StepLoss:
     def calibrate(self, calibrator: LossCalibrator,
                   micro_batches: Sequence[Mapping[str, Any]]) -> StepCalibration:
         """The step's calibration: one all-reduce (every rank calls it)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} (a loss family) must define "
+                                  "calibrate")
 
     def prepare(self, forward: Forward, step: StepCalibration,
                 micro_batches: Sequence[Mapping[str, Any]]) -> None:
@@ -139,7 +144,8 @@ class StepLoss:
     def loss(self, forward: Forward, step: StepCalibration, i: int,
              mb: Mapping[str, Any]) -> Tuple[torch.Tensor, Any]:
         """``(sum_t w_t l_t on this rank, differentiable; the micro-batch's detached stats)``."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} (a loss family) must define "
+                                  "loss")
 
     def metrics(self, step: StepCalibration, stats: List[Any],
                 topology: Topology) -> Dict[str, Any]:
@@ -152,6 +158,19 @@ class StepLoss:
         return outcome
 
 
+def _check_list(micro_batches: Any, allow_empty: bool) -> None:
+    """``micro_batches`` is a list (or tuple) of dicts, non-empty unless ``allow_empty``."""
+    if not isinstance(micro_batches, (list, tuple)):
+        raise TypeError(f"micro_batches must be a list of dicts (one per micro-batch), got "
+                        f"{type(micro_batches).__name__}")
+    if not micro_batches and not allow_empty:
+        raise ValueError("micro_batches is empty: a step needs at least one micro-batch")
+    for i, mb in enumerate(micro_batches):
+        if not isinstance(mb, Mapping):
+            raise TypeError(f"micro_batches[{i}] must be a dict of tensors, got "
+                            f"{type(mb).__name__}")
+
+
 class CalibratedStep:
     """One optimizer step's micro-batches, checked and calibrated: ``CalibratedStep(...)``, then
     :meth:`micro_batch_loss` per micro-batch (the loss to backward), then :meth:`finish`.
@@ -162,22 +181,35 @@ class CalibratedStep:
         loss: the :class:`StepLoss` family.
         calibrator: the engine's :class:`megaloss.LossCalibrator` (its topology is where the
             checks are agreed on and the metrics reduced).
-        micro_batches: this rank's micro-batches (dicts of tensors).
+        micro_batches: this rank's micro-batches (a list of dicts of tensors).
         device: where to move them (default: where they are).
         gradient_accumulation_steps: the count the step must hold, or None.
+        allow_empty: a step of no micro-batch on this rank is calibrated too (the Trainer's
+            last window); otherwise refused.
 
     Raises:
-        ValueError / TypeError: on every rank of the engine alike, when the count or a
-            micro-batch fails a check on any rank (:func:`~.checks.agreed_checks`).
+        TypeError: ``loss`` is not a :class:`StepLoss`, ``calibrator`` not a
+            :class:`megaloss.LossCalibrator`.
+        ValueError / TypeError: on every rank of the engine alike, when ``micro_batches`` is
+            not a list of dicts, is empty, or its count or a micro-batch fails a check on any
+            rank (:func:`~.checks.agreed_checks`).
     """
 
     def __init__(self, loss: StepLoss, calibrator: LossCalibrator,
                  micro_batches: Sequence[Mapping[str, Any]], *,
                  device: Optional[torch.device] = None,
-                 gradient_accumulation_steps: Optional[int] = None) -> None:
+                 gradient_accumulation_steps: Optional[int] = None,
+                 allow_empty: bool = False) -> None:
+        if not isinstance(loss, StepLoss):
+            raise TypeError(f"loss must be a megaloss.integrations.step.StepLoss (a loss "
+                            f"family), got {type(loss).__name__}")
+        if not isinstance(calibrator, LossCalibrator):
+            raise TypeError(f"calibrator must be a megaloss.LossCalibrator, got "
+                            f"{type(calibrator).__name__}")
         topology = calibrator.topology
 
         def checks() -> None:  # agreed on by every rank before the calibration's all-reduce
+            _check_list(micro_batches, allow_empty)
             if gradient_accumulation_steps is not None:
                 check_count(micro_batches, gradient_accumulation_steps)
             for i, mb in enumerate(micro_batches):
@@ -233,9 +265,17 @@ def run_step(engine: StepEngine, loss: StepLoss, micro_batches: Sequence[Mapping
         ``loss.result(outcome)`` (the family's metrics type, :class:`StepOutcome` by default).
 
     Raises:
+        TypeError: ``engine`` is not a :class:`StepEngine`.
         ValueError / TypeError: the checks of :class:`CalibratedStep` and of the loss's own
-            forward, agreed on by every rank.
+            forward, agreed on by every rank. A check of the loss's forward fails at micro-batch
+            ``i``, after the backward of the ones before: their gradients are left in the
+            parameters (and the engine's accumulation window open); zero them (the optimizer's
+            ``zero_grad``) before training on.
     """
+    if not isinstance(engine, StepEngine):
+        raise TypeError(f"engine must be a megaloss.integrations.step.StepEngine (an engine's "
+                        f"adapter, e.g. a MegalossEngine or an FSDPStepEngine), got "
+                        f"{type(engine).__name__}")
     t0 = time.perf_counter()
     step = CalibratedStep(loss, engine.calibrator, micro_batches, device=engine.device,
                           gradient_accumulation_steps=engine.gradient_accumulation_steps())

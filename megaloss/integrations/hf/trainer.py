@@ -185,11 +185,8 @@ class TrainerCausalLMLoss(LanguageModelLoss):
         return calibrator.begin_step(shifted, position_ids=positions)
 
     def loss(self, forward, step: StepCalibration, i: int, mb: Mapping[str, Any]):
-        kwargs = {k: mb[k] for k in ("attention_mask", "position_ids") if mb.get(k) is not None}
-        out = forward(mb["input_ids"], shift_labels=step.local_labels(i),
-                      loss_weights=step.weights(i), **kwargs)
-        z = out.z_loss.detach().double()
-        return out.loss, torch.stack([out.loss.detach().double() - z, z]).cpu()
+        loss, z = super().loss(forward, step, i, mb)  # z: the z-loss part, float64 [1]
+        return loss, torch.cat([loss.detach().double().reshape(1) - z, z]).cpu()
 
 
 def megaloss_config_from_args(args: Any) -> MegalossConfig:

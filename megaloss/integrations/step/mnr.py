@@ -130,7 +130,6 @@ class MNRStepLoss(StepLoss):
     def __init__(self, *, cached: Optional[Callable[[Mapping[str, Any], torch.Tensor], Any]]
                  = None) -> None:
         self.cached = cached
-        self._share = 0.0
 
     def check(self, i: int, mb: Mapping[str, Any], topology: Topology) -> None:
         for key in _KEYS:
@@ -144,15 +143,14 @@ class MNRStepLoss(StepLoss):
         weights, total = mnr_step_weights(
             [len(mb["query_input_ids"]) for mb in micro_batches], topology.dp_sp_group,
             loss_multiplier=multiplier, device=device, dtype=calibrator.weight_dtype)
-        # a micro-batch's share of the step's queries, w_m * D / M, for the metrics
-        self._share = topology.dp_sp_size / multiplier
         return MNRCalibration(weights, total, topology, multiplier)
 
-    def loss(self, forward, step: StepCalibration, i: int,
+    def loss(self, forward, step: MNRCalibration, i: int,
              mb: Mapping[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
         w = step.weights(i)
         out = forward(**mb, loss_weight=w) if self.cached is None else self.cached(mb, w)
-        share = w * self._share
+        # the micro-batch's share of the step's queries, w_m * D / M, for the metrics
+        share = w * (step.topology.dp_sp_size / step.engine_multiplier)
         return out.loss, share * torch.stack([out.value, out.accuracy]).float()
 
     def metrics(self, step: StepCalibration, stats: List[torch.Tensor],

@@ -52,6 +52,7 @@ from ..lm_head import (
     LinearHead,
     linear_lm_head,
     shifted_targets,
+    text_decoder,
     wrapper_options,
 )
 
@@ -181,7 +182,7 @@ class HeadWrapper(nn.Module):
 
     @property
     def decoder(self) -> nn.Module:
-        return self.model.base_model
+        return text_decoder(self.model)
 
     @property
     def head(self) -> nn.Module:

@@ -36,6 +36,7 @@ from ..lm_head import (
     linear_lm_head,
     refuse_fully_sharded,
     shifted_targets,
+    text_decoder,
     wrapper_options,
 )
 
@@ -177,7 +178,7 @@ class CausalLMWithDistillation(nn.Module):
 
     @property
     def decoder(self) -> nn.Module:
-        return self.model.base_model
+        return text_decoder(self.model)
 
     @property
     def head(self) -> nn.Module:
@@ -187,8 +188,8 @@ class CausalLMWithDistillation(nn.Module):
         teacher = self.teacher
         _refuse_sharded_teacher(teacher)
         with torch.no_grad():
-            out = teacher.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                     position_ids=position_ids, use_cache=False)
+            out = text_decoder(teacher)(input_ids=input_ids, attention_mask=attention_mask,
+                                        position_ids=position_ids, use_cache=False)
         head = teacher.get_output_embeddings()
         weight, bias = head.weight.detach(), head.bias
         if self.tp_size > 1:

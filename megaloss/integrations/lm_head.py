@@ -162,9 +162,11 @@ def linear_lm_head(model: nn.Module) -> nn.Linear:
     Raises:
         TypeError: ``model`` has no decoder module (:func:`text_decoder`: none found, or an
             encoder-decoder model); its output embedding is not an ``nn.Linear``, or not a
-            child of ``model`` itself (BERT-style ``cls.predictions.decoder``, behind a
-            transform of the hidden states the wrappers would skip); ``model`` has other child
-            modules with parameters besides the decoder and the lm_head.
+            child of ``model`` itself and inside a module with other parameters (BERT-style
+            ``cls.predictions.decoder``, behind a transform of the hidden states the wrappers
+            would skip; a parameter-free holder such as XLM's ``pred_layer`` is accepted);
+            ``model`` has other child modules with parameters besides the decoder and the
+            lm_head.
         ValueError: ``model`` is already sharded by FSDP2 (:func:`refuse_fully_sharded`).
     """
     decoder = text_decoder(model)
@@ -172,16 +174,18 @@ def linear_lm_head(model: nn.Module) -> nn.Linear:
     if not isinstance(lm_head, nn.Linear):
         raise TypeError(f"model's output embedding must be an nn.Linear, got "
                         f"{type(lm_head).__name__} ({type(model).__name__})")
-    if not any(child is lm_head for child in model.children()):
-        path = next((n for n, m in model.named_modules() if m is lm_head), "?")
-        parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else None
+    path = next((n for n, m in model.named_modules() if m is lm_head), "")
+    parent = model.get_submodule(path.partition(".")[0]) if "." in path else None
+    own = {id(p) for p in lm_head.parameters()}
+    if parent is not None and any(id(p) not in own for p in parent.parameters()):
         raise TypeError(
             f"{type(model).__name__}'s output embedding {path} sits inside "
             f"{type(parent).__name__}, a prediction head whose forward transforms the decoder's "
             f"hidden states before it (BERT-style: dense, activation, norm): the loss wrappers "
             f"run the decoder then the lm_head alone, and would skip that transform")
     extra = [n for n, child in model.named_children() if child is not decoder
-             and child is not lm_head and next(child.parameters(), None) is not None]
+             and child is not lm_head and child is not parent
+             and next(child.parameters(), None) is not None]
     if extra:
         raise TypeError(
             f"{type(model).__name__} has modules with parameters besides its decoder and its "

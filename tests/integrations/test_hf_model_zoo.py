@@ -40,8 +40,6 @@ EXPECTED = {
         ("refused", r"the model's config has logit_scale=0\.0625, a sca"),
     "BailingHybridForCausalLM":
         ("not built", r"own forward fails: RuntimeError: The size of ten"),
-    "BertGenerationDecoder":
-        ("refused", r"BertGenerationDecoder's output embedding lm_head"),
     "BertLMHeadModel":
         ("refused", r"BertLMHeadModel's output embedding cls\.predictio"),
     "BigBirdForCausalLM":
@@ -256,8 +254,6 @@ EXPECTED = {
         ("refused", r"XLMRobertaForCausalLM's output embedding lm_head"),
     "XLMRobertaXLForCausalLM":
         ("refused", r"XLMRobertaXLForCausalLM's output embedding lm_he"),
-    "XLMWithLMHeadModel":
-        ("refused", r"XLMWithLMHeadModel's output embedding pred_layer"),
     "XLNetLMHeadModel":
         ("not built", r"tiny config: StrictDataclassClassValidationError"),
     "XmodForCausalLM":
@@ -300,7 +296,7 @@ def test_a_base_model_prefix_naming_a_missing_module_finds_the_decoder(name):
 
 
 @pytest.mark.parametrize("name, match", [
-    ("BertLMHeadModel", "cls.predictions.decoder sits inside BertLMPredictionHead"),
+    ("BertLMHeadModel", "cls.predictions.decoder sits inside BertOnlyMLMHead"),
     ("ElectraForCausalLM", "besides its decoder and its lm_head .generator_predictions"),
     ("BartForConditionalGeneration", "encoder-decoder"),
 ])

@@ -44,18 +44,21 @@ over the config. Files under ``transformers/models/``:
   by a learned per-token ``logit_scale`` Parameter, ``dory/modeling_dory.py``): megaloss replaces
   the head by a plain ``h @ W.T + b``.
 
-**2. Verified** (:func:`verify_logit_transform`): a probe forward of the model itself on a few
-tokens (eval mode and no gradient, each module's mode restored after) with a hook on
-``model.base_model``, the decoder the wrappers run: the model's returned logits must equal the
-declared transform of ``F.linear(last_hidden_state, W, b)`` to the model dtype's rounding. A
-mismatch is a transform megaloss does not know (Chameleon's image-token mask,
-``chameleon/modeling_chameleon.py``; an extra bias; a head between the decoder and the lm_head)
-and is refused with a ValueError naming the model class and the largest difference. A constant
-ratio that no field explains is refused too, with the ratio in the message, not adopted as a
-scale: a forward that multiplies by something the table does not name may multiply by a
-learned or input-dependent factor that is constant only on the probe (Dory's per-token scale is
-exactly 1 at initialisation), and the wrapper would then train the wrong loss silently as soon
-as it drifts; a refusal names what to add to the table instead.
+**2. Verified** (:func:`verify_logit_transform`): a probe of the model itself on a few tokens
+(eval mode and no gradient, each module's mode restored after): the logits of its own forward
+must equal the declared transform of ``F.linear(last_hidden_state, W, b)``, the hidden state
+taken from ``model.base_model`` called as the wrappers call it, to the model dtype's rounding.
+This checks the wrappers' whole path, not only what follows the lm_head: MiniCPM3's division
+of the hidden states shows as its scale, and a layer the forward runs between the decoder and
+the lm_head (BERT's prediction-head transform in ``BertLMHeadModel``,
+``bert/modeling_bert.py``) as a mismatch. A mismatch is a transform megaloss does not know
+(Chameleon's image-token mask, ``chameleon/modeling_chameleon.py``; an extra bias; such a
+layer) and is refused with a ValueError naming the model class and the largest difference.
+A constant ratio that no field explains is refused too, with the ratio in the message, not adopted
+as a scale: a forward that multiplies by something the table does not name may multiply by a learned
+or input-dependent factor that is constant only on the probe (Dory's per-token scale is exactly 1 at
+initialisation), and the wrapper would then train the wrong loss silently as soon as it drifts; a
+refusal names what to add to the table instead.
 
 The probe is skipped when the parameters are not materialised: a parameter on the ``meta``
 device, a DeepSpeed ZeRO-3 placeholder (``ds_id``, or ``numel() == 0``), or a DTensor (FSDP2 /
@@ -340,46 +343,49 @@ def _last_hidden(output: Any) -> Optional[torch.Tensor]:
 
 
 def _probe(model: nn.Module, role: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(raw, logits)``: ``F.linear(decoder last hidden state, W, b)`` and the model's own
-    logits on a few tokens."""
+    """``(raw, logits)`` on a few tokens: ``F.linear(h, W, b)`` with ``h`` the last hidden
+    state of ``model.base_model`` called as the wrappers call it, and the model's own logits."""
     head = model.get_output_embeddings()
-    base = model.base_model
     ids = _probe_ids(model, head.weight.shape[0], head.weight.device)
-    seen: List[torch.Tensor] = []
-    handle = base.register_forward_hook(
-        lambda module, args, output: seen.append(_last_hidden(output)))
+    name = type(model).__name__
     modes = [(m, m.training) for m in model.modules()]
     try:
         model.eval()
         with torch.no_grad():
             out = model(input_ids=ids, use_cache=False)
+            hidden = _last_hidden(model.base_model(input_ids=ids, attention_mask=None,
+                                                   position_ids=None, use_cache=False))
     except Exception as err:  # the message names the model; the cause stays chained
         raise ValueError(f"could not verify the {role}'s logit transform: a probe forward of "
-                         f"{type(model).__name__} on input_ids {tuple(ids.shape)} raised "
+                         f"{name} on input_ids {tuple(ids.shape)} raised "
                          f"{type(err).__name__}: {err}") from err
     finally:
-        handle.remove()
         for module, mode in modes:
             module.training = mode
     logits = getattr(out, "logits", None)
     if logits is None and isinstance(out, (tuple, list)) and out:
         logits = out[0]
-    if not seen or seen[-1] is None or not isinstance(logits, torch.Tensor):
-        raise ValueError(f"could not verify the {role}'s logit transform: {type(model).__name__}"
-                         f"'s forward did not run model.base_model (the decoder megaloss runs) "
-                         f"or returned no logits")
+    if hidden is None or not isinstance(logits, torch.Tensor):
+        raise ValueError(f"could not verify the {role}'s logit transform: {name}'s base model "
+                         f"returned no last hidden state, or its forward no logits")
+    if hidden.shape[-1] != head.weight.shape[1]:
+        raise ValueError(f"{name}'s base model returns hidden states of size {hidden.shape[-1]}, "
+                         f"its lm_head takes {head.weight.shape[1]}: its forward runs a layer "
+                         f"between them that megaloss's wrappers would skip")
     with torch.no_grad():
-        raw = F.linear(seen[-1].to(head.weight.dtype), head.weight, head.bias)
+        raw = F.linear(hidden.to(head.weight.dtype), head.weight, head.bias)
     return raw, logits
 
 
 def verify_logit_transform(model: nn.Module, transform: LogitTransform,
                            role: str = "model") -> bool:
-    """Check ``transform`` against ``model``'s own forward (module docstring, step 2): one
-    forward on ``[1, 6]`` token ids (eval mode, no gradient; each module's training mode put
-    back), whose logits must equal ``transform.apply(F.linear(h, W, b))`` with ``h`` the last
-    hidden state of ``model.base_model``, within ``8 * eps * max|logits|`` (``eps`` of the
-    lm_head's and the logits' dtypes, the coarser).
+    """Check ``transform`` against ``model``'s own forward (module docstring, step 2): on
+    ``[1, 6]`` token ids (eval mode, no gradient; each module's training mode put back), the
+    model's logits must equal ``transform.apply(F.linear(h, W, b))`` with ``h`` the last hidden
+    state of ``model.base_model(input_ids, use_cache=False)``, the decoder call the wrappers
+    make (so a layer the model runs between its decoder and the lm_head, BERT's prediction
+    transform, is a mismatch too), within ``8 * eps * max|logits|`` (``eps`` of the lm_head's
+    and the logits' dtypes, the coarser). Two forwards of a few tokens.
 
     Args:
         model: a ``*ForCausalLM`` with a base model and an ``nn.Linear`` output embedding.
@@ -391,8 +397,9 @@ def verify_logit_transform(model: nn.Module, transform: LogitTransform,
         :func:`materialised`).
 
     Raises:
-        ValueError: the probe forward raised, did not run ``model.base_model`` or returned no
-            logits, or returned logits of another shape than the lm_head's output (a cut); the
+        ValueError: a probe forward raised or returned no logits / hidden states; hidden states
+            of another size than the lm_head takes; logits of another shape than the lm_head's
+            output (a cut); the
             logits differ from the transform (the model class, the largest difference and, when
             the logits are a constant multiple of the expected ones, that ratio).
     """
@@ -426,7 +433,8 @@ def verify_logit_transform(model: nn.Module, transform: LogitTransform,
         f"its logits differ from {transform} applied to lm_head(base_model(...)."
         f"last_hidden_state) by up to {diff:.3g} (tolerance {tol:.3g}){hint}. The wrapper "
         f"would train a different loss than the {role} defines (a mask such as Chameleon's "
-        f"image tokens, a bias added after the lm_head, or a scale megaloss does not know)")
+        f"image tokens, a bias added after the lm_head, a layer between the decoder and the "
+        f"lm_head such as BERT's prediction transform, or a scale megaloss does not know)")
 
 
 def model_logit_transform(model: nn.Module, role: str = "model") -> LogitTransform:

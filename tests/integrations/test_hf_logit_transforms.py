@@ -418,3 +418,25 @@ def test_a_stray_scale_field_the_forward_ignores_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"config's logit_scale=0.0625 \(model_type llama, not "
                                          r"in megaloss's table"):
         CausalLMWithLoss(model)
+
+
+@pytest.mark.parametrize("name", ["cohere", pytest.param("bamba", marks=pytest.mark.slow)])
+def test_autotp_wrapper_applies_the_transform(name):
+    """AutoTPCausalLMWithLoss (probed at construction, on the unsharded model) against the
+    model's own loss and gradients; its forward on one process, the unsharded lm_head standing
+    for AutoTP's shard (no vocab-parallel options: the TP path is the test above's)."""
+    from megaloss.integrations.autotp import AutoTPCausalLMWithLoss
+    ids, mask, labels = _padded_batch(9)
+    ref = _model(name)
+    own = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+    own.backward()
+    wrapper = AutoTPCausalLMWithLoss(_model(name), options=CrossEntropyOptions(
+        reduction="mean", chunk_size=5, accum_dtype=torch.float64))
+    assert wrapper.logit_transform == _EXPECTED[name]
+    wrapper.__dict__["_autotp_head"] = (wrapper.lm_head, None)
+    out = wrapper(ids, labels, attention_mask=mask)
+    torch.testing.assert_close(out.loss, own, rtol=1e-12, atol=1e-12)
+    out.loss.backward()
+    want = dict(ref.named_parameters())
+    for n, p in wrapper.named_parameters():
+        torch.testing.assert_close(p.grad, want[n].grad, rtol=1e-10, atol=1e-12, msg=n)

@@ -29,7 +29,9 @@ over the config. Files under ``transformers/models/``:
   logits_scaling``, ``granite/modeling_granite.py`` and the others) and MiniCPM3 (the hidden
   states divided before a bias-free lm_head, ``minicpm3/modeling_minicpm3.py``; its
   ``logits_scaling`` is ``hidden_size / dim_model_base``). The field name is shared, so the
-  ``model_type`` decides;
+  ``model_type`` decides; ``logits_mup_width_multiplier`` (Inkling: the hidden states divided
+  before its bias-free lm_head, ``inkling/modeling_inkling.py``; found by the probe below, whose
+  ratio 1/24 no field of the first table explained);
 - soft-cap ``c * tanh(z / c)``: ``final_logit_softcapping`` (Gemma 2, 3, 3n, 4, VaultGemma,
   NanoChat, Mistral-Large-4, Inkling2, PaliGemma, MuseSpark; ``gemma2/modeling_gemma2.py``,
   arXiv:2408.00118), ``logits_soft_cap`` (RecurrentGemma,
@@ -101,6 +103,9 @@ SCALE_FIELDS: Dict[str, Tuple[Dict[str, Optional[str]], str, str]] = {
         {t: "*" for t in ("muse_spark", "muse_spark_text", "muse_glimmer",
                           "muse_glimmer_text")},
         "*", "MuseSpark: logits * output_multiplier before the soft-cap"),
+    "logits_mup_width_multiplier": (
+        {t: "/" for t in ("inkling_text", "inkling_mm_model")}, "/",
+        "Inkling: last_hidden_state / logits_mup_width_multiplier before the lm_head"),
     "logits_scaling": (
         {t: "/" for t in _GRANITE_DIVIDES} | {t: "*" for t in ("hyperclovax",
                                                                "hyperclovax_vision_v2")},

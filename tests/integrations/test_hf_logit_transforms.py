@@ -440,3 +440,18 @@ def test_autotp_wrapper_applies_the_transform(name):
     want = dict(ref.named_parameters())
     for n, p in wrapper.named_parameters():
         torch.testing.assert_close(p.grad, want[n].grad, rtol=1e-10, atol=1e-12, msg=n)
+
+
+@pytest.mark.slow  # Inkling's first forward: several seconds
+def test_inkling_divides_its_hidden_states_by_logits_mup_width_multiplier():
+    """Inkling's forward divides the decoder's output by ``logits_mup_width_multiplier`` (24 by
+    default) before its lm_head (transformers/models/inkling/modeling_inkling.py): read from
+    the config of a meta model (the table alone), and verified by the probe on a real one."""
+    from transformers import InklingForCausalLM, InklingTextConfig
+    config = InklingTextConfig(vocab_size=V, hidden_size=16, intermediate_size=32,
+                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=8, logits_mup_width_multiplier=8.0)
+    with torch.device("meta"):
+        assert model_logit_transform(InklingForCausalLM(config)) == LogitTransform(scale=0.125)
+    torch.manual_seed(0)
+    assert model_logit_transform(InklingForCausalLM(config)) == LogitTransform(scale=0.125)

@@ -42,11 +42,18 @@ from torch import nn
 
 from ..calibration.deepspeed_scale import ds_config_autotp_size
 from ..losses.cross_entropy import linear_cross_entropy
+from ..losses.position_z_loss import linear_position_z_loss
 from ..losses.vocab_parallel import VocabParallelOptions
 from ..ops.cross_entropy_options import CrossEntropyOptions
 from ..parallel.groups import GroupLike, group_size
 from ..parallel.topology import Topology
-from .head_config import model_softcapping
+from .head_config import (
+    LogitTransform,
+    config_logit_transform,
+    model_logit_transform,
+    resolve_softcapping,
+    z_loss_refusal,
+)
 from .lm_head import linear_lm_head, shifted_targets, wrapper_options
 
 __all__ = ["autotp_lm_head", "autotp_topology", "autotp_vocab_parallel_options",
@@ -142,10 +149,13 @@ def autotp_causal_lm_loss(model: Any, input_ids: torch.Tensor,
                           attention_mask: Optional[torch.Tensor] = None,
                           position_ids: Optional[torch.Tensor] = None,
                           loss_weights: Optional[torch.Tensor] = None,
-                          tp_group: GroupLike = None, return_stats: bool = False):
+                          tp_group: GroupLike = None, return_stats: bool = False,
+                          logit_transform: Optional[LogitTransform] = None):
     """The causal-LM cross-entropy of an AutoTP model, from its hidden states, on its lm_head
     shard: ``model.base_model(input_ids, ...)``, then :func:`megaloss.linear_cross_entropy`
-    (the same value on every TP rank).
+    of the model's logits (the same value on every TP rank): ``logit_transform``'s scale on the
+    hidden states and bias, its soft-cap as the options' (resolved as the wrappers do), its
+    z-loss term (Bamba's) added under ``reduction="mean"`` without ``loss_weights``.
 
     Args:
         model: the engine or its module (a transformers ``*ForCausalLM`` AutoTP sharded).
@@ -158,15 +168,26 @@ def autotp_causal_lm_loss(model: Any, input_ids: torch.Tensor,
         tp_group: DeepSpeed's tensor-model-parallel group when ``None``
             (:func:`autotp_topology`).
         return_stats: return megaloss's ``CrossEntropyOutput`` instead of the loss tensor.
+        logit_transform: the model's
+            :class:`~megaloss.integrations.head_config.LogitTransform`; ``None``: declared by
+            its config (:func:`~megaloss.integrations.head_config.config_logit_transform`; an
+            AutoTP-sharded model is not probed, its forward would run collectives).
 
     Raises:
         ValueError: see :func:`autotp_lm_head`, :func:`autotp_vocab_parallel_options` and
-            :func:`megaloss.linear_cross_entropy`.
+            :func:`megaloss.linear_cross_entropy`; the options' soft-cap differing from the
+            model's; a z-loss term with another reduction or with ``loss_weights``.
     """
     module = _module(model)
     head, parallel = _head_and_options(module, tp_group)
+    options = CrossEntropyOptions() if options is None else options
+    if logit_transform is None:
+        logit_transform = config_logit_transform(module)
+    options = options.replace(logit_softcapping=resolve_softcapping(
+        options.logit_softcapping, logit_transform.softcapping, "logit_softcapping"))
     return _loss_on_head(module, head, parallel, input_ids, labels, shift_labels, options,
-                         attention_mask, position_ids, loss_weights, return_stats)
+                         attention_mask, position_ids, loss_weights, return_stats,
+                         logit_transform)
 
 
 def _head_and_options(module: nn.Module, tp_group: GroupLike) -> tuple:
@@ -179,18 +200,31 @@ def _head_and_options(module: nn.Module, tp_group: GroupLike) -> tuple:
 
 
 def _loss_on_head(module, head, parallel, input_ids, labels, shift_labels, options,
-                  attention_mask, position_ids, loss_weights, return_stats):
-    """:func:`autotp_causal_lm_loss` once the head and its options are known."""
-    options = CrossEntropyOptions() if options is None else options
+                  attention_mask, position_ids, loss_weights, return_stats,
+                  transform: LogitTransform):
+    """:func:`autotp_causal_lm_loss` once the head, its options (soft-cap resolved) and the
+    model's logit transform are known."""
+    why = z_loss_refusal(transform, options.reduction, loss_weights)
+    if why is not None:
+        raise ValueError(why)
     targets = shifted_targets(input_ids, labels, shift_labels, options.ignore_index)
     out = module.base_model(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, use_cache=False)
     hidden = out.last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    scaled, bias = transform.scale_inputs(hidden, head.bias)
     weights = None if loss_weights is None else loss_weights.reshape(-1)
-    return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,
-                                targets.reshape(-1), bias=head.bias, loss_weights=weights,
-                                options=options, return_stats=return_stats,
-                                vocab_parallel_options=parallel)
+    result = linear_cross_entropy(scaled, head.weight, targets.reshape(-1), bias=bias,
+                                  loss_weights=weights, options=options, return_stats=True,
+                                  vocab_parallel_options=parallel)
+    if transform.z_loss_coefficient != 0.0:  # the model's own z-loss term (Bamba)
+        z = linear_position_z_loss(
+            scaled, head.weight, bias=bias, coefficient=transform.z_loss_coefficient,
+            logit_softcapping=options.logit_softcapping, chunk_size=options.chunk_size,
+            accum_dtype=options.accum_dtype, vocab_parallel_options=parallel)
+        result = result._replace(loss=result.loss + z.to(result.loss.dtype),
+                                 z_loss=result.z_loss + z.detach().to(result.z_loss.dtype))
+    return result if return_stats else result.loss
 
 
 class AutoTPCausalLMWithLoss(nn.Module):
@@ -222,19 +256,30 @@ class AutoTPCausalLMWithLoss(nn.Module):
             embedding a ``VocabParallelEmbedding`` on the head's own shard).
         options: :class:`CrossEntropyOptions`; ``reduction="sum"`` defaults when ``None`` (the
             calibrated training step weights tokens itself); an unset ``logit_softcapping``
-            becomes the model's own, as in ``CausalLMWithLoss``.
+            becomes the model's own and the model's logit scale and z-loss term are applied
+            (``logit_transform``, found and verified on the unsharded model by
+            :func:`~megaloss.integrations.head_config.model_logit_transform`), as in
+            ``CausalLMWithLoss``.
 
     Raises:
         TypeError: no ``nn.Linear`` output embedding or no base model, or ``options`` of another
             type.
+        ValueError: see :func:`~megaloss.integrations.head_config.model_logit_transform`; the
+            options' soft-cap differing from the model's; a z-loss term (Bamba's) with a
+            reduction other than ``"mean"``.
     """
 
     def __init__(self, model: nn.Module, *, options: Optional[CrossEntropyOptions] = None) -> None:
         super().__init__()
         linear_lm_head(model)  # raises TypeError without an nn.Linear lm_head
         options = wrapper_options(options, CrossEntropyOptions)
-        # the model's own final soft-cap (Gemma 2)
-        self.options = options.replace(logit_softcapping=model_softcapping(options, model))
+        # probed here, on the unsharded model: AutoTP shards it in deepspeed.initialize
+        self.logit_transform = transform = model_logit_transform(model)
+        self.options = options.replace(logit_softcapping=resolve_softcapping(
+            options.logit_softcapping, transform.softcapping, "logit_softcapping"))
+        why = z_loss_refusal(transform, self.options.reduction)
+        if why is not None:
+            raise ValueError(why)
         self.base_model_prefix = getattr(model, "base_model_prefix", "model")
         if model.base_model is model:
             raise TypeError(f"{type(model).__name__} has no base model (a *ForCausalLM holds its "
@@ -265,4 +310,5 @@ class AutoTPCausalLMWithLoss(nn.Module):
             self.__dict__["_autotp_head"] = _head_and_options(self, None)
         head, parallel = self.__dict__["_autotp_head"]
         return _loss_on_head(self, head, parallel, input_ids, labels, shift_labels, self.options,
-                             attention_mask, position_ids, loss_weights, True)
+                             attention_mask, position_ids, loss_weights, True,
+                             self.logit_transform)

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..ops.labels import causal_shift
 from ..ops.validation import check_not_dtensor, is_dtensor
+from .head_config import LogitTransform
 
 __all__ = ["LossHead", "LinearHead", "GatheredLogits", "is_loss_head", "text_decoder",
            "UNREPRODUCIBLE", "linear_lm_head", "first_dtensor_parameter", "refuse_fully_sharded",
@@ -29,10 +30,16 @@ __all__ = ["LossHead", "LinearHead", "GatheredLogits", "is_loss_head", "text_dec
 
 class LossHead:
     """The call of every loss head: ``head(hidden_states [..., H])`` without labels returns the
-    logits (:meth:`logits`, as the ``nn.Linear`` it replaces: the model's own forward,
-    ``model(input_ids).logits``, and ``model.generate`` keep working on the very weights being
-    trained); ``head(hidden_states, labels, **kwargs)`` with *shifted* labels returns the loss
-    head's own :meth:`loss`."""
+    raw logits (:meth:`logits`, as the ``nn.Linear`` it replaces: the model's own forward,
+    ``model(input_ids).logits``, applies its own logit transform after it, and
+    ``model.generate`` keeps working on the very weights being trained);
+    ``head(hidden_states, labels, **kwargs)`` with *shifted* labels returns the loss head's own
+    :meth:`loss`, computed on the model's logits: ``logit_transform``
+    (:class:`~megaloss.integrations.head_config.LogitTransform`, the identity unless the
+    wrapper sets the model's) scales the hidden states and the bias first
+    (:meth:`scaled_inputs`), its soft-cap is in the loss's options."""
+
+    logit_transform: LogitTransform = LogitTransform()
 
     def forward(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 **kwargs: Any) -> Any:
@@ -43,25 +50,40 @@ class LossHead:
     def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} (a loss head) must define loss()")
 
+    def scaled_inputs(self, hidden_states: torch.Tensor
+                      ) -> "tuple[torch.Tensor, Optional[torch.Tensor]]":
+        """``(scale * hidden_states, scale * bias)`` of :attr:`logit_transform`: the inputs whose
+        raw lm_head logits are the model's scaled ones (``hidden_states`` and ``self.bias``
+        themselves at scale 1)."""
+        return self.logit_transform.scale_inputs(hidden_states, self.bias)
+
 
 class LinearHead(LossHead, nn.Module):
     """What every loss head that replaces an unsharded ``nn.Linear`` lm_head shares: the
     original ``weight [V, H]`` (and ``bias [V]``) Parameter objects, so tied input embeddings
     stay tied and the state-dict names stay ``lm_head.weight``; the loss's ``options`` (when the
-    head has fixed ones); the call of :class:`LossHead`.
+    head has fixed ones); the model's ``logit_transform`` (identity when ``None``); the call of
+    :class:`LossHead`.
 
     Raises:
-        TypeError: ``linear`` is not an ``nn.Linear``.
+        TypeError: ``linear`` is not an ``nn.Linear``; ``logit_transform`` not a
+            :class:`~megaloss.integrations.head_config.LogitTransform`.
     """
 
-    def __init__(self, linear: nn.Linear, options: Any = None) -> None:
+    def __init__(self, linear: nn.Linear, options: Any = None,
+                 logit_transform: Optional[LogitTransform] = None) -> None:
         super().__init__()
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear lm_head, got {type(linear).__name__}")
+        if logit_transform is not None and not isinstance(logit_transform, LogitTransform):
+            raise TypeError(f"logit_transform must be a LogitTransform, got "
+                            f"{type(logit_transform).__name__}")
         self.weight = linear.weight
         self.bias = linear.bias
         if options is not None:
             self.options = options
+        if logit_transform is not None:
+            self.logit_transform = logit_transform
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states [..., H] @ W.T + b`` -> ``[..., V]``, in the weight's dtype.

@@ -41,12 +41,18 @@ import torch
 from torch import nn
 
 from ...losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy
+from ...losses.position_z_loss import linear_position_z_loss
 from ...losses.vocab_parallel_embedding import VocabParallelEmbedding
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.cross_entropy_options import CrossEntropyOptions
 from ...ops.labels import causal_shift
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_size
-from ..head_config import model_softcapping
+from ..head_config import (
+    LogitTransform,
+    model_logit_transform,
+    resolve_softcapping,
+    z_loss_refusal,
+)
 from ..lm_head import (
     GatheredLogits,
     LinearHead,
@@ -59,26 +65,76 @@ from ..lm_head import (
 __all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "HF_MODEL_API", "causal_shift"]
 
 
+def _add_position_z_loss(head: nn.Module, out: CrossEntropyOutput, hidden_states: torch.Tensor,
+                         loss_weights: Optional[torch.Tensor]) -> CrossEntropyOutput:
+    """``out`` with the model's own z-loss term (:meth:`position_z_loss`) added to ``loss``
+    and ``z_loss`` (no grad there); ``out`` itself without one.
+
+    Raises:
+        ValueError: a term under a reduction or weights it is not calibrated for
+            (:func:`z_loss_refusal`).
+    """
+    why = z_loss_refusal(head.logit_transform, head.options.reduction, loss_weights)
+    if why is not None:
+        raise ValueError(why)
+    if head.logit_transform.z_loss_coefficient == 0.0:
+        return out
+    z = head.position_z_loss(hidden_states)
+    return out._replace(loss=out.loss + z.to(out.loss.dtype),
+                        z_loss=out.z_loss + z.detach().to(out.z_loss.dtype))
+
+
+def _position_z_loss(head: nn.Module, hidden_states: torch.Tensor, parallel=None) -> torch.Tensor:
+    h, b = head.scaled_inputs(hidden_states)
+    options = head.options
+    return linear_position_z_loss(
+        h, head.weight, bias=b, coefficient=head.logit_transform.z_loss_coefficient,
+        logit_softcapping=options.logit_softcapping, chunk_size=options.chunk_size,
+        accum_dtype=options.accum_dtype, vocab_parallel_options=parallel)
+
+
 class LinearCrossEntropyHead(LinearHead):
     """The (unsharded) lm_head plus :func:`megaloss.linear_cross_entropy`, as one module.
 
     ``forward(hidden_states [..., H], labels [...], loss_weights=None [...])`` takes *shifted*
     labels and returns :class:`megaloss.CrossEntropyOutput` under ``options`` (a
-    :class:`~megaloss.CrossEntropyOptions`); without labels, the logits
-    (:meth:`LinearHead.logits`).
+    :class:`~megaloss.CrossEntropyOptions`) on the model's logits ``softcap(scale * z)``
+    (``logit_transform``'s scale, the options' soft-cap), plus the model's own z-loss term
+    (:meth:`position_z_loss`) when its ``z_loss_coefficient`` is not 0; without labels, the raw
+    logits (:meth:`LinearHead.logits`).
 
     Raises:
         TypeError: ``linear`` is not an ``nn.Linear``.
+        ValueError (forward): a z-loss term with a reduction other than ``"mean"`` or with
+            ``loss_weights`` (:func:`z_loss_refusal`).
     """
 
-    def __init__(self, linear: nn.Linear, options: CrossEntropyOptions) -> None:
-        super().__init__(linear, options)
+    def __init__(self, linear: nn.Linear, options: CrossEntropyOptions,
+                 logit_transform: Optional[LogitTransform] = None) -> None:
+        super().__init__(linear, options, logit_transform)
 
     def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
              loss_weights: Optional[torch.Tensor] = None):
-        return linear_cross_entropy(hidden_states, self.weight, labels, bias=self.bias,
-                                    loss_weights=loss_weights, options=self.options,
-                                    return_stats=True)
+        h, b = self.scaled_inputs(hidden_states)
+        out = linear_cross_entropy(h, self.weight, labels, bias=b, loss_weights=loss_weights,
+                                   options=self.options, return_stats=True)
+        return _add_position_z_loss(self, out, hidden_states, loss_weights)
+
+    def position_z_loss(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The model's own z-loss term, ``z_loss_coefficient * mean over every position of
+        logsumexp(logits) ** 2`` (Bamba's, ``transformers/models/bamba/modeling_bamba.py``),
+        on the logits this head's loss sees, chunked
+        (:func:`megaloss.losses.position_z_loss.linear_position_z_loss`: no ``[tokens, V]``
+        tensor).
+
+        Args:
+            hidden_states: ``[..., H]``, every position counted (padding included, as the
+                model's own loss counts it).
+
+        Returns:
+            A differentiable scalar (fp32, fp64 for fp64 inputs); 0 when the coefficient is 0.
+        """
+        return _position_z_loss(self, hidden_states)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.options!r}"
@@ -102,13 +158,22 @@ def _tied_embedding(inp: nn.Module, head: VocabParallelLMHead) -> VocabParallelE
 
 class _VocabParallelHead(GatheredLogits, VocabParallelLMHead):
     """:class:`megaloss.VocabParallelLMHead` whose module call returns the stats too (the
-    z-loss part is logged), so ZeRO-3's hooks around the call gather the shard; without labels
-    the gathered logits (:class:`GatheredLogits`)."""
+    z-loss part is logged), so ZeRO-3's hooks around the call gather the shard; the model's
+    logit transform and z-loss term as :class:`LinearCrossEntropyHead`; without labels the
+    gathered raw logits (:class:`GatheredLogits`)."""
 
     def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
              loss_weights: Optional[torch.Tensor] = None):
-        return VocabParallelLMHead.forward(self, hidden_states, labels,
-                                           loss_weights=loss_weights, return_stats=True)
+        h, b = self.scaled_inputs(hidden_states)
+        out = linear_cross_entropy(h, self.weight, labels, bias=b, loss_weights=loss_weights,
+                                   options=self.options, return_stats=True,
+                                   vocab_parallel_options=self.parallel)
+        return _add_position_z_loss(self, out, hidden_states, loss_weights)
+
+    def position_z_loss(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """:meth:`LinearCrossEntropyHead.position_z_loss` over this rank's vocab shard (the
+        same value on every TP rank)."""
+        return _position_z_loss(self, hidden_states, self.parallel)
 
 
 # What CausalLMWithLoss forwards to the wrapped model (transformers' PreTrainedModel API).
@@ -125,18 +190,35 @@ HF_MODEL_API = frozenset({
 class HeadWrapper(nn.Module):
     """What the Hugging Face loss wrappers share (:class:`CausalLMWithLoss`,
     :class:`~megaloss.integrations.hf.causal_lm_log_probs.CausalLMWithLogProbs`): the model's own
-    final soft-cap in the options, its ``nn.Linear`` lm_head replaced in place by a loss head
+    logit transform (``logit_transform``, from
+    :func:`~megaloss.integrations.head_config.model_logit_transform`: its scale on the head, its
+    soft-cap in the options), its ``nn.Linear`` lm_head replaced in place by a loss head
     (vocab-parallel at TP > 1, a tied input embedding moved onto the head's shard), the
     Hugging Face model API and :meth:`save_pretrained` forwarded to the wrapped model."""
 
     def _install_head(self, model: nn.Module, lm_head: nn.Linear, options, tp_group: GroupLike,
                       local_head, parallel_head) -> None:
-        """Set ``options`` (the config's soft-cap resolved), ``ignore_index``, ``tp_size``,
-        ``tied``, ``vocab_size`` and ``model``, whose output embedding becomes
+        """Set ``logit_transform`` (the model's, found and verified by
+        :func:`~megaloss.integrations.head_config.model_logit_transform` before its lm_head is
+        replaced), ``options`` (its soft-cap resolved against the options'), ``ignore_index``,
+        ``tp_size``, ``tied``, ``vocab_size`` and ``model``, whose output embedding becomes
         ``local_head(lm_head)`` (TP 1) or ``parallel_head(hidden_size, vocab_size, tp_group=,
-        bias=, dtype=, device=)`` loaded with the full weight's rows (TP > 1); both may read
-        ``self.options``."""
-        self.options = options.replace(logit_softcapping=model_softcapping(options, model))
+        bias=, dtype=, device=)`` loaded with the full weight's rows (TP > 1), with the
+        transform; both may read ``self.options``.
+
+        Raises:
+            ValueError: see :func:`~megaloss.integrations.head_config.model_logit_transform`
+                and :func:`~megaloss.integrations.head_config.resolve_softcapping`; a model
+                z-loss term with CE options whose reduction is not ``"mean"``
+                (:func:`z_loss_refusal`).
+        """
+        self.logit_transform = transform = model_logit_transform(model)
+        self.options = options.replace(logit_softcapping=resolve_softcapping(
+            options.logit_softcapping, transform.softcapping, "logit_softcapping"))
+        if isinstance(self.options, CrossEntropyOptions):
+            why = z_loss_refusal(transform, self.options.reduction)
+            if why is not None:
+                raise ValueError(why)
         self.ignore_index = self.options.ignore_index
         self.tp_size = group_size(tp_group)
         vocab_size, hidden_size = lm_head.weight.shape
@@ -151,6 +233,7 @@ class HeadWrapper(nn.Module):
                 model.set_input_embeddings(_tied_embedding(model.get_input_embeddings(), head))
         else:
             head = local_head(lm_head)
+        head.logit_transform = transform
         model.set_output_embeddings(head)
         self.model = model
         self.vocab_size = vocab_size
@@ -203,8 +286,13 @@ class CausalLMWithLoss(HeadWrapper):
             with ``reduction="sum"`` unless given (the calibrated training step weights tokens
             itself; ``"mean"`` gives the plain token mean of the micro-batch). Their
             ``logit_softcapping``, when ``None``, becomes the model's own final soft-cap
-            (Gemma 2's ``config.final_logit_softcapping``, :mod:`.head_config`), so the loss is
-            the one ``model(input_ids, labels=...)`` computes.
+            (Gemma 2's ``config.final_logit_softcapping``), and the model's logit scale
+            (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's
+            ``lm_head_multiplier``, ...) scales the head's inputs
+            (:mod:`megaloss.integrations.head_config`), so the loss is the one
+            ``model(input_ids, labels=...)`` computes; a model z-loss term (Bamba's
+            ``z_loss_coefficient``) is added with ``reduction="mean"`` and refused with any
+            other.
         tp_group: tensor-parallel group (``Topology.tp_group``); default
             :data:`~megaloss.parallel.SINGLE_RANK` (no tensor parallelism); ``None`` is torch's
             default group. With size > 1 the lm_head is split over the vocabulary
@@ -219,9 +307,11 @@ class CausalLMWithLoss(HeadWrapper):
 
     Raises:
         TypeError: ``model`` has no base model or no ``nn.Linear`` output embedding.
-        ValueError: the model's config scales its logits (Cohere's ``logit_scale``, Granite's
-            ``logits_scaling``), which the loss cannot reproduce; ``options.logit_softcapping``
-            set and different from the model's own soft-cap.
+        ValueError: the model's forward transforms its logits in a way megaloss does not
+            reproduce (found by a probe forward,
+            :func:`~megaloss.integrations.head_config.model_logit_transform`), or cuts them;
+            ``options.logit_softcapping`` set and different from the model's own soft-cap; a
+            model z-loss term with a reduction other than ``"mean"``.
         TypeError: TP > 1 with a tied input embedding that is neither an ``nn.Embedding`` nor
             one with an ``embed_scale`` (Gemma 3's scaled embedding): its forward is unknown.
 

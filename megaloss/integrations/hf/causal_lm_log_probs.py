@@ -4,12 +4,12 @@ entropies) of given labels, :func:`megaloss.linear_log_probs` on its last hidden
 preference losses (GRPO / PPO ratios, KL to a reference, DPO), for TRL-style and custom loops.
 
 As :class:`~megaloss.integrations.hf.causal_lm.CausalLMWithLoss` (same label convention, same
-``tp_group``, same handling of tied embeddings and of the config's logit transforms,
-:mod:`.head_config`), the lm_head is replaced in place by a head module whose forward computes
-the log-probs, so ZeRO-3 gathers its weight there. Called without labels the head is the plain
-lm_head again (``hidden @ W.T + b``; gathered over the vocabulary under TP, without gradient):
-``model(input_ids).logits`` and ``model.generate`` keep working on the very weights being
-trained, which is what an on-policy loop samples from.
+``tp_group``, same handling of tied embeddings and of the model's logit transform,
+:mod:`megaloss.integrations.head_config`), the lm_head is replaced in place by a head module
+whose forward computes the log-probs, so ZeRO-3 gathers its weight there. Called without
+labels the head is the plain lm_head again (``hidden @ W.T + b``; gathered over the
+vocabulary under TP, without gradient): ``model(input_ids).logits`` and ``model.generate``
+keep working on the very weights being trained, which is what an on-policy loop samples from.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ class LinearLogProbsHead(LinearHead):
     (:class:`~megaloss.integrations.lm_head.LinearHead`).
     ``forward(hidden_states [..., H], labels=None [...], *, options)``: with *shifted* labels a
     :class:`megaloss.LogProbsOutput` under ``options`` (a
-    :class:`~megaloss.LogProbsOptions`); without, the logits.
+    :class:`~megaloss.LogProbsOptions`) of the model's logits (``logit_transform``'s scale,
+    the options' soft-cap); without, the raw logits.
 
     Raises:
         TypeError: ``linear`` is not an ``nn.Linear``.
@@ -47,8 +48,8 @@ class LinearLogProbsHead(LinearHead):
 
     def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
              options: Optional[LogProbsOptions] = None):
-        out = linear_log_probs(hidden_states, self.weight, labels, bias=self.bias,
-                               options=options)
+        h, b = self.scaled_inputs(hidden_states)  # the model's logit scale
+        out = linear_log_probs(h, self.weight, labels, bias=b, options=options)
         # FSDP2 hooks the backward through this module's outputs; an in-place op on an output
         # that is a view (the [N] results reshaped to labels' shape) would bypass the hook
         # (torch/distributed/fsdp/_fully_shard/_fsdp_state.py warns), so views are copied
@@ -64,8 +65,9 @@ class _VocabParallelLogProbsHead(GatheredLogits, VocabParallelLMHead):
 
     def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
              options: Optional[LogProbsOptions] = None):
-        return linear_log_probs(hidden_states, self.weight, labels, bias=self.bias,
-                                options=options, vocab_parallel_options=self.parallel)
+        h, b = self.scaled_inputs(hidden_states)  # the model's logit scale
+        return linear_log_probs(h, self.weight, labels, bias=b, options=options,
+                                vocab_parallel_options=self.parallel)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, "
@@ -85,8 +87,11 @@ class CausalLMWithLogProbs(HeadWrapper):
         options: :class:`~megaloss.LogProbsOptions` (``temperature``,
             ``return_entropy``, ``chunk_size``, ...); default ``LogProbsOptions()``. Their
             ``logit_softcapping``, when ``None``, becomes the model's own final soft-cap (Gemma
-            2's ``config.final_logit_softcapping``, :mod:`.head_config`), so the log-probs are
-            those of ``log_softmax(model(input_ids).logits / temperature)``.
+            2's ``config.final_logit_softcapping``), and the model's logit scale (Cohere,
+            Granite, Falcon-H1, ...) scales the head's inputs
+            (:mod:`megaloss.integrations.head_config`), so the log-probs are those of
+            ``log_softmax(model(input_ids).logits / temperature)``. A model z-loss term
+            (Bamba's) belongs to its training loss, not to its distribution: not added here.
         tp_group: tensor-parallel group (``Topology.tp_group``); default
             :data:`~megaloss.parallel.SINGLE_RANK`; ``None`` is torch's default group. With size
             > 1 the lm_head is split over the vocabulary as in
@@ -106,9 +111,10 @@ class CausalLMWithLogProbs(HeadWrapper):
     Raises:
         TypeError: ``model`` has no base model or no ``nn.Linear`` output embedding; ``options``
             not a ``LogProbsOptions``; TP > 1 with a tied input embedding of unknown forward.
-        ValueError: the model's config scales its logits (Cohere's ``logit_scale``, Granite's
-            ``logits_scaling``, ...) or cuts them, which the log-probs cannot reproduce;
-            ``options.logit_softcapping`` set and different from the model's own soft-cap.
+        ValueError: the model's forward transforms its logits in a way megaloss does not
+            reproduce (:func:`~megaloss.integrations.head_config.model_logit_transform`) or
+            cuts them; ``options.logit_softcapping`` set and different from the model's own
+            soft-cap.
     """
 
     def __init__(self, model: nn.Module, *, options: Optional[LogProbsOptions] = None,

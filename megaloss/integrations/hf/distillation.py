@@ -29,7 +29,7 @@ from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.cross_entropy_options import CrossEntropyOptions
 from ...ops.distillation_options import DistillationOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike, group_rank, group_size
-from ..head_config import model_softcapping
+from ..head_config import LogitTransform, model_logit_transform, resolve_softcapping
 from ..lm_head import (
     GatheredLogits,
     LinearHead,
@@ -49,18 +49,22 @@ class LinearDistillationHead(LinearHead):
     ``nn.Linear``'s Parameter objects, tied embeddings stay tied).
     ``forward(hidden_states, labels, *, loss_weights=None, **teacher)`` returns a
     :class:`megaloss.DistillationOutput`; ``teacher`` are the teacher keywords of
-    :func:`megaloss.linear_distillation_loss`. Without labels, the student's logits.
+    :func:`megaloss.linear_distillation_loss` (a teacher module's already scaled by its own
+    transform). The student's logits are its model's (``logit_transform``'s scale, the options'
+    ``logit_softcapping``). Without labels, the student's raw logits.
 
     Raises:
         TypeError: ``linear`` is not an ``nn.Linear``.
     """
 
-    def __init__(self, linear: nn.Linear, options: DistillationOptions) -> None:
-        super().__init__(linear, options)
+    def __init__(self, linear: nn.Linear, options: DistillationOptions,
+                 logit_transform: Optional[LogitTransform] = None) -> None:
+        super().__init__(linear, options, logit_transform)
 
     def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
              loss_weights: Optional[torch.Tensor] = None, **teacher):
-        return linear_distillation_loss(hidden_states, self.weight, labels, bias=self.bias,
+        h, b = self.scaled_inputs(hidden_states)  # the student's logit scale
+        return linear_distillation_loss(h, self.weight, labels, bias=b,
                                         loss_weights=loss_weights, options=self.options,
                                         return_stats=True, **teacher)
 
@@ -75,8 +79,9 @@ class _VocabParallelDistillationHead(GatheredLogits, VocabParallelLMHead):
 
     def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
              loss_weights: Optional[torch.Tensor] = None, **teacher):
+        h, b = self.scaled_inputs(hidden_states)  # the student's logit scale
         return linear_distillation_loss(
-            hidden_states, self.weight, labels, bias=self.bias, loss_weights=loss_weights,
+            h, self.weight, labels, bias=b, loss_weights=loss_weights,
             options=self.distillation_options, vocab_parallel_options=self.parallel,
             return_stats=True, **teacher)
 
@@ -120,8 +125,12 @@ class CausalLMWithDistillation(nn.Module):
             ``reduction="sum"`` when ``None`` (the calibrated step weights tokens itself).
             ``logit_softcapping``, when ``None``, becomes the student's own final soft-cap and
             ``teacher_logit_softcapping`` the teacher module's own (each from its config, e.g.
-            Gemma 2's ``final_logit_softcapping``; :mod:`.head_config`), so both distributions
-            are those the models' forwards give.
+            Gemma 2's ``final_logit_softcapping``), and each model's logit scale (Cohere,
+            Granite, Falcon-H1, ...) scales its own hidden states and bias
+            (:mod:`megaloss.integrations.head_config`: ``logit_transform`` and
+            ``teacher_logit_transform``), so both distributions are those the models' forwards
+            give. A z-loss term of either model's own loss (Bamba's) is not part of its
+            distribution and is not added.
         tp_group: tensor-parallel group; with size > 1 both lm_heads are split over the
             vocabulary (the student's as a :class:`megaloss.VocabParallelLMHead`, tagged
             ``tensor_model_parallel``; the teacher's rows sliced per call).
@@ -130,9 +139,10 @@ class CausalLMWithDistillation(nn.Module):
         TypeError: a model without base model or ``nn.Linear`` output embedding; ``options``
             not a :class:`~megaloss.DistillationOptions`.
         ValueError: teacher and student vocabularies differ; TP > 1 with a tied student lm_head;
-            a config that scales its logits (Cohere's ``logit_scale``, Granite's
-            ``logits_scaling``), which the loss cannot reproduce; a soft-cap of the options set
-            and different from that model's own.
+            a model whose forward transforms its logits in a way megaloss does not reproduce
+            (:func:`~megaloss.integrations.head_config.model_logit_transform`); a soft-cap of
+            the options set and different from that model's own; a teacher already sharded by
+            FSDP2.
     """
 
     def __init__(self, model: nn.Module, teacher: Optional[nn.Module] = None, *,
@@ -141,19 +151,25 @@ class CausalLMWithDistillation(nn.Module):
         super().__init__()
         lm_head = linear_lm_head(model)
         options = wrapper_options(options, DistillationOptions)
-        caps = {"logit_softcapping": model_softcapping(options, model, role="student")}
+        self.logit_transform = model_logit_transform(model, "student")
+        caps = {"logit_softcapping": resolve_softcapping(
+            options.logit_softcapping, self.logit_transform.softcapping, "logit_softcapping",
+            "student")}
         vocab_size, hidden_size = lm_head.weight.shape
+        self.teacher_logit_transform = None
         if teacher is not None:
             t_head = teacher.get_output_embeddings()
             if not isinstance(t_head, nn.Linear) or t_head.weight.shape[0] != vocab_size:
                 raise ValueError(f"teacher must be a *ForCausalLM with an nn.Linear lm_head of "
                                  f"{vocab_size} rows (the student's vocabulary)")
-            # the teacher's own cap, not the student's: they may be different models
-            caps["teacher_logit_softcapping"] = model_softcapping(
-                options, teacher, "teacher_logit_softcapping", "teacher")
+            _refuse_sharded_teacher(teacher)
+            # the teacher's own transform, not the student's: they may be different models
+            self.teacher_logit_transform = model_logit_transform(teacher, "teacher")
+            caps["teacher_logit_softcapping"] = resolve_softcapping(
+                options.teacher_logit_softcapping, self.teacher_logit_transform.softcapping,
+                "teacher_logit_softcapping", "teacher")
         self.options = options.replace(**caps)
         if teacher is not None:
-            _refuse_sharded_teacher(teacher)
             teacher.eval()
             teacher.requires_grad_(False)
         self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
@@ -170,6 +186,7 @@ class CausalLMWithDistillation(nn.Module):
                                   None if lm_head.bias is None else lm_head.bias.detach())
         else:
             head = LinearDistillationHead(lm_head, self.options)
+        head.logit_transform = self.logit_transform
         model.set_output_embeddings(head)
         self.model = model
         self.vocab_size = vocab_size
@@ -192,12 +209,14 @@ class CausalLMWithDistillation(nn.Module):
                                         position_ids=position_ids, use_cache=False)
         head = teacher.get_output_embeddings()
         weight, bias = head.weight.detach(), head.bias
+        hidden, bias = self.teacher_logit_transform.scale_inputs(
+            out.last_hidden_state, None if bias is None else bias.detach())
         if self.tp_size > 1:
             weight = _teacher_rows(weight, self.tp_size, self.tp_rank)
             bias = None if bias is None else _teacher_rows(bias.detach()[:, None], self.tp_size,
                                                            self.tp_rank)[:, 0]
-        return dict(teacher_hidden_states=out.last_hidden_state, teacher_weight=weight,
-                    teacher_bias=None if bias is None else bias.detach())
+        return dict(teacher_hidden_states=hidden, teacher_weight=weight,
+                    teacher_bias=bias)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
                 shift_labels: Optional[torch.Tensor] = None,

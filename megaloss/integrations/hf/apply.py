@@ -24,7 +24,6 @@ import dataclasses
 import inspect
 from typing import Any, Dict, Optional
 
-import torch
 from torch import nn
 
 from ...losses.log_probs import linear_log_probs

@@ -206,10 +206,10 @@ class CausalLMWithLoss(HeadWrapper):
     Args:
         model: a ``PreTrainedModel`` with a base model and an ``nn.Linear`` output embedding.
         options: the CE options (:class:`~megaloss.CrossEntropyOptions`); default options when
-            ``None``, whose ``reduction="mean"`` is Hugging Face's token mean (``num_items_in_batch``
-            honoured, :meth:`forward`), so the wrapper trains as the model would under the
-            Hugging Face Trainer, TRL or a plain loop. A calibrated training step
-            (:func:`megaloss.integrations.deepspeed.initialize`, the FSDP step,
+            ``None``, whose ``reduction="mean"`` is Hugging Face's token mean
+            (``num_items_in_batch`` honoured, :meth:`forward`), so the wrapper trains as the
+            model would under the Hugging Face Trainer, TRL or a plain loop. A calibrated
+            training step (:func:`megaloss.integrations.deepspeed.initialize`, the FSDP step,
             :class:`~megaloss.integrations.hf.trainer.MegalossTrainer`) weights the tokens itself
             and needs ``reduction="sum"``: pass ``MegalossConfig.ce.options()`` (those steps
             refuse another reduction). Their ``logit_softcapping``, when ``None``, becomes the

@@ -81,15 +81,30 @@ def _refuse_router_loss(model: nn.Module, requested: Optional[bool]) -> None:
             f"router_aux_loss_coef=0) to train without it")
 
 
-def _trl_settings(forward: Any) -> Optional[Dict[str, Any]]:
+def _trl_settings(forward: Any, depth: int = 0) -> Optional[Dict[str, Any]]:
     """The settings TRL's ``add_fused_lm_head`` closed over (``temperature``, ``outputs``,
-    ``cast_lm_head_to_fp32``), read from its forward's closure, or ``None`` when ``forward``
-    is not TRL's."""
+    ``cast_lm_head_to_fp32``), read from its forward's closure, or ``None`` when TRL's forward
+    is not found in ``forward`` or what it wraps (``__wrapped__``, accelerate's
+    ``convert_outputs_to_fp32`` / autocast wrappers and their closures, a few levels)."""
+    if forward is None or depth > 8 or isinstance(forward, (nn.Module, MegalossForward)):
+        return None
     fn = getattr(forward, "__func__", forward)
     code = getattr(fn, "__code__", None)
-    if code is None or code.co_name != "_fused_forward" or not fn.__closure__:
-        return None
-    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, fn.__closure__)}
+    cells = getattr(fn, "__closure__", None) or ()
+    if code is not None and code.co_name == "_fused_forward" and cells:
+        return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+    inner = [getattr(fn, "__wrapped__", None), getattr(fn, "model_forward", None)]
+    for cell in cells:
+        try:
+            inner.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    for candidate in inner:
+        if callable(candidate):
+            found = _trl_settings(candidate, depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 class MegalossForward:
@@ -212,9 +227,10 @@ class MegalossForward:
         from trl.trainer.utils import FusedCausalLMOutput
 
         wrapper = self.wrapper
-        settings = _trl_settings(self.model.__dict__.get("forward"))
-        if settings is None:
-            settings = _trl_settings(self.inner)
+        settings = None
+        for candidate in (self.model.__dict__.get("forward"),
+                          self.model.__dict__.get("_original_forward"), self.inner):
+            settings = settings or _trl_settings(candidate)
         if settings is None or "temperature" not in settings:
             raise ValueError("fused_lm_head=True is TRL's add_fused_lm_head call, but the "
                              "model's forward is not TRL's: call megaloss.integrations.hf.apply "
@@ -227,6 +243,7 @@ class MegalossForward:
             raise ValueError("TRL's fused_lm_head call under tensor parallelism is not supported")
         arguments.pop("return_dict", None)
         arguments["use_cache"] = False
+        unshifted = arguments.get("labels") is not None
         out, targets, num_items = self._decoder(arguments)
         shared = {f.name for f in dataclasses.fields(LogProbsOptions)} & {
             f.name for f in dataclasses.fields(CrossEntropyOptions)}
@@ -238,9 +255,11 @@ class MegalossForward:
                               options=options)
         mask = targets != wrapper.ignore_index
         count = mask.sum().clamp(min=1) if num_items is None else num_items
-        return FusedCausalLMOutput(loss=-lp.log_probs.sum() / count, log_probs=lp.log_probs,
-                                   entropy=lp.entropy, is_top1=lp.greedy_match & mask,
-                                   label_mask=mask)
+        fields = dict(log_probs=lp.log_probs, entropy=lp.entropy * mask,
+                      is_top1=lp.greedy_match & mask, label_mask=mask)
+        if unshifted:  # TRL's shapes: [B, T - 1] for unshifted labels
+            fields = {k: v[:, :-1] for k, v in fields.items()}
+        return FusedCausalLMOutput(loss=-lp.log_probs.sum() / count, **fields)
 
 
 def _route_trl(model: nn.Module, args: tuple, kwargs: Dict[str, Any]):

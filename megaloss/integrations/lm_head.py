@@ -4,7 +4,8 @@ FSDP2's ``fully_shard`` refused, :func:`refuse_fully_sharded`), what every repla
 shares (:class:`LinearHead`; :class:`GatheredLogits` for a vocab-parallel shard), a wrapper's
 default options (:func:`wrapper_options`) and its forward's shifted targets
 (:func:`shifted_targets`). Duck-typed on the Hugging Face ``*ForCausalLM`` API
-(``base_model``, ``get_output_embeddings``); ``transformers`` is not imported.
+(``base_model``, ``get_output_embeddings``; the decoder that feeds the lm_head,
+:func:`text_decoder`, also of a vision-language model); ``transformers`` is not imported.
 
 Used by the Hugging Face wrappers (:mod:`megaloss.integrations.hf`) and by the AutoTP wrapper
 (:mod:`megaloss.integrations.autotp`), which both the DeepSpeed loop and the Hugging Face
@@ -21,9 +22,9 @@ from torch import nn
 from ..ops.labels import causal_shift
 from ..ops.validation import check_not_dtensor, is_dtensor
 
-__all__ = ["LossHead", "LinearHead", "GatheredLogits", "is_loss_head", "linear_lm_head",
-           "first_dtensor_parameter", "refuse_fully_sharded", "wrapper_options",
-           "refuse_unsummed", "shifted_targets"]
+__all__ = ["LossHead", "LinearHead", "GatheredLogits", "is_loss_head", "text_decoder",
+           "UNREPRODUCIBLE", "linear_lm_head", "first_dtensor_parameter", "refuse_fully_sharded",
+           "wrapper_options", "refuse_unsummed", "head_loss_weights", "shifted_targets"]
 
 
 class LossHead:
@@ -102,21 +103,95 @@ def is_loss_head(module: object) -> bool:
     return isinstance(module, (LinearHead, GatheredLogits))
 
 
-def linear_lm_head(model: nn.Module) -> nn.Linear:
-    """``model``'s output embedding, the lm_head a loss wrapper replaces.
+# what a forward does that its structure does not show: class name -> why it is refused
+# (transformers 5.24)
+UNREPRODUCIBLE = {
+    "ProphetNetForCausalLM": (
+        "its lm_head reads the decoder's n-gram predicting streams, not its last hidden state, "
+        "and its own loss is the n-gram loss with eps smoothing "
+        "(transformers/models/prophetnet/modeling_prophetnet.py)"),
+}
+
+
+def text_decoder(model: nn.Module) -> nn.Module:
+    """The module of ``model`` whose output's ``last_hidden_state`` its lm_head reads: what a
+    loss wrapper runs before its loss head, with the inputs ``model`` itself takes (the image
+    inputs of a vision-language model included).
+
+    Read from the model's structure, not from a per-class table: ``model.base_model`` (the
+    module named by ``base_model_prefix``: ``model.model`` for Llama, Qwen, Mistral, and for the
+    vision-language ``*ForConditionalGeneration`` of transformers >= 4.52 the multimodal base
+    model that merges the image features into the embeddings: Qwen2-VL, LLaVA, Gemma 3,
+    Idefics3, Mllama, ...); where ``base_model_prefix`` names a module the model does not have
+    (``Llama4ForCausalLM``, ``MllamaForCausalLM``: ``"language_model"``), the one child module
+    other than the lm_head that has input embeddings (``get_input_embeddings``).
 
     Raises:
-        TypeError: ``model`` has no base model (``model.base_model`` missing or ``model`` itself)
-            or its output embedding is not an ``nn.Linear``.
+        TypeError: ``model``'s class is in :data:`UNREPRODUCIBLE` (a forward whose loss or
+            logits do not come from ``lm_head(last_hidden_state)``: ProphetNet's n-gram
+            streams); ``model`` is an encoder-decoder model (``config.is_encoder_decoder``: Bart,
+            T5, Whisper...: its lm_head reads the decoder's states, which need the encoder's
+            run first; not a causal LM's forward); no such module, or several (named).
     """
+    name = type(model).__name__
+    if name in UNREPRODUCIBLE:
+        raise TypeError(f"{name} is not reproduced by the loss wrappers: {UNREPRODUCIBLE[name]}")
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise TypeError(f"{name} is an encoder-decoder model (config.is_encoder_decoder): the "
+                        f"loss wrappers run a decoder-only model's base model then its lm_head; "
+                        f"an encoder-decoder forward is not reproduced")
     base = getattr(model, "base_model", None)
-    if base is None or base is model:
-        raise TypeError(f"model must be a *ForCausalLM with a base model, got "
-                        f"{type(model).__name__}")
+    if isinstance(base, nn.Module) and base is not model:
+        return base
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    found = [(n, m) for n, m in model.named_children()
+             if m is not head and callable(getattr(m, "get_input_embeddings", None))]
+    if len(found) == 1:
+        return found[0][1]
+    prefix = getattr(model, "base_model_prefix", None)
+    raise TypeError(f"model must be a *ForCausalLM or *ForConditionalGeneration with a decoder "
+                    f"module: {name} has no base model (base_model_prefix={prefix!r}) and "
+                    f"{len(found)} child modules with input embeddings "
+                    f"({', '.join(n for n, _ in found) or 'none'}), expected one")
+
+
+def linear_lm_head(model: nn.Module) -> nn.Linear:
+    """``model``'s output embedding, the lm_head a loss wrapper replaces (after
+    :func:`text_decoder` found the decoder that feeds it).
+
+    Raises:
+        TypeError: ``model`` has no decoder module (:func:`text_decoder`: none found, or an
+            encoder-decoder model); its output embedding is not an ``nn.Linear``, or not a
+            child of ``model`` itself and inside a module with other parameters (BERT-style
+            ``cls.predictions.decoder``, behind a transform of the hidden states the wrappers
+            would skip; a parameter-free holder such as XLM's ``pred_layer`` is accepted);
+            ``model`` has other child modules with parameters besides the decoder and the
+            lm_head.
+        ValueError: ``model`` is already sharded by FSDP2 (:func:`refuse_fully_sharded`).
+    """
+    decoder = text_decoder(model)
     lm_head = model.get_output_embeddings()
     if not isinstance(lm_head, nn.Linear):
         raise TypeError(f"model's output embedding must be an nn.Linear, got "
-                        f"{type(lm_head).__name__}")
+                        f"{type(lm_head).__name__} ({type(model).__name__})")
+    path = next((n for n, m in model.named_modules() if m is lm_head), "")
+    parent = model.get_submodule(path.partition(".")[0]) if "." in path else None
+    own = {id(p) for p in lm_head.parameters()}
+    if parent is not None and any(id(p) not in own for p in parent.parameters()):
+        raise TypeError(
+            f"{type(model).__name__}'s output embedding {path} sits inside "
+            f"{type(parent).__name__}, a prediction head whose forward transforms the decoder's "
+            f"hidden states before it (BERT-style: dense, activation, norm): the loss wrappers "
+            f"run the decoder then the lm_head alone, and would skip that transform")
+    extra = [n for n, child in model.named_children() if child is not decoder
+             and child is not lm_head and child is not parent
+             and next(child.parameters(), None) is not None]
+    if extra:
+        raise TypeError(
+            f"{type(model).__name__} has modules with parameters besides its decoder and its "
+            f"lm_head ({', '.join(extra)}), which its forward applies between the two (ELECTRA's "
+            f"generator_predictions, ModernBERT-decoder's lm_head transform) or beside them: the "
+            f"loss wrappers run the decoder then the lm_head alone")
     refuse_fully_sharded(model, "model")
     return lm_head
 

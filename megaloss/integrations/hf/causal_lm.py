@@ -53,6 +53,7 @@ from ..lm_head import (
     head_loss_weights,
     linear_lm_head,
     shifted_targets,
+    text_decoder,
     wrapper_options,
 )
 from .outputs import CausalLMLossOutput
@@ -183,7 +184,7 @@ class HeadWrapper(nn.Module):
 
     @property
     def decoder(self) -> nn.Module:
-        return self.model.base_model
+        return text_decoder(self.model)
 
     @property
     def head(self) -> nn.Module:

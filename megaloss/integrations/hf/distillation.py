@@ -37,6 +37,7 @@ from ..lm_head import (
     linear_lm_head,
     refuse_fully_sharded,
     shifted_targets,
+    text_decoder,
     wrapper_options,
 )
 from .causal_lm import token_grid
@@ -184,7 +185,7 @@ class CausalLMWithDistillation(nn.Module):
 
     @property
     def decoder(self) -> nn.Module:
-        return self.model.base_model
+        return text_decoder(self.model)
 
     @property
     def head(self) -> nn.Module:
@@ -198,8 +199,8 @@ class CausalLMWithDistillation(nn.Module):
         teacher = self.teacher
         _refuse_sharded_teacher(teacher)
         with torch.no_grad():
-            out = teacher.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                     position_ids=position_ids, **kwargs)
+            out = text_decoder(teacher)(input_ids=input_ids, attention_mask=attention_mask,
+                                        position_ids=position_ids, **kwargs)
         head = teacher.get_output_embeddings()
         weight, bias = head.weight.detach(), head.bias
         if self.tp_size > 1:

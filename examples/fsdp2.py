@@ -41,7 +41,9 @@ def fsdp_rank(rank, world_size):
 
     # wrap first, then shard: the loss then runs in the root's forward, where FSDP2 has
     # all-gathered the lm_head weight
-    model = megaloss.CausalLMWithLoss(llama)
+    # reduction="sum": the calibration's weights hold the global normalisation
+    model = megaloss.CausalLMWithLoss(llama,
+                                      options=megaloss.CrossEntropyOptions(reduction="sum"))
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in llama.model.layers:
         fully_shard(layer, mesh=mesh)

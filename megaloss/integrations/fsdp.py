@@ -28,6 +28,7 @@ import torch
 
 from ..calibration.calibrator import LossCalibrator
 from ..parallel.comm import all_reduce_sum_
+from .lm_head import refuse_unsummed
 from .step.loop import StepEngine
 
 __all__ = ["FSDPStepEngine", "global_grad_norm"]
@@ -107,6 +108,7 @@ class FSDPStepEngine(StepEngine):
         if not isinstance(calibrator, LossCalibrator):
             raise TypeError(f"calibrator must be a megaloss LossCalibrator, got "
                             f"{type(calibrator).__name__}")
+        refuse_unsummed(module, "FSDPStepEngine")
         self.module = module
         self.optimizer = optimizer
         self.calibrator = calibrator

@@ -25,7 +25,7 @@ from .head_config import LogitTransform
 
 __all__ = ["LossHead", "LinearHead", "GatheredLogits", "is_loss_head", "text_decoder",
            "UNREPRODUCIBLE", "linear_lm_head", "first_dtensor_parameter", "refuse_fully_sharded",
-           "wrapper_options", "shifted_targets"]
+           "wrapper_options", "refuse_unsummed", "head_loss_weights", "shifted_targets"]
 
 
 class LossHead:
@@ -245,17 +245,38 @@ def refuse_fully_sharded(model: nn.Module, what: str, why: str = _WRAP_FIRST) ->
                          f"DTensor): {why}")
 
 
-def wrapper_options(options, cls: type):
-    """A wrapper's loss options: ``options``, or ``cls(reduction="sum")`` when ``None`` (the
-    calibrated training step weights tokens itself).
+def wrapper_options(options, cls: type, reduction: str = "sum"):
+    """A wrapper's loss options: ``options``, or ``cls(reduction=reduction)`` when ``None``
+    (``"sum"`` for a module a calibrated training step drives, which weights the tokens itself;
+    ``"mean"``, Hugging Face's token mean, for a module called as a Hugging Face model).
 
     Raises:
         TypeError: ``options`` is not a ``cls``.
     """
-    options = options if options is not None else cls(reduction="sum")
+    options = options if options is not None else cls(reduction=reduction)
     if not isinstance(options, cls):
         raise TypeError(f"options must be a {cls.__name__}, got {type(options).__name__}")
     return options
+
+
+def refuse_unsummed(module: nn.Module, what: str) -> None:
+    """Refuse a loss module whose options average (``reduction`` other than ``"sum"``) where a
+    calibrated step drives it: the step's per-token weights already hold the global
+    normalisation, so a mean would divide the loss once more. A module wrapped by DDP /
+    DeepSpeed (``module.module``) is looked through; a module without ``options.reduction``
+    (log-probs, embeddings) passes.
+
+    Raises:
+        ValueError: ``options.reduction`` is not ``"sum"``.
+    """
+    inner = getattr(module, "module", module)
+    reduction = getattr(getattr(inner, "options", None), "reduction", "sum")
+    if reduction != "sum":
+        raise ValueError(
+            f"{what}: the module's options have reduction={reduction!r}, but the calibrated step "
+            f"weights the tokens itself and needs reduction='sum' (build the wrapper with "
+            f"options=MegalossConfig.ce.options(), or CrossEntropyOptions(reduction='sum'); the "
+            f"wrappers default to Hugging Face's token mean)")
 
 
 def shifted_targets(input_ids: torch.Tensor, labels: Optional[torch.Tensor],
@@ -280,3 +301,50 @@ def shifted_targets(input_ids: torch.Tensor, labels: Optional[torch.Tensor],
     return shift_labels
 
 
+
+
+def head_loss_weights(targets: torch.Tensor, ignore_index: int, reduction: str,
+                      loss_weights: Optional[torch.Tensor], num_items_in_batch: Any,
+                      dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The ``loss_weights`` a wrapper hands its *summing* loss head so that the sum is the
+    wrapper's ``reduction``: ``"mean"`` is megaloss's token mean (``sum_t w_t l_t / sum_t w_t``
+    over the valid targets, :func:`megaloss.losses.token_coefficients.token_coefficients`), or,
+    with ``num_items_in_batch``, ``sum_t w_t l_t / num_items_in_batch`` as ``transformers``'
+    ``ForCausalLMLoss`` divides its sum (``transformers/loss/loss_utils.py``,
+    ``fixed_cross_entropy``: the Hugging Face Trainer's token count over the whole
+    gradient-accumulation step); ``"sum"`` / ``"none"``: ``loss_weights`` as given.
+
+    Args:
+        targets: ``[B, T]`` shifted targets (``ignore_index`` where none).
+        loss_weights: ``[B, T]`` per-token weights or ``None`` (1).
+        num_items_in_batch: ``None``, an int or a scalar tensor (moved to ``targets``' device).
+        dtype: the loss's statistics dtype (fp64 for a fp64 model, else fp32).
+
+    Returns:
+        ``[B, T]`` weights in ``dtype`` (``"mean"``), or ``loss_weights``.
+
+    Raises:
+        ValueError: ``num_items_in_batch`` with a ``reduction`` other than ``"mean"``;
+            ``loss_weights`` of another shape than ``targets``.
+    """
+    if loss_weights is not None and tuple(loss_weights.shape) != tuple(targets.shape):
+        raise ValueError(f"loss_weights {tuple(loss_weights.shape)} must have the shape of the "
+                         f"shifted labels {tuple(targets.shape)}")
+    if reduction != "mean":
+        if num_items_in_batch is not None:
+            raise ValueError(f"num_items_in_batch is the divisor of Hugging Face's token mean, "
+                             f"but the wrapper's options have reduction={reduction!r}: build it "
+                             f"with reduction='mean' (the default) to be trained as a Hugging "
+                             f"Face model, or call it without num_items_in_batch")
+        return loss_weights
+    from ..losses.token_coefficients import token_coefficients
+
+    if num_items_in_batch is None:
+        flat = None if loss_weights is None else loss_weights.reshape(-1)
+        return token_coefficients(targets.reshape(-1), ignore_index, "mean", flat,
+                                  dtype).coef.view(targets.shape)
+    weights = (targets != ignore_index).to(dtype)
+    if loss_weights is not None:
+        weights = weights * loss_weights.to(dtype)
+    count = torch.as_tensor(num_items_in_batch, device=targets.device, dtype=dtype)
+    return weights / count

@@ -51,7 +51,7 @@ def test_examples_page_includes_whole_example_scripts():
 
 # run in this process, each to its own asserts (docs/examples.md shows all but single_device.py)
 SINGLE_PROCESS_EXAMPLES = ["single_device.py", "cross_entropy.py", "calibration.py", "mnr.py",
-                           "post_training.py", "dpo.py", "distillation.py"]
+                           "post_training.py", "dpo.py", "distillation.py", "hf_apply.py"]
 
 
 @pytest.mark.timeout(120)

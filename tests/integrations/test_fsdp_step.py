@@ -68,7 +68,7 @@ def _step_rank(rank, world, engine_kind):
     from megaloss.integrations.step.lm import LanguageModelLoss
 
     llama = _llama()
-    model = megaloss.CausalLMWithLoss(llama)
+    model = megaloss.CausalLMWithLoss(llama, options=megaloss.CrossEntropyOptions(reduction="sum"))
     if engine_kind == "fsdp2":
         mesh = init_device_mesh("cpu", (world,))
         for layer in llama.model.layers:
@@ -110,7 +110,8 @@ def _one_process_engine(**kwargs):
     import megaloss
     from megaloss.integrations.fsdp import FSDPStepEngine
 
-    model = megaloss.CausalLMWithLoss(_llama())
+    model = megaloss.CausalLMWithLoss(_llama(),
+                                      options=megaloss.CrossEntropyOptions(reduction="sum"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     calibrator = megaloss.LossCalibrator(weight_dtype=torch.float64)
     return model, FSDPStepEngine(model, optimizer, calibrator, **kwargs)

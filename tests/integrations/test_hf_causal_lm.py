@@ -83,8 +83,8 @@ def test_wrapper_rejects_bad_inputs():
     ids = torch.zeros(2, 5, dtype=torch.long)
     with pytest.raises(ValueError, match="labels"):
         wrapper(ids, torch.zeros(2, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="exactly one of labels"):
-        wrapper(ids)
+    with pytest.raises(ValueError, match="need labels"):
+        wrapper(ids, loss_weights=torch.ones(2, 5))
     with pytest.raises(ValueError, match="exactly one of labels"):
         wrapper(ids, ids, shift_labels=ids)
     with pytest.raises(TypeError, match="options"):
@@ -143,3 +143,79 @@ def test_tied_embedding_replacement_keeps_padding_idx_and_embed_scale_and_refuse
 
     with pytest.raises(TypeError, match="nn.Embedding"):
         _tied_embedding(Other(9, 4), head)
+
+
+# --- the wrapper behaves as the model it wraps (forward without labels, generate, kwargs,
+# dict-style output, Hugging Face's mean and num_items_in_batch) -----------------------------
+
+def _batch():
+    ids = torch.randint(0, 29, (3, 10), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # right padding, as a collator pads
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def _hf_loss_fp64(model, ids, mask, labels, num_items_in_batch=None):
+    """The model's own loss (``transformers/loss/loss_utils.py`` ``ForCausalLMLoss``: shift,
+    ``-100`` ignored, mean or ``sum / num_items_in_batch``) on its own float64 logits (HF
+    upcasts the logits to fp32 first, which would hide the comparison below 1e-7)."""
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+        reduction="mean" if num_items_in_batch is None else "sum")
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
+def test_wrapper_without_labels_is_the_models_own_forward_and_generate():
+    ids, mask, _ = _batch()
+    ref = _tiny_llama(seed=2)
+    wrapper = CausalLMWithLoss(_tiny_llama(seed=2))
+    out = wrapper(ids, attention_mask=mask)
+    assert type(out).__name__ == "CausalLMOutputWithPast"
+    assert torch.equal(out.logits, ref(input_ids=ids, attention_mask=mask).logits)
+    emb = ref.get_input_embeddings()(ids)  # keyword arguments reach the model
+    assert torch.equal(wrapper(inputs_embeds=emb, attention_mask=mask).logits,
+                       ref(inputs_embeds=emb, attention_mask=mask).logits)
+    gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(wrapper.generate(ids[:2, :4], **gen), ref.generate(ids[:2, :4], **gen))
+
+
+def test_wrapper_default_is_hf_mean_with_num_items_in_batch_and_a_dict_output():
+    ids, mask, labels = _batch()
+    ref = _tiny_llama(seed=3)
+    wrapper = CausalLMWithLoss(_tiny_llama(seed=3))
+    assert wrapper.options.reduction == "mean"
+    out = wrapper(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(out["loss"], _hf_loss_fp64(ref, ids, mask, labels),
+                               rtol=1e-12, atol=1e-12)
+    assert out.logits is None and "logits" not in out
+    assert out[0] is out.loss and out.to_tuple()[0] is out["loss"]
+    assert int(out.num_valid_tokens) == int((labels[:, 1:] != -100).sum())
+    n = torch.tensor(23)  # the Trainer's token count over the accumulation step
+    out = wrapper(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=n)
+    torch.testing.assert_close(out.loss, _hf_loss_fp64(ref, ids, mask, labels, n),
+                               rtol=1e-12, atol=1e-12)
+    # inputs_embeds instead of input_ids (the decoder takes the keyword)
+    emb = ref.get_input_embeddings()(ids).detach()
+    out = wrapper(inputs_embeds=emb, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(out.loss, _hf_loss_fp64(ref, ids, mask, labels),
+                               rtol=1e-12, atol=1e-12)
+    summed = CausalLMWithLoss(_tiny_llama(), options=CrossEntropyOptions(reduction="sum"))
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        summed(ids, labels, num_items_in_batch=n)
+
+
+def test_wrapper_output_is_a_pytree_and_rebuilds_from_a_mapping():
+    """FSDP2 / DDP hook the tensors of a module's output through torch's pytree; accelerate's
+    fp32 conversion rebuilds a mapping output as ``type(out)({...})``."""
+    import torch.utils._pytree as pytree
+
+    from megaloss.integrations.hf.outputs import CausalLMLossOutput
+    out = CausalLMLossOutput(loss=torch.tensor(2.0), z_loss=torch.tensor(0.5))
+    leaves, spec = pytree.tree_flatten(out)
+    assert len(leaves) == 2
+    back = pytree.tree_unflatten([x * 2 for x in leaves], spec)
+    assert isinstance(back, CausalLMLossOutput) and float(back.loss) == 4.0
+    rebuilt = type(out)({k: v for k, v in out.items()})
+    assert rebuilt.keys() == out.keys() and rebuilt.z_loss is out.z_loss and rebuilt.logits is None

@@ -119,7 +119,9 @@ def test_forward_options_shift_labels_and_temperature_switch():
     ref_lp, _ = _reference(wrapper.model, ids, labels, torch.ones_like(ids), 0.5)
     torch.testing.assert_close(wrapper(ids, labels).log_probs, ref_lp, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="exactly one"):
-        wrapper(ids)
+        wrapper(ids, labels, shift_labels=labels)
+    # without labels: the wrapped model's own forward (its logits)
+    assert torch.equal(wrapper(ids).logits, wrapper.model(input_ids=ids).logits)
     with pytest.raises(ValueError, match="shape"):
         wrapper(ids, labels[:, :-1])
     with pytest.raises(TypeError, match="LogProbsOptions"):

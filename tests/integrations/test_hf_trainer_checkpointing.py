@@ -56,9 +56,9 @@ def test_gradient_checkpointing_trains_like_without(tmp_path, monkeypatch):
 def test_wrapper_forwards_the_hf_model_api(tmp_path):
     from transformers import LlamaForCausalLM
 
-    from megaloss import CausalLMWithLoss
+    from megaloss import CausalLMWithLoss, CrossEntropyOptions
     llama = tiny_llama()
-    model = CausalLMWithLoss(llama)
+    model = CausalLMWithLoss(llama, options=CrossEntropyOptions(reduction="sum"))
     assert model.config is llama.config and model.generation_config is llama.generation_config
     assert model.get_input_embeddings() is llama.get_input_embeddings()
     assert model.supports_gradient_checkpointing and not model.is_activation_checkpointing

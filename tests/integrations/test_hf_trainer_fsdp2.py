@@ -313,6 +313,7 @@ def _refusals(rank, world, out_dir):
 
     from torch.distributed.fsdp import fully_shard
 
+    from megaloss import CrossEntropyOptions
     from megaloss.integrations.hf import CausalLMWithLoss
     from megaloss.integrations.hf.trainer import MegalossTrainer
     out = {}
@@ -333,7 +334,7 @@ def _refusals(rank, world, out_dir):
         out["fsdp_on_cpu"] = "no error"
     except Exception as e:  # noqa: BLE001 - the type and message are what is tested
         out["fsdp_on_cpu"] = f"{type(e).__name__}: {e}"
-    wrapper = CausalLMWithLoss(_llama(False))
+    wrapper = CausalLMWithLoss(_llama(False), options=CrossEntropyOptions(reduction="sum"))
     for layer in wrapper.model.model.layers:
         fully_shard(layer)
     try:  # the wrapper itself not the root unit

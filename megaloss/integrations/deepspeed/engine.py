@@ -33,6 +33,7 @@ from ...calibration.deepspeed_scale import ds_config_autotp_size, probe_deepspee
 from ...calibration.weights import loss_weight_dtype
 from ...parallel.topology import Topology
 from ..config import MegalossConfig, load_megaloss_config
+from ..lm_head import refuse_unsummed
 from .compat import skip_cpu_shm_comm_build
 from .mpu import DeepSpeedMPU
 from .step_engine import DeepSpeedStepEngine
@@ -236,6 +237,7 @@ def initialize(module: nn.Module, ds_config: Union[str, os.PathLike, Mapping[str
                          f"process groups have sp={topology.sp_size}")
     import torch.distributed as dist
 
+    refuse_unsummed(module, "megaloss.integrations.deepspeed.initialize")
     mpu = DeepSpeedMPU(topology) if dist.is_initialized() else None
     # The probe reads the group from the engine it builds and allows its own SGD under ZeRO on
     # its copy of the config.

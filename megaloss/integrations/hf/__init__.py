@@ -1,8 +1,14 @@
 """Hugging Face ``transformers`` models as modules whose forward returns a megaloss loss (so
 ``engine.forward`` runs the loss: ZeRO-3 gathers the head's parameters there).
 
+- :mod:`.apply`: :func:`apply`, one call: a ``*ForCausalLM``'s own ``model(**batch)``
+  computes megaloss's CE from its hidden states (its usual output, no logits), for the Hugging
+  Face Trainer, accelerate loops and TRL unchanged.
 - :mod:`.causal_lm`: :class:`CausalLMWithLoss`, any ``*ForCausalLM`` with the chunked /
-  vocab-parallel CE of its last hidden states, no logits; HF's label convention.
+  vocab-parallel CE of its last hidden states, no logits; HF's label convention; otherwise the
+  model it wraps (forward without labels, ``generate``); its output with labels is
+  :class:`~.outputs.CausalLMLossOutput` (:mod:`.outputs`, a ``ModelOutput``-compatible
+  dataclass).
 - :mod:`.causal_lm_log_probs`: :class:`CausalLMWithLogProbs`, the same with the per-token
   log-probs (and entropy) of the labels instead (policy-gradient and preference losses).
 - :mod:`.distillation`: :class:`CausalLMWithDistillation`, a ``*ForCausalLM`` student with the
@@ -30,6 +36,7 @@
 
 Importing this package does not import ``transformers``.
 """
+from .apply import apply
 from .causal_lm import CausalLMWithLoss
 from .causal_lm_log_probs import CausalLMWithLogProbs
 from .distillation import CausalLMWithDistillation
@@ -39,4 +46,4 @@ from .trl_policy import MegalossGRPOMixin
 
 __all__ = ["CausalLMWithLoss", "CausalLMWithLogProbs", "CausalLMWithDistillation",
            "EmbeddingModelWithMNR", "cached_mnr_forward", "MegalossGRPOMixin",
-           "MegalossDPOMixin"]
+           "MegalossDPOMixin", "apply"]

@@ -35,7 +35,7 @@ uses), which is what a calibrated training step passes (its weights, from
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -56,29 +56,32 @@ from ..head_config import (
 from ..lm_head import (
     GatheredLogits,
     LinearHead,
+    head_loss_weights,
     linear_lm_head,
     shifted_targets,
     text_decoder,
     wrapper_options,
 )
+from .outputs import CausalLMLossOutput
 
 __all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "HF_MODEL_API", "causal_shift"]
 
 
 def _add_position_z_loss(head: nn.Module, out: CrossEntropyOutput, hidden_states: torch.Tensor,
-                         loss_weights: Optional[torch.Tensor]) -> CrossEntropyOutput:
+                         add: bool) -> CrossEntropyOutput:
     """``out`` with the model's own z-loss term (:meth:`position_z_loss`) added to ``loss``
-    and ``z_loss`` (no grad there); ``out`` itself without one.
+    and ``z_loss`` (no grad there) when ``add`` (the wrapper's call under its token mean);
+    ``out`` itself when the model has no such term.
 
     Raises:
-        ValueError: a term under a reduction or weights it is not calibrated for
+        ValueError: the model has a term and ``add`` is false: a caller other than the
+            wrapper's mean (a sum, or the calibrated step's token weights) cannot place it
             (:func:`z_loss_refusal`).
     """
-    why = z_loss_refusal(head.logit_transform, head.options.reduction, loss_weights)
-    if why is not None:
-        raise ValueError(why)
     if head.logit_transform.z_loss_coefficient == 0.0:
         return out
+    if not add:
+        raise ValueError(z_loss_refusal(head.logit_transform, "sum"))
     z = head.position_z_loss(hidden_states)
     return out._replace(loss=out.loss + z.to(out.loss.dtype),
                         z_loss=out.z_loss + z.detach().to(out.z_loss.dtype))
@@ -96,17 +99,18 @@ def _position_z_loss(head: nn.Module, hidden_states: torch.Tensor, parallel=None
 class LinearCrossEntropyHead(LinearHead):
     """The (unsharded) lm_head plus :func:`megaloss.linear_cross_entropy`, as one module.
 
-    ``forward(hidden_states [..., H], labels [...], loss_weights=None [...])`` takes *shifted*
-    labels and returns :class:`megaloss.CrossEntropyOutput` under ``options`` (a
+    ``forward(hidden_states [..., H], labels [...], loss_weights=None [...],
+    position_z_loss=False)`` takes *shifted* labels and returns
+    :class:`megaloss.CrossEntropyOutput` under ``options`` (a
     :class:`~megaloss.CrossEntropyOptions`) on the model's logits ``softcap(scale * z)``
-    (``logit_transform``'s scale, the options' soft-cap), plus the model's own z-loss term
-    (:meth:`position_z_loss`) when its ``z_loss_coefficient`` is not 0; without labels, the raw
-    logits (:meth:`LinearHead.logits`).
+    (``logit_transform``'s scale, the options' soft-cap), plus, with ``position_z_loss=True``
+    (its wrapper's token mean), the model's own z-loss term (:meth:`position_z_loss`); without
+    labels, the raw logits (:meth:`LinearHead.logits`).
 
     Raises:
         TypeError: ``linear`` is not an ``nn.Linear``.
-        ValueError (forward): a z-loss term with a reduction other than ``"mean"`` or with
-            ``loss_weights`` (:func:`z_loss_refusal`).
+        ValueError (forward): the model has a z-loss term and ``position_z_loss`` is false
+            (:func:`z_loss_refusal`).
     """
 
     def __init__(self, linear: nn.Linear, options: CrossEntropyOptions,
@@ -114,11 +118,11 @@ class LinearCrossEntropyHead(LinearHead):
         super().__init__(linear, options, logit_transform)
 
     def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
-             loss_weights: Optional[torch.Tensor] = None):
+             loss_weights: Optional[torch.Tensor] = None, position_z_loss: bool = False):
         h, b = self.scaled_inputs(hidden_states)
         out = linear_cross_entropy(h, self.weight, labels, bias=b, loss_weights=loss_weights,
                                    options=self.options, return_stats=True)
-        return _add_position_z_loss(self, out, hidden_states, loss_weights)
+        return _add_position_z_loss(self, out, hidden_states, position_z_loss)
 
     def position_z_loss(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The model's own z-loss term, ``z_loss_coefficient * mean over every position of
@@ -163,12 +167,12 @@ class _VocabParallelHead(GatheredLogits, VocabParallelLMHead):
     gathered raw logits (:class:`GatheredLogits`)."""
 
     def loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, *,
-             loss_weights: Optional[torch.Tensor] = None):
+             loss_weights: Optional[torch.Tensor] = None, position_z_loss: bool = False):
         h, b = self.scaled_inputs(hidden_states)
         out = linear_cross_entropy(h, self.weight, labels, bias=b, loss_weights=loss_weights,
                                    options=self.options, return_stats=True,
                                    vocab_parallel_options=self.parallel)
-        return _add_position_z_loss(self, out, hidden_states, loss_weights)
+        return _add_position_z_loss(self, out, hidden_states, position_z_loss)
 
     def position_z_loss(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """:meth:`LinearCrossEntropyHead.position_z_loss` over this rank's vocab shard (the
@@ -183,7 +187,7 @@ HF_MODEL_API = frozenset({
     "enable_input_require_grads", "disable_input_require_grads", "tie_weights",
     "gradient_checkpointing_enable", "gradient_checkpointing_disable", "is_gradient_checkpointing",
     "supports_gradient_checkpointing", "activation_checkpointing_enable",
-    "activation_checkpointing_disable", "is_activation_checkpointing",
+    "activation_checkpointing_disable", "is_activation_checkpointing", "generate",
 })
 
 
@@ -273,26 +277,35 @@ class HeadWrapper(nn.Module):
 
 
 class CausalLMWithLoss(HeadWrapper):
-    """Wrap a ``transformers`` ``*ForCausalLM``: forward = decoder + fused CE, no logits.
+    """Wrap a ``transformers`` ``*ForCausalLM``: forward = decoder + fused CE, no logits; the
+    wrapper behaves as the model it wraps otherwise (forward without labels, ``generate``,
+    keyword arguments, a dict-style output).
 
     The decoder is ``model.base_model`` (``model.model`` for Llama, Qwen, Mistral...); the lm_head
     is ``model.get_output_embeddings()``, replaced in place by the loss head (so
-    ``model.lm_head`` is the head afterwards; the wrapper owns ``model``).
+    ``model.lm_head`` is the head afterwards; the wrapper owns ``model``). Called without
+    labels the head is the plain lm_head again, so ``wrapper(input_ids)`` is the wrapped model's
+    own forward (its logits, transforms and output type) and ``wrapper.generate(...)`` its own
+    ``generate``, on the very weights being trained. To patch the model itself instead (its own
+    ``model(**batch)`` computing megaloss's loss), see :func:`megaloss.integrations.hf.apply`.
 
     Args:
         model: a ``PreTrainedModel`` with a base model and an ``nn.Linear`` output embedding.
-        options: the CE options (:class:`~megaloss.CrossEntropyOptions`, e.g.
-            ``MegalossConfig.ce.options()`` from a ds_config); default options when ``None``,
-            with ``reduction="sum"`` unless given (the calibrated training step weights tokens
-            itself; ``"mean"`` gives the plain token mean of the micro-batch). Their
-            ``logit_softcapping``, when ``None``, becomes the model's own final soft-cap
-            (Gemma 2's ``config.final_logit_softcapping``), and the model's logit scale
-            (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's
-            ``lm_head_multiplier``, ...) scales the head's inputs
+        options: the CE options (:class:`~megaloss.CrossEntropyOptions`); default options when
+            ``None``, whose ``reduction="mean"`` is Hugging Face's token mean
+            (``num_items_in_batch`` honoured, :meth:`forward`), so the wrapper trains as the
+            model would under the Hugging Face Trainer, TRL or a plain loop. A calibrated
+            training step (:func:`megaloss.integrations.deepspeed.initialize`, the FSDP step,
+            :class:`~megaloss.integrations.hf.trainer.MegalossTrainer`) weights the tokens itself
+            and needs ``reduction="sum"``: pass ``MegalossConfig.ce.options()`` (those steps
+            refuse another reduction). Their ``logit_softcapping``, when ``None``, becomes the
+            model's own final soft-cap (Gemma 2's ``config.final_logit_softcapping``), and the
+            model's logit scale (Cohere's ``logit_scale``, Granite's ``logits_scaling``,
+            Falcon-H1's ``lm_head_multiplier``, ...) scales the head's inputs
             (:mod:`megaloss.integrations.head_config`), so the loss is the one
             ``model(input_ids, labels=...)`` computes; a model z-loss term (Bamba's
-            ``z_loss_coefficient``) is added with ``reduction="mean"`` and refused with any
-            other.
+            ``z_loss_coefficient``) is added under ``reduction="mean"`` and refused under any
+            other or with ``loss_weights``.
         tp_group: tensor-parallel group (``Topology.tp_group``); default
             :data:`~megaloss.parallel.SINGLE_RANK` (no tensor parallelism); ``None`` is torch's
             default group. With size > 1 the lm_head is split over the vocabulary
@@ -301,9 +314,10 @@ class CausalLMWithLoss(HeadWrapper):
             hidden-state gradient on every TP rank.
 
     The Hugging Face model API the Trainer and PEFT call (:data:`HF_MODEL_API`: ``config``,
-    ``generation_config``, gradient / activation checkpointing, ``get_input_embeddings``,
-    ``enable_input_require_grads``, ...) and :meth:`save_pretrained` reach the wrapped model,
-    so ``TrainingArguments(gradient_checkpointing=True)`` checkpoints its decoder layers.
+    ``generation_config``, ``generate``, gradient / activation checkpointing,
+    ``get_input_embeddings``, ``enable_input_require_grads``, ...) and :meth:`save_pretrained`
+    reach the wrapped model, so ``TrainingArguments(gradient_checkpointing=True)`` checkpoints
+    its decoder layers.
 
     Raises:
         TypeError: ``model`` has no base model or no ``nn.Linear`` output embedding.
@@ -327,41 +341,109 @@ class CausalLMWithLoss(HeadWrapper):
         super().__init__()
         lm_head = linear_lm_head(model)
         self._install_head(
-            model, lm_head, wrapper_options(options, CrossEntropyOptions), tp_group,
-            lambda linear: LinearCrossEntropyHead(linear, self.options),
-            lambda *size, **kw: _VocabParallelHead(*size, **kw, options=self.options))
+            model, lm_head, wrapper_options(options, CrossEntropyOptions, "mean"), tp_group,
+            lambda linear: LinearCrossEntropyHead(linear, self._summing_options()),
+            lambda *size, **kw: _VocabParallelHead(*size, **kw,
+                                                   options=self._summing_options()))
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+    def _summing_options(self) -> CrossEntropyOptions:
+        """The head's options: the wrapper's, with a mean computed as a weighted sum
+        (:func:`~megaloss.integrations.lm_head.head_loss_weights`), so that one head serves
+        the token mean and Hugging Face's ``num_items_in_batch``."""
+        if self.options.reduction == "mean":
+            return self.options.replace(reduction="sum")
+        return self.options
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, *,
                 shift_labels: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
-                loss_weights: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
-        """Decoder, then the fused CE of its last hidden states.
+                loss_weights: Optional[torch.Tensor] = None,
+                num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        """With labels: decoder, then the fused CE of its last hidden states. Without: the
+        wrapped model's own forward.
 
         Args:
-            input_ids: ``[B, T]`` int64.
+            input_ids: ``[B, T]`` int64 (or ``inputs_embeds=[B, T, H]`` among ``kwargs``).
             labels: ``[B, T]`` Hugging Face labels, *unshifted* (``labels = input_ids`` with
                 ``ignore_index`` where no loss); shifted here by :func:`causal_shift`, so the
                 last position of each row has no target. Global vocab ids also under TP.
             shift_labels: ``[B, T]`` already shifted targets (``shift_labels[b, t]`` is the
                 target of position ``t``), instead of ``labels``.
             attention_mask, position_ids: passed to the decoder (``[B, T]``).
-            loss_weights: ``[B, T]`` per-token weights aligned with the *shifted* targets (the
-                calibration's); ``None``: 1.
+            loss_weights: ``[B, T]`` per-token weights aligned with the *shifted* targets (a
+                calibration's, under ``reduction="sum"``); ``None``: 1.
+            num_items_in_batch: Hugging Face's divisor of the token sum (the Trainer's count of
+                target tokens over the whole gradient-accumulation step and, with
+                ``average_tokens_across_devices``, over the ranks): with ``reduction="mean"``
+                the loss is ``sum_t w_t l_t / num_items_in_batch``, as ``transformers``'
+                ``ForCausalLMLoss`` computes it; ``None``: the micro-batch's token mean.
+            **kwargs: passed to the decoder (``inputs_embeds``, ``pixel_values`` of a
+                vision-language model, ...), or to the wrapped model without labels
+                (``use_cache`` defaults to ``False`` with labels).
 
         Returns:
-            :class:`megaloss.CrossEntropyOutput` under the wrapper's options (``reduction="sum"``
-            by default: ``loss = sum_t w_t * l_t``, fp32, differentiable, z-loss included),
-            ``z_loss`` its z-loss part (no grad), ``num_valid_tokens`` after the shift.
+            With labels, a :class:`~megaloss.integrations.hf.outputs.CausalLMLossOutput`
+            (``out.loss`` / ``out["loss"]`` / ``out[0]``; ``logits`` ``None``) under the
+            wrapper's options: by default Hugging Face's token mean (fp32, fp64 for a fp64
+            model, differentiable, z-loss included), ``z_loss`` its z-loss part (no grad),
+            ``num_valid_tokens`` and ``num_correct_tokens`` after the shift. Without labels,
+            what the wrapped model returns (its ``CausalLMOutputWithPast`` with logits).
 
         Raises:
-            ValueError: neither or both of ``labels`` / ``shift_labels``; a shape other than
-                that of ``input_ids``.
+            ValueError: both ``labels`` and ``shift_labels``; labels of another shape than the
+                tokens; ``loss_weights`` / ``num_items_in_batch`` without labels;
+                ``num_items_in_batch`` with a reduction other than ``"mean"``.
         """
-        shift_labels = shifted_targets(input_ids, labels, shift_labels, self.ignore_index)
+        if labels is None and shift_labels is None:
+            if loss_weights is not None or num_items_in_batch is not None:
+                raise ValueError("loss_weights and num_items_in_batch need labels or "
+                                 "shift_labels")
+            return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, **kwargs)
+        targets = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
+                                  self.ignore_index)
+        kwargs.setdefault("use_cache", False)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids, use_cache=False)
-        return self.head(out.last_hidden_state, shift_labels, loss_weights=loss_weights)
+                           position_ids=position_ids, **kwargs)
+        return self.head_loss(out.last_hidden_state, targets, loss_weights=loss_weights,
+                              num_items_in_batch=num_items_in_batch)
+
+    def head_loss(self, hidden_states: torch.Tensor, shift_labels: torch.Tensor, *,
+                  loss_weights: Optional[torch.Tensor] = None,
+                  num_items_in_batch: Any = None) -> CausalLMLossOutput:
+        """The loss head on the decoder's last hidden states ``[B, T, H]`` and *shifted*
+        targets ``[B, T]``, under the wrapper's reduction (see :meth:`forward`)."""
+        dtype = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+        why = z_loss_refusal(self.logit_transform, self.options.reduction, loss_weights)
+        if why is not None:
+            raise ValueError(why)
+        weights = head_loss_weights(shift_labels, self.ignore_index, self.options.reduction,
+                                    loss_weights, num_items_in_batch, dtype)
+        # the model's own z-loss is a mean over the micro-batch's positions, next to its token
+        # mean (or its sum / num_items_in_batch): added here, where that mean is taken
+        stats = self.head(hidden_states, shift_labels, loss_weights=weights,
+                          position_z_loss=self.logit_transform.z_loss_coefficient != 0.0)
+        return CausalLMLossOutput(loss=stats.loss, z_loss=stats.z_loss,
+                                  num_valid_tokens=stats.num_valid_tokens,
+                                  num_correct_tokens=stats.num_correct_tokens)
 
     def extra_repr(self) -> str:
-        return f"tp_size={self.tp_size}, vocab_size={self.vocab_size}, tied={self.tied}"
+        return (f"tp_size={self.tp_size}, vocab_size={self.vocab_size}, tied={self.tied}, "
+                f"reduction={self.options.reduction!r}")
+
+
+def token_grid(input_ids: Optional[torch.Tensor], kwargs: dict) -> torch.Tensor:
+    """A ``[B, T]`` tensor of the tokens' layout for the labels' shape check: ``input_ids``, or
+    ``inputs_embeds[..., 0]`` when only embeddings are given.
+
+    Raises:
+        ValueError: neither ``input_ids`` nor ``inputs_embeds``.
+    """
+    if input_ids is not None:
+        return input_ids
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is None:
+        raise ValueError("pass input_ids (or inputs_embeds) with the labels")
+    return embeds[..., 0]

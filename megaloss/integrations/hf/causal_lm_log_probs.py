@@ -13,12 +13,12 @@ keep working on the very weights being trained, which is what an on-policy loop 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from ...losses.log_probs import LogProbsOutput, linear_log_probs
+from ...losses.log_probs import linear_log_probs
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.log_probs_options import LogProbsOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike
@@ -29,7 +29,7 @@ from ..lm_head import (
     shifted_targets,
     wrapper_options,
 )
-from .causal_lm import HeadWrapper
+from .causal_lm import HeadWrapper, token_grid
 
 __all__ = ["CausalLMWithLogProbs", "LinearLogProbsHead"]
 
@@ -106,7 +106,8 @@ class CausalLMWithLogProbs(HeadWrapper):
 
     The Hugging Face model API (:data:`~megaloss.integrations.hf.causal_lm.HF_MODEL_API`:
     ``config``, ``generation_config``, gradient checkpointing, ...) and :meth:`save_pretrained`
-    reach the wrapped model; generate with ``wrapper.model.generate``.
+    reach the wrapped model (``wrapper.generate`` is the model's own); called without labels
+    the wrapper is the model's own forward.
 
     Raises:
         TypeError: ``model`` has no base model or no ``nn.Linear`` output embedding; ``options``
@@ -135,15 +136,17 @@ class CausalLMWithLogProbs(HeadWrapper):
     def temperature(self, value: float) -> None:
         self.options = self.options.replace(temperature=value)
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+    def forward(self, input_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, *,
                 shift_labels: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
-                return_entropy: Optional[bool] = None) -> LogProbsOutput:
-        """Decoder, then the chunked log-probs of its last hidden states.
+                return_entropy: Optional[bool] = None, **kwargs: Any) -> Any:
+        """Decoder, then the chunked log-probs of its last hidden states; without labels, the
+        wrapped model's own forward (its logits).
 
         Args:
-            input_ids: ``[B, T]`` int64.
+            input_ids: ``[B, T]`` int64 (or ``inputs_embeds`` among ``kwargs``).
             labels: ``[B, T]`` Hugging Face labels, *unshifted* (``labels = input_ids`` with
                 ``ignore_index`` where none), shifted here by :func:`megaloss.causal_shift`: the
                 last position of each row gets none. Global vocab ids also under TP.
@@ -151,6 +154,8 @@ class CausalLMWithLogProbs(HeadWrapper):
                 position ``t``), instead of ``labels``.
             attention_mask, position_ids: passed to the decoder (``[B, T]``).
             return_entropy: this call's ``options.return_entropy``; ``None``: the options'.
+            **kwargs: passed to the decoder (``use_cache`` defaults to ``False``), or to the
+                model without labels.
 
         Returns:
             :class:`megaloss.LogProbsOutput` of shape ``[B, T]``, aligned with the shifted
@@ -158,16 +163,23 @@ class CausalLMWithLogProbs(HeadWrapper):
             fp64 model; 0 where no target), ``entropy`` (``None`` unless asked), ``lse``,
             ``greedy_match``.
 
+            Without labels, what the wrapped model returns.
+
         Raises:
-            ValueError: neither or both of ``labels`` / ``shift_labels``; a shape other than
-                that of ``input_ids``; a label outside the vocabulary.
+            ValueError: both ``labels`` and ``shift_labels``; a shape other than that of
+                ``input_ids``; a label outside the vocabulary.
         """
-        targets = shifted_targets(input_ids, labels, shift_labels, self.ignore_index)
+        if labels is None and shift_labels is None:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, **kwargs)
+        targets = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
+                                  self.ignore_index)
         options = self.options
         if return_entropy is not None and return_entropy != options.return_entropy:
             options = options.replace(return_entropy=return_entropy)
+        kwargs.setdefault("use_cache", False)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids, use_cache=False)
+                           position_ids=position_ids, **kwargs)
         return self.head(out.last_hidden_state, targets, options=options)
 
     def extra_repr(self) -> str:

@@ -18,12 +18,12 @@ layers, optionally the head, and the wrapper as root); a teacher already sharded
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from ...losses.distillation import DistillationOutput, linear_distillation_loss
+from ...losses.distillation import linear_distillation_loss
 from ...losses.vocab_parallel import vocab_shard_range
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.cross_entropy_options import CrossEntropyOptions
@@ -33,12 +33,14 @@ from ..head_config import LogitTransform, model_logit_transform, resolve_softcap
 from ..lm_head import (
     GatheredLogits,
     LinearHead,
+    head_loss_weights,
     linear_lm_head,
     refuse_fully_sharded,
     shifted_targets,
     text_decoder,
     wrapper_options,
 )
+from .causal_lm import token_grid
 
 __all__ = ["CausalLMWithDistillation", "LinearDistillationHead"]
 
@@ -121,8 +123,10 @@ class CausalLMWithDistillation(nn.Module):
             micro-batches carry the teacher's top-k (``teacher_topk_ids`` and
             ``teacher_topk_log_probs`` in :meth:`forward`). Not registered as a submodule.
         options: :class:`~megaloss.DistillationOptions` (e.g.
-            ``MegalossConfig.distillation.options()``); default options with
-            ``reduction="sum"`` when ``None`` (the calibrated step weights tokens itself).
+            ``MegalossConfig.distillation.options()``, ``reduction="sum"``, for a calibrated
+            step, which weights the tokens itself and refuses another reduction); default
+            options when ``None``: ``reduction="mean"``, Hugging Face's token mean with
+            ``num_items_in_batch`` honoured (:meth:`forward`).
             ``logit_softcapping``, when ``None``, becomes the student's own final soft-cap and
             ``teacher_logit_softcapping`` the teacher module's own (each from its config, e.g.
             Gemma 2's ``final_logit_softcapping``), and each model's logit scale (Cohere,
@@ -150,7 +154,7 @@ class CausalLMWithDistillation(nn.Module):
                  tp_group: GroupLike = SINGLE_RANK) -> None:
         super().__init__()
         lm_head = linear_lm_head(model)
-        options = wrapper_options(options, DistillationOptions)
+        options = wrapper_options(options, DistillationOptions, "mean")
         self.logit_transform = model_logit_transform(model, "student")
         caps = {"logit_softcapping": resolve_softcapping(
             options.logit_softcapping, self.logit_transform.softcapping, "logit_softcapping",
@@ -169,6 +173,9 @@ class CausalLMWithDistillation(nn.Module):
                 options.teacher_logit_softcapping, self.teacher_logit_transform.softcapping,
                 "teacher_logit_softcapping", "teacher")
         self.options = options.replace(**caps)
+        # the head sums; a mean is its weights (head_loss_weights), so num_items_in_batch works
+        head_options = (self.options.replace(reduction="sum")
+                        if self.options.reduction == "mean" else self.options)
         if teacher is not None:
             teacher.eval()
             teacher.requires_grad_(False)
@@ -181,11 +188,11 @@ class CausalLMWithDistillation(nn.Module):
             head: nn.Module = _VocabParallelDistillationHead(
                 hidden_size, vocab_size, tp_group=tp_group, bias=lm_head.bias is not None,
                 dtype=lm_head.weight.dtype, device=lm_head.weight.device,
-                distillation_options=self.options)
+                distillation_options=head_options)
             head.load_full_weight(lm_head.weight.detach(),
                                   None if lm_head.bias is None else lm_head.bias.detach())
         else:
-            head = LinearDistillationHead(lm_head, self.options)
+            head = LinearDistillationHead(lm_head, head_options)
         head.logit_transform = self.logit_transform
         model.set_output_embeddings(head)
         self.model = model
@@ -201,12 +208,16 @@ class CausalLMWithDistillation(nn.Module):
     def head(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
-    def _teacher_inputs(self, input_ids, attention_mask, position_ids):
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The student's own ``generate`` (its lm_head returns logits without labels)."""
+        return self.model.generate(*args, **kwargs)
+
+    def _teacher_inputs(self, input_ids, attention_mask, position_ids, kwargs):
         teacher = self.teacher
         _refuse_sharded_teacher(teacher)
         with torch.no_grad():
             out = text_decoder(teacher)(input_ids=input_ids, attention_mask=attention_mask,
-                                        position_ids=position_ids, use_cache=False)
+                                        position_ids=position_ids, **kwargs)
         head = teacher.get_output_embeddings()
         weight, bias = head.weight.detach(), head.bias
         hidden, bias = self.teacher_logit_transform.scale_inputs(
@@ -218,33 +229,51 @@ class CausalLMWithDistillation(nn.Module):
         return dict(teacher_hidden_states=hidden, teacher_weight=weight,
                     teacher_bias=bias)
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+    def forward(self, input_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, *,
                 shift_labels: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
                 loss_weights: Optional[torch.Tensor] = None,
                 teacher_topk_ids: Optional[torch.Tensor] = None,
-                teacher_topk_log_probs: Optional[torch.Tensor] = None) -> DistillationOutput:
-        """Student decoder, teacher (module or top-k), then the chunked distillation loss.
+                teacher_topk_log_probs: Optional[torch.Tensor] = None,
+                num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+        """Student decoder, teacher (module or top-k), then the chunked distillation loss; without
+        labels, the student's own forward (its logits).
 
         Args:
-            input_ids: ``[B, T]`` int64.
-            labels / shift_labels: exactly one, as in
-                :meth:`megaloss.integrations.hf.CausalLMWithLoss.forward`.
+            input_ids: ``[B, T]`` int64 (or ``inputs_embeds`` among ``kwargs``).
+            labels / shift_labels: at most one, as in
+                :meth:`megaloss.integrations.hf.CausalLMWithLoss.forward`; neither: the
+                student model's own forward with the other arguments.
             attention_mask, position_ids: passed to both decoders.
             loss_weights: ``[B, T]`` per-token weights of the shifted targets.
             teacher_topk_ids, teacher_topk_log_probs: ``[B, T, k]``, the teacher's top-k at
                 each position (aligned with the shifted targets: position ``t``'s distribution
                 over the token at ``t + 1``), only without a teacher module.
+            num_items_in_batch: with ``reduction="mean"``, the divisor of the token sums
+                (Hugging Face's, as in :meth:`megaloss.integrations.hf.CausalLMWithLoss.forward`).
+            **kwargs: passed to both decoders (``use_cache`` defaults to ``False``).
 
         Returns:
-            :class:`megaloss.DistillationOutput` under the wrapper's options.
+            :class:`megaloss.DistillationOutput` under the wrapper's options (``loss``,
+            ``divergence`` and ``ce_loss`` reduced alike); without labels, the student's output.
 
         Raises:
-            ValueError: neither or both of ``labels`` / ``shift_labels``; a top-k teacher
-                together with a teacher module, or neither; shapes (from the loss).
+            ValueError: both ``labels`` / ``shift_labels``; a top-k teacher together with a
+                teacher module, or neither; ``loss_weights`` / ``num_items_in_batch`` without
+                labels; ``num_items_in_batch`` with a reduction other than ``"mean"``; shapes
+                (from the loss).
         """
-        target = shifted_targets(input_ids, labels, shift_labels, self.ignore_index)
+        if labels is None and shift_labels is None:
+            if loss_weights is not None or num_items_in_batch is not None:
+                raise ValueError("loss_weights and num_items_in_batch need labels or "
+                                 "shift_labels")
+            return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, **kwargs)
+        target = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
+                                 self.ignore_index)
+        kwargs.setdefault("use_cache", False)
         topk = teacher_topk_ids is not None or teacher_topk_log_probs is not None
         if (self.teacher is not None) == topk:
             raise ValueError("give the teacher either as the wrapper's teacher module or as "
@@ -253,10 +282,14 @@ class CausalLMWithDistillation(nn.Module):
             teacher = dict(teacher_topk_ids=teacher_topk_ids,
                            teacher_topk_log_probs=teacher_topk_log_probs)
         else:
-            teacher = self._teacher_inputs(input_ids, attention_mask, position_ids)
+            teacher = self._teacher_inputs(input_ids, attention_mask, position_ids, kwargs)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids, use_cache=False)
-        return self.head(out.last_hidden_state, target, loss_weights=loss_weights, **teacher)
+                           position_ids=position_ids, **kwargs)
+        hidden = out.last_hidden_state
+        weights = head_loss_weights(
+            target, self.ignore_index, self.options.reduction, loss_weights, num_items_in_batch,
+            torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+        return self.head(hidden, target, loss_weights=weights, **teacher)
 
     def extra_repr(self) -> str:
         return (f"tp_size={self.tp_size}, vocab_size={self.vocab_size}, "

@@ -136,6 +136,7 @@ from ...ops.validation import is_dtensor
 from ...parallel.groups import SINGLE_RANK, group_ranks, group_size
 from ...parallel.topology import Topology
 from ..config import MegalossConfig, ds_config_autotp_size, load_megaloss_config
+from ..lm_head import refuse_unsummed
 from ..step.lm import LanguageModelLoss
 from ..step.loop import CalibratedStep
 from .causal_lm import CausalLMWithLoss
@@ -364,6 +365,8 @@ class MegalossTrainer(Trainer):
             model = self._autotp_model(model, cfg)
         elif model is not None and not isinstance(model, CausalLMWithLoss):
             model = CausalLMWithLoss(model, options=cfg.ce.options())
+        else:
+            refuse_unsummed(model, "MegalossTrainer")
         presharded = model is not None and _check_presharded(model)
         self._parts = torch.zeros(3, dtype=torch.float64)  # ce, z, tokens since the last log
         self._parts_steps = 0

@@ -1,0 +1,317 @@
+"""One call, no wrapper: :func:`apply` patches a Hugging Face ``*ForCausalLM`` in place so that
+its own ``model(**batch)`` with labels computes megaloss's chunked cross-entropy from the
+decoder's last hidden states (the ``[tokens, vocab]`` logits are never built) and returns the
+model's usual ``CausalLMOutputWithPast`` with that loss. Code that only reads
+``model(**batch).loss`` (the Hugging Face Trainer, accelerate loops, TRL) trains through megaloss
+unchanged.
+
+The machinery is :class:`~megaloss.integrations.hf.CausalLMWithLoss`'s (the same loss head
+replaces the lm_head, the same options, the same logit transforms read from the config); the
+wrapper is kept by the patched forward, not registered as a module, so the model's parameters,
+state-dict keys, ``save_pretrained`` folder and ``generate`` are those of the model.
+
+TRL (1.16) adds its own fused lm_head to the model (``trl.trainer.utils.add_fused_lm_head``):
+``SFTTrainer`` / ``DPOTrainer`` call ``model(..., labels=, fused_lm_head=True)`` and read the
+per-token ``log_probs`` (``entropy`` and ``is_top1`` for ``SFTTrainer``'s ``entropy`` and
+``mean_token_accuracy`` metrics) of a ``FusedCausalLMOutput``. A patched model answers that call
+with megaloss's chunked log-probs (:func:`megaloss.linear_log_probs`, entropy and greedy match
+included), whichever of :func:`apply` and the trainer patched the forward last (a forward
+pre-hook routes TRL's call to this module's forward).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Dict, Optional
+
+from torch import nn
+
+from ...losses.log_probs import linear_log_probs
+from ...ops.cross_entropy_options import CrossEntropyOptions
+from ...ops.log_probs_options import LogProbsOptions
+from ...parallel.groups import SINGLE_RANK, GroupLike
+from ..lm_head import shifted_targets
+from .causal_lm import CausalLMWithLoss, token_grid
+
+__all__ = ["apply", "MegalossForward"]
+
+# TRL's flag and the private key this module's pre-hook turns it into (module docstring)
+_TRL_FLAG = "fused_lm_head"
+_ROUTED = "_megaloss_fused_lm_head"
+_APPLIED = "_megaloss_apply"  # the model's attribute holding its MegalossForward
+
+
+def _text_configs(model: nn.Module) -> list:
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    out = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        text = get_text(decoder=True)
+        if text is not None and text is not config:
+            out.append(text)
+    return out
+
+
+def _router_loss_coefficient(model: nn.Module) -> float:
+    return max((float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0)
+                for c in _text_configs(model)), default=0.0)
+
+
+def _refuse_router_loss(model: nn.Module, requested: Optional[bool]) -> None:
+    """A mixture-of-experts model adds ``router_aux_loss_coef * aux_loss`` to its loss when
+    router logits are output (``config.output_router_logits`` or the call's
+    ``output_router_logits``, ``transformers/models/mixtral/modeling_mixtral.py``,
+    ``MixtralForCausalLM.forward``); megaloss does not compute it yet, and would drop it.
+
+    Raises:
+        ValueError: router logits requested (``requested``, else the config) with a
+            coefficient > 0.
+    """
+    if requested is None:
+        requested = any(bool(getattr(c, "output_router_logits", False))
+                        for c in _text_configs(model))
+    coef = _router_loss_coefficient(model)
+    if requested and coef > 0:
+        raise ValueError(
+            f"{type(model).__name__} adds a router load-balancing loss (router_aux_loss_coef="
+            f"{coef}, output_router_logits=True) to its loss, which megaloss does not compute "
+            f"yet: the patched model would silently drop it. Set output_router_logits=False (or "
+            f"router_aux_loss_coef=0) to train without it")
+
+
+def _trl_settings(forward: Any, depth: int = 0) -> Optional[Dict[str, Any]]:
+    """The settings TRL's ``add_fused_lm_head`` closed over (``temperature``, ``outputs``,
+    ``cast_lm_head_to_fp32``), read from its forward's closure, or ``None`` when TRL's forward
+    is not found in ``forward`` or what it wraps (``__wrapped__``, accelerate's
+    ``convert_outputs_to_fp32`` / autocast wrappers and their closures, a few levels)."""
+    if forward is None or depth > 8 or isinstance(forward, (nn.Module, MegalossForward)):
+        return None
+    fn = getattr(forward, "__func__", forward)
+    code = getattr(fn, "__code__", None)
+    cells = getattr(fn, "__closure__", None) or ()
+    if code is not None and code.co_name == "_fused_forward" and cells:
+        return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+    inner = [getattr(fn, "__wrapped__", None), getattr(fn, "model_forward", None)]
+    for cell in cells:
+        try:
+            inner.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    for candidate in inner:
+        if callable(candidate):
+            found = _trl_settings(candidate, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+class MegalossForward:
+    """The forward :func:`apply` installs (``model.forward``): with labels in training
+    megaloss's loss (:meth:`__call__`), otherwise the forward it replaced. Its signature is
+    the model's own (``generate`` validates its keyword arguments against it; the Hugging Face
+    Trainer passes ``num_items_in_batch`` because it takes ``**kwargs``).
+
+    Attributes:
+        model: the patched model.
+        wrapper: the :class:`~megaloss.integrations.hf.CausalLMWithLoss` whose head the model
+            now has (not a submodule of ``model``).
+        inner: the forward replaced (an instance attribute, e.g. TRL's), or ``None`` for the
+            class's own.
+    """
+
+    def __init__(self, model: nn.Module, wrapper: CausalLMWithLoss, inner: Any) -> None:
+        self.model = model
+        self.wrapper = wrapper
+        self.inner = inner
+        own = type(model).forward.__get__(model)
+        self.__signature__ = inspect.signature(own)
+        self.__name__ = "forward"
+        self.__doc__ = own.__doc__
+
+    def _inner(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+    def _arguments(self, args: tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        """The call's arguments by name (positional ones bound to the model's signature)."""
+        if not args:
+            return dict(kwargs)
+        bound = self.__signature__.bind_partial(*args, **kwargs).arguments
+        out: Dict[str, Any] = {}
+        for name, value in bound.items():
+            kind = self.__signature__.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                out.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                raise TypeError(f"{type(self.model).__name__}.forward got extra positional "
+                                f"arguments {value!r}")
+            else:
+                out[name] = value
+        return out
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``model(**batch)``. With ``labels`` (or ``shift_labels``) and the model in training
+        mode (or ``skip_logits=True``): the decoder, then megaloss's loss head on its last
+        hidden states, returned as ``CausalLMOutputWithPast(loss=..., logits=None, cache=,
+        hidden_states=, attentions=)`` of the decoder (a tuple with ``return_dict=False``). The
+        loss is the wrapper's reduction: by default Hugging Face's token mean,
+        ``sum / num_items_in_batch`` when the Trainer passes ``num_items_in_batch``. In eval
+        mode (or with ``skip_logits=False``) and without labels: the model's own forward (its
+        logits, and its own loss from them), as Liger-Kernel's ``skip_logits`` does.
+
+        Raises:
+            ValueError: router logits requested with a router loss coefficient > 0;
+                ``logits_to_keep`` with labels; an ``ignore_index`` other than the options'.
+        """
+        arguments = self._arguments(args, kwargs)
+        if arguments.pop(_ROUTED, False) or arguments.get(_TRL_FLAG, False):
+            arguments.pop(_TRL_FLAG, None)
+            return self._fused(arguments)
+        arguments.pop(_TRL_FLAG, None)
+        labels, shift = arguments.get("labels"), arguments.get("shift_labels")
+        skip = arguments.pop("skip_logits", None)
+        if skip is None:
+            skip = self.model.training
+        if (labels is None and shift is None) or not skip:
+            return self._inner(**arguments)
+        return self._loss(arguments)
+
+    def _decoder(self, arguments: Dict[str, Any]):
+        """Pop the label keys, check what the loss cannot honour, run the decoder; returns
+        ``(decoder output, shifted targets, num_items_in_batch)``."""
+        wrapper = self.wrapper
+        labels, shift = arguments.pop("labels", None), arguments.pop("shift_labels", None)
+        num_items = arguments.pop("num_items_in_batch", None)
+        ignore = arguments.pop("ignore_index", wrapper.ignore_index)
+        if ignore != wrapper.ignore_index:
+            raise ValueError(f"ignore_index={ignore} differs from the options' "
+                             f"{wrapper.ignore_index} (megaloss.integrations.hf.apply(options=))")
+        keep = arguments.pop("logits_to_keep", 0)
+        if not (isinstance(keep, int) and keep == 0):
+            raise ValueError("logits_to_keep with labels: the loss covers every position; call "
+                             "without labels for the kept logits")
+        _refuse_router_loss(self.model, arguments.get("output_router_logits"))
+        input_ids = arguments.pop("input_ids", None)
+        targets = shifted_targets(token_grid(input_ids, arguments), labels, shift,
+                                  wrapper.ignore_index)
+        out = wrapper.decoder(input_ids=input_ids, **arguments)
+        return out, targets, num_items
+
+    def _loss(self, arguments: Dict[str, Any]) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return_dict = arguments.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.model.config, "return_dict", True)
+        out, targets, num_items = self._decoder(arguments)
+        loss = self.wrapper.head_loss(out.last_hidden_state, targets,
+                                      num_items_in_batch=num_items).loss
+        names = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+        rest = {k: out.get(k) for k in ("cache", "past_key_values", "hidden_states",
+                                        "attentions") if k in names}
+        result = CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+        return result if return_dict else result.to_tuple()
+
+    def _fused(self, arguments: Dict[str, Any]) -> Any:
+        """TRL's ``fused_lm_head=True`` call (module docstring): its ``FusedCausalLMOutput``
+        from megaloss's chunked log-probs at TRL's temperature.
+
+        Raises:
+            ValueError: TRL's settings unreadable, or asking for what megaloss does not compute
+                (``log_sum_sq_probs``, ``mean_logits``; an fp32 cast of the head); tensor
+                parallelism.
+        """
+        from trl.trainer.utils import FusedCausalLMOutput
+
+        wrapper = self.wrapper
+        settings = None
+        for candidate in (self.model.__dict__.get("forward"),
+                          self.model.__dict__.get("_original_forward"), self.inner):
+            settings = settings or _trl_settings(candidate)
+        if settings is None or "temperature" not in settings:
+            raise ValueError("fused_lm_head=True is TRL's add_fused_lm_head call, but the "
+                             "model's forward is not TRL's: call megaloss.integrations.hf.apply "
+                             "on a model TRL has patched, or before the TRL trainer is built")
+        extra = set(settings.get("outputs", ())) - {"log_probs", "entropy", "is_top1"}
+        if extra or settings.get("cast_lm_head_to_fp32"):
+            raise ValueError(f"TRL asks the fused lm_head for {sorted(extra)} (or an fp32 cast "
+                             f"of the head), which megaloss's log-probs do not compute")
+        if wrapper.tp_size > 1:
+            raise ValueError("TRL's fused_lm_head call under tensor parallelism is not supported")
+        arguments.pop("return_dict", None)
+        arguments["use_cache"] = False
+        unshifted = arguments.get("labels") is not None
+        out, targets, num_items = self._decoder(arguments)
+        shared = {f.name for f in dataclasses.fields(LogProbsOptions)} & {
+            f.name for f in dataclasses.fields(CrossEntropyOptions)}
+        options = LogProbsOptions(**{k: getattr(wrapper.options, k) for k in shared},
+                                  temperature=float(settings["temperature"]),
+                                  return_entropy=True)
+        head = wrapper.head
+        lp = linear_log_probs(out.last_hidden_state, head.weight, targets, bias=head.bias,
+                              options=options)
+        mask = targets != wrapper.ignore_index
+        count = mask.sum().clamp(min=1) if num_items is None else num_items
+        fields = dict(log_probs=lp.log_probs, entropy=lp.entropy * mask,
+                      is_top1=lp.greedy_match & mask, label_mask=mask)
+        if unshifted:  # TRL's shapes: [B, T - 1] for unshifted labels
+            fields = {k: v[:, :-1] for k, v in fields.items()}
+        return FusedCausalLMOutput(loss=-lp.log_probs.sum() / count, **fields)
+
+
+def _route_trl(model: nn.Module, args: tuple, kwargs: Dict[str, Any]):
+    """Forward pre-hook: TRL's ``fused_lm_head=True`` reaches :class:`MegalossForward` even
+    when TRL's forward was installed after it (TRL's forward passes unknown keywords on)."""
+    if kwargs.get(_TRL_FLAG) and not isinstance(model.__dict__.get("forward"), MegalossForward):
+        kwargs = {**kwargs, _TRL_FLAG: False, _ROUTED: True}
+        return args, kwargs
+    return None
+
+
+def apply(model: nn.Module, *, options: Optional[CrossEntropyOptions] = None,
+          tp_group: GroupLike = SINGLE_RANK) -> nn.Module:
+    """Make ``model``'s own forward compute megaloss's loss when given labels (module
+    docstring); returns ``model``, patched in place.
+
+    Args:
+        model: a ``transformers`` ``*ForCausalLM`` (a base model and an ``nn.Linear`` lm_head,
+            as :class:`~megaloss.integrations.hf.CausalLMWithLoss` takes).
+        options: :class:`~megaloss.CrossEntropyOptions`; default ``reduction="mean"``, Hugging
+            Face's token mean with ``num_items_in_batch`` honoured (so the Trainer's
+            gradient-accumulation-correct loss is kept). The config's soft-cap is taken as in
+            the wrapper.
+        tp_group: tensor-parallel group (default: none), as in the wrapper.
+
+    After the call ``model(**batch)`` with labels in training mode returns
+    ``CausalLMOutputWithPast(loss=megaloss's loss, logits=None, ...)`` (pass
+    ``skip_logits=False``, or call in eval mode, for the model's own logits and loss);
+    without labels, ``model.generate``, ``save_pretrained`` (same state-dict keys) and the
+    parameters are unchanged. Apply before wrapping the model with PEFT, DDP or FSDP.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: ``model`` already patched with other options (with none or the same, the
+            call returns ``model`` unchanged); a router loss the model would add
+            (``output_router_logits`` with ``router_aux_loss_coef > 0``: megaloss would drop
+            it); what :class:`~megaloss.integrations.hf.CausalLMWithLoss` refuses.
+        TypeError: as the wrapper (no base model, no ``nn.Linear`` lm_head).
+    """
+    done = model.__dict__.get(_APPLIED)
+    if done is not None:
+        if options is None or options == done.given_options:
+            return model
+        raise ValueError(f"model is already patched by megaloss.integrations.hf.apply with "
+                         f"{done.given_options!r}; apply once")
+    _refuse_router_loss(model, None)
+    wrapper = CausalLMWithLoss(model, options=options, tp_group=tp_group)
+    forward = MegalossForward(model, wrapper, model.__dict__.get("forward"))
+    forward.given_options = options
+    model.forward = forward
+    model.__dict__[_APPLIED] = forward
+    model.register_forward_pre_hook(_route_trl, with_kwargs=True)
+    return model

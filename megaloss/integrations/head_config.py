@@ -49,7 +49,8 @@ over the config. Files under ``transformers/models/``:
 **2. Verified** (:func:`verify_logit_transform`): a probe of the model itself on a few tokens
 (eval mode and no gradient, each module's mode restored after): the logits of its own forward
 must equal the declared transform of ``F.linear(last_hidden_state, W, b)``, the hidden state
-taken from ``model.base_model`` called as the wrappers call it, to the model dtype's rounding.
+taken from the model's decoder (:func:`~megaloss.integrations.text_decoder.text_decoder`)
+called as the wrappers call it, to the model dtype's rounding.
 This checks the wrappers' whole path, not only what follows the lm_head: MiniCPM3's division
 of the hidden states shows as its scale, and a layer the forward runs between the decoder and
 the lm_head (BERT's prediction-head transform in ``BertLMHeadModel``,
@@ -78,6 +79,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .text_decoder import text_decoder
 
 __all__ = ["LogitTransform", "SOFTCAP_FIELDS", "SCALE_FIELDS", "config_logit_transform",
            "materialised", "verify_logit_transform", "model_logit_transform",
@@ -349,7 +352,8 @@ def _last_hidden(output: Any) -> Optional[torch.Tensor]:
 
 def _probe(model: nn.Module, role: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(raw, logits)`` on a few tokens: ``F.linear(h, W, b)`` with ``h`` the last hidden
-    state of ``model.base_model`` called as the wrappers call it, and the model's own logits."""
+    state of the model's decoder (:func:`~megaloss.integrations.text_decoder.text_decoder`)
+    called as the wrappers call it, and the model's own logits."""
     head = model.get_output_embeddings()
     ids = _probe_ids(model, head.weight.shape[0], head.weight.device)
     name = type(model).__name__
@@ -358,8 +362,8 @@ def _probe(model: nn.Module, role: str) -> Tuple[torch.Tensor, torch.Tensor]:
         model.eval()
         with torch.no_grad():
             out = model(input_ids=ids, use_cache=False)
-            hidden = _last_hidden(model.base_model(input_ids=ids, attention_mask=None,
-                                                   position_ids=None, use_cache=False))
+            hidden = _last_hidden(text_decoder(model)(input_ids=ids, attention_mask=None,
+                                                      position_ids=None, use_cache=False))
     except Exception as err:  # the message names the model; the cause stays chained
         raise ValueError(f"could not verify the {role}'s logit transform: a probe forward of "
                          f"{name} on input_ids {tuple(ids.shape)} raised "
@@ -387,8 +391,8 @@ def verify_logit_transform(model: nn.Module, transform: LogitTransform,
     """Check ``transform`` against ``model``'s own forward (module docstring, step 2): on
     ``[1, 6]`` token ids (eval mode, no gradient; each module's training mode put back), the
     model's logits must equal ``transform.apply(F.linear(h, W, b))`` with ``h`` the last hidden
-    state of ``model.base_model(input_ids, use_cache=False)``, the decoder call the wrappers
-    make (so a layer the model runs between its decoder and the lm_head, BERT's prediction
+    state of the model's decoder on ``input_ids`` (``use_cache=False``), the decoder call the
+    wrappers make (so a layer the model runs between its decoder and the lm_head, BERT's prediction
     transform, is a mismatch too), within ``8 * eps * max|logits|`` (``eps`` of the lm_head's
     and the logits' dtypes, the coarser). Two forwards of a few tokens.
 
@@ -435,7 +439,7 @@ def verify_logit_transform(model: nn.Module, transform: LogitTransform,
     raise ValueError(
         f"{name}'s forward (the {role}) transforms its lm_head logits in a way megaloss does "
         f"not reproduce: "
-        f"its logits differ from {transform} applied to lm_head(base_model(...)."
+        f"its logits differ from {transform} applied to lm_head(decoder(...))."
         f"last_hidden_state) by up to {diff:.3g} (tolerance {tol:.3g}){hint}. The wrapper "
         f"would train a different loss than the {role} defines (a mask such as Chameleon's "
         f"image tokens, a bias added after the lm_head, a layer between the decoder and the "

@@ -22,9 +22,10 @@ from torch import nn
 from ..ops.labels import causal_shift
 from ..ops.validation import check_not_dtensor, is_dtensor
 from .head_config import LogitTransform
+from .text_decoder import text_decoder
 
-__all__ = ["LossHead", "LinearHead", "GatheredLogits", "is_loss_head", "text_decoder",
-           "UNREPRODUCIBLE", "linear_lm_head", "first_dtensor_parameter", "refuse_fully_sharded",
+__all__ = ["LossHead", "LinearHead", "GatheredLogits", "is_loss_head",
+           "linear_lm_head", "first_dtensor_parameter", "refuse_fully_sharded",
            "wrapper_options", "refuse_unsummed", "head_loss_weights", "shifted_targets"]
 
 
@@ -123,58 +124,6 @@ def is_loss_head(module: object) -> bool:
     """Whether ``module`` is one of megaloss's loss heads (it replaced an ``nn.Linear`` lm_head:
     a :class:`LinearHead`, or a head over a vocab-parallel shard, :class:`GatheredLogits`)."""
     return isinstance(module, (LinearHead, GatheredLogits))
-
-
-# what a forward does that its structure does not show: class name -> why it is refused
-# (transformers 5.24)
-UNREPRODUCIBLE = {
-    "ProphetNetForCausalLM": (
-        "its lm_head reads the decoder's n-gram predicting streams, not its last hidden state, "
-        "and its own loss is the n-gram loss with eps smoothing "
-        "(transformers/models/prophetnet/modeling_prophetnet.py)"),
-}
-
-
-def text_decoder(model: nn.Module) -> nn.Module:
-    """The module of ``model`` whose output's ``last_hidden_state`` its lm_head reads: what a
-    loss wrapper runs before its loss head, with the inputs ``model`` itself takes (the image
-    inputs of a vision-language model included).
-
-    Read from the model's structure, not from a per-class table: ``model.base_model`` (the
-    module named by ``base_model_prefix``: ``model.model`` for Llama, Qwen, Mistral, and for the
-    vision-language ``*ForConditionalGeneration`` of transformers >= 4.52 the multimodal base
-    model that merges the image features into the embeddings: Qwen2-VL, LLaVA, Gemma 3,
-    Idefics3, Mllama, ...); where ``base_model_prefix`` names a module the model does not have
-    (``Llama4ForCausalLM``, ``MllamaForCausalLM``: ``"language_model"``), the one child module
-    other than the lm_head that has input embeddings (``get_input_embeddings``).
-
-    Raises:
-        TypeError: ``model``'s class is in :data:`UNREPRODUCIBLE` (a forward whose loss or
-            logits do not come from ``lm_head(last_hidden_state)``: ProphetNet's n-gram
-            streams); ``model`` is an encoder-decoder model (``config.is_encoder_decoder``: Bart,
-            T5, Whisper...: its lm_head reads the decoder's states, which need the encoder's
-            run first; not a causal LM's forward); no such module, or several (named).
-    """
-    name = type(model).__name__
-    if name in UNREPRODUCIBLE:
-        raise TypeError(f"{name} is not reproduced by the loss wrappers: {UNREPRODUCIBLE[name]}")
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        raise TypeError(f"{name} is an encoder-decoder model (config.is_encoder_decoder): the "
-                        f"loss wrappers run a decoder-only model's base model then its lm_head; "
-                        f"an encoder-decoder forward is not reproduced")
-    base = getattr(model, "base_model", None)
-    if isinstance(base, nn.Module) and base is not model:
-        return base
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    found = [(n, m) for n, m in model.named_children()
-             if m is not head and callable(getattr(m, "get_input_embeddings", None))]
-    if len(found) == 1:
-        return found[0][1]
-    prefix = getattr(model, "base_model_prefix", None)
-    raise TypeError(f"model must be a *ForCausalLM or *ForConditionalGeneration with a decoder "
-                    f"module: {name} has no base model (base_model_prefix={prefix!r}) and "
-                    f"{len(found)} child modules with input embeddings "
-                    f"({', '.join(n for n, _ in found) or 'none'}), expected one")
 
 
 def linear_lm_head(model: nn.Module) -> nn.Linear:

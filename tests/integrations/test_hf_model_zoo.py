@@ -22,7 +22,7 @@ import torch
 
 from megaloss import CrossEntropyOptions
 from megaloss.integrations.hf import CausalLMWithLoss
-from megaloss.integrations.lm_head import text_decoder
+from megaloss.integrations.text_decoder import text_decoder
 from tests.helpers import hf_zoo
 
 pytestmark = pytest.mark.slow

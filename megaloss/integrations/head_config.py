@@ -98,7 +98,10 @@ _GRANITE_DIVIDES = frozenset({
 SCALE_FIELDS: Dict[str, Tuple[Dict[str, Optional[str]], str, str]] = {
     "logit_scale": (
         {t: "*" for t in ("cohere", "cohere2", "cohere2_moe", "cohere_compass",
-                          "cohere_compass_text")} | {"mpt": None},
+                          "cohere_compass_text")}
+        # their text config is Cohere 2's, but the vision-language forward does not scale
+        # (transformers/models/aya_vision/modeling_aya_vision.py, cohere2_vision)
+        | {t: None for t in ("mpt", "aya_vision", "cohere2_vision")},
         "*", "Cohere: logits * logit_scale"),
     "lm_head_multiplier": ({"falcon_h1": "*"}, "*",
                            "Falcon-H1: lm_head(h) * model.lm_head_multiplier"),

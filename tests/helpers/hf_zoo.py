@@ -450,15 +450,21 @@ def outcome(name: str) -> Tuple[str, str]:
     except NotBuilt as exc:
         return "not built", str(exc)
     model = copy.deepcopy(ref)
-    try:
-        wrapper = CausalLMWithLoss(model, options=CrossEntropyOptions(
-            reduction="mean", accum_dtype=torch.float64))
-    except (TypeError, ValueError) as exc:
-        return "refused", _first_line(exc)
     batch, labels = inputs(ref)
     ref.loss_function = _loss64
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        try:
+            wrapper = CausalLMWithLoss(model, options=CrossEntropyOptions(
+                reduction="mean", accum_dtype=torch.float64))
+            refusal = None
+        except (TypeError, ValueError) as exc:
+            refusal = _first_line(exc)
+        # the wrapper's logit-transform probe runs the model's forward too: a model whose own
+        # forward fails on these inputs is "not built", not refused by that probe
+        probe_failed = refusal is not None and refusal.startswith("could not verify")
+        if refusal is not None and not probe_failed:
+            return "refused", refusal
         try:
             out = ref(**batch, labels=labels, use_cache=False)
             own = out.loss
@@ -467,6 +473,8 @@ def outcome(name: str) -> Tuple[str, str]:
             own.backward()
         except Exception as exc:  # noqa: BLE001
             return "not built", f"own forward fails: {type(exc).__name__}: {_first_line(exc)}"
+        if probe_failed:
+            return "refused", refusal
         tol = TOL_FP32 if out.logits.dtype != torch.float64 else TOL
         notes = []
         if "pixel_values" in batch:

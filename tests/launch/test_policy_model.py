@@ -2,8 +2,8 @@
 the job's defaults) on a model that soft-caps its logits
 (Gemma 2's ``final_logit_softcapping``): its per-token log-probs and entropies, and their
 gradients, equal those of ``log_softmax(model(input_ids).logits / T)`` (the model's own logits,
-float64, tolerance 1e-10); a config that scales the logits (Cohere) is refused."""
-import pytest
+float64, tolerance 1e-10); a config that scales the logits (Cohere's logit_scale) is
+applied."""
 import torch
 
 from launch.jobs.policy_model import CausalLMLogProbs
@@ -45,10 +45,21 @@ def test_log_probs_are_those_of_the_models_own_capped_logits():
         torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-9, atol=1e-11, msg=name)
 
 
-def test_a_logit_scale_is_refused():
+def test_a_logit_scale_is_applied():
     from transformers import CohereConfig, CohereForCausalLM
+    torch.manual_seed(0)
     cohere = CohereForCausalLM(CohereConfig(
         vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16))
-    with pytest.raises(ValueError, match="logit_scale=0.0625"):
-        CausalLMLogProbs(cohere)
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+        logit_scale=0.25, attn_implementation="eager")).double()
+    ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(5))
+    labels = torch.full_like(ids, -100)
+    labels[:, 3:-1] = ids[:, 4:]
+    valid = labels != -100
+    with torch.no_grad():
+        logp = torch.log_softmax(cohere(input_ids=ids).logits, -1)  # logits * logit_scale
+    want = torch.where(valid, logp.gather(-1, labels.clamp_min(0)[..., None])[..., 0], 0.0)
+    module = CausalLMLogProbs(cohere, temperature=1.0)
+    assert module.logit_transform.scale == 0.25
+    out = module(ids, shift_labels=labels)
+    torch.testing.assert_close(out.log_probs.double(), want, rtol=1e-10, atol=1e-10)

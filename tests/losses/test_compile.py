@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import megaloss
 from tests.helpers.compile_checks import (
+    GRAPH_BREAKS,
     assert_graph_breaks,
     counted_compile,
     ignore_patterns,
@@ -27,6 +28,8 @@ from tests.helpers.compile_checks import (
 from tests.helpers.distillation_reference import reference_distillation, teacher_topk
 from tests.helpers.log_probs_reference import reference as reference_log_probs
 
+BREAKS_EARLY = GRAPH_BREAKS["gradient_in_forward"]  # reduction "mean" / "sum"
+BREAKS_RECOMPUTE = GRAPH_BREAKS["recompute"]  # reduction "none", log-probs
 pytestmark = pytest.mark.slow  # each compilation takes seconds on CPU
 
 N, H, V, CHUNK = 24, 8, 97, 8  # 3 chunks
@@ -38,7 +41,6 @@ CE_VARIANTS = [
     ("mean_smooth_z_cap", dict(label_smoothing=0.1, z_loss=1e-3, logit_softcapping=3.0), False,
      False),
     ("sum_loss_weights", dict(reduction="sum", z_loss=1e-2), True, False),
-    ("none_cap", dict(reduction="none", logit_softcapping=3.0), False, False),
     ("mean_ce_weight", dict(label_smoothing=0.05), False, True),
 ]
 
@@ -123,8 +125,39 @@ def test_compiled_cross_entropy_equals_eager_with_ignored_rows(dtype):
         if name == "all_ignored":
             assert all(float(g.abs().max()) == 0.0 for g in got)
     h, w, upstream, lw, cw = _inputs(dtype)
-    assert_graph_breaks(counter, _ce_variants, leaves(h, w, copies=len(CE_VARIANTS)),
-                        labels, upstream, lw, cw, what="linear_cross_entropy")
+    assert_graph_breaks(counter, BREAKS_EARLY, _ce_variants,
+                        leaves(h, w, copies=len(CE_VARIANTS)), labels, upstream, lw, cw,
+                        what="linear_cross_entropy, mean / sum")
+
+
+def _ce_none(h, w, labels):
+    return megaloss.linear_cross_entropy(h, w, labels, chunk_size=CHUNK, reduction="none",
+                                         logit_softcapping=3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_compiled_cross_entropy_none_equals_eager_with_ignored_rows(dtype):
+    """``reduction="none"``: the recompute schedule, whose chunk loop runs eagerly under
+    compile (one graph break) so that the compiled graph does not keep every chunk's logits."""
+    compiled, counter = counted_compile(_ce_none)
+    h0, w0, upstream, *_ = _inputs(dtype, seed=11)
+    for name, labels in ignore_patterns(N, CHUNK, V, seed=12).items():
+        results = []
+        for f in (compiled, _ce_none):
+            (h, w), = leaves(h0, w0, copies=1)
+            loss = f(h, w, labels)
+            (loss * upstream).sum().backward()
+            results.append((loss.detach(), h.grad, w.grad))
+        for g, e in zip(*results):
+            torch.testing.assert_close(g, e, **TOL[dtype], msg=name)
+        (h, w), = leaves(h0.double(), w0.double(), copies=1)
+        ref = _ce_reference(h, w, labels, dict(reduction="none", logit_softcapping=3.0), None,
+                            None)
+        (ref * upstream.double()).sum().backward()
+        for g, e in zip(results[0], (ref, h.grad, w.grad)):
+            torch.testing.assert_close(g.double(), e.detach(), **REF_TOL[dtype], msg=name)
+    assert_graph_breaks(counter, BREAKS_RECOMPUTE, _ce_none, h0, w0, labels,
+                        what="linear_cross_entropy, none")
 
 
 def test_inductor_cross_entropy_equals_eager_with_ignored_rows():
@@ -174,7 +207,8 @@ def test_compiled_log_probs_equal_eager_with_ignored_rows(dtype):
         ((lp * a.double()).sum() + (ent * b.double()).sum()).backward()
         for g, e in zip(results[0][:3] + results[0][4:], (lp, ent, lse, h.grad, w.grad)):
             torch.testing.assert_close(g.double(), e.detach(), **REF_TOL[dtype], msg=name)
-    assert_graph_breaks(counter, _log_probs, h0, w0, labels, what="linear_log_probs")
+    assert_graph_breaks(counter, BREAKS_RECOMPUTE, _log_probs, h0, w0, labels,
+                        what="linear_log_probs")
 
 
 def _distillation(pairs, labels, teacher_h, teacher_w, topk_ids, topk_lp):
@@ -215,5 +249,5 @@ def test_compiled_distillation_equals_eager_with_ignored_rows(dtype):
         (full + topk).backward()
         for g, e in zip(results[0], (full, topk, h1.grad, w1.grad, h2.grad, w2.grad)):
             torch.testing.assert_close(g.double(), e.detach(), **REF_TOL[dtype], msg=name)
-    assert_graph_breaks(counter, _distillation, leaves(h0, w0, copies=2), labels, teacher_h,
-                        teacher_w, ids, lp, what="linear_distillation_loss")
+    assert_graph_breaks(counter, BREAKS_EARLY, _distillation, leaves(h0, w0, copies=2), labels,
+                        teacher_h, teacher_w, ids, lp, what="linear_distillation_loss")

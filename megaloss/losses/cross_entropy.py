@@ -11,6 +11,7 @@ driver, :mod:`megaloss.ops.chunk_driver`.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple, Optional
 
 import torch
@@ -21,7 +22,7 @@ from ..ops.chunk_driver import chunked_head
 from ..ops.cross_entropy_chunk import CrossEntropyKernel
 from ..ops.cross_entropy_options import CrossEntropyOptions
 from ..ops.options import module_options, resolve_options
-from ..ops.validation import check_ce_tensors, first_bad_label
+from ..ops.validation import check_ce_tensors, first_bad_label, flagged
 from .token_coefficients import token_coefficients
 from .vocab_parallel import VocabParallelOptions, check_vocab_parallel_options, vocab_layout
 
@@ -59,11 +60,23 @@ def _check_ce_weight(ce_weight: Optional[torch.Tensor], vocab_size: int, device,
                          f"whole vocabulary), got {tuple(ce_weight.shape)}")
     if ce_weight.device != device:
         raise ValueError(f"ce_weight is on {ce_weight.device} but hidden_states on {device}")
-    if bool((ce_weight < 0).any()) or not bool(torch.isfinite(ce_weight).all()):
-        raise ValueError("ce_weight must hold finite weights >= 0")
+    message = "ce_weight must hold finite weights >= 0"
+    if flagged((ce_weight < 0) | ~torch.isfinite(ce_weight), message):
+        raise ValueError(message)
     if opts.impl == "triton":
         raise ValueError("ce_weight runs on the torch epilogue; impl='triton' does not take it "
                          "(use impl='auto' or 'torch')")
+
+
+def _check_all(hidden_states, weight, labels, bias, loss_weights, ce_weight,
+               opts: CrossEntropyOptions, vocab_size: int) -> Optional[int]:
+    """Every local check of a :func:`linear_cross_entropy` call (its ``vocab_layout`` check): a
+    module-level function bound with ``functools.partial``, not a closure over ``opts``, whose
+    cell ``locals()`` would read unset in ``resolve_options`` (a graph break under
+    ``torch.compile`` when the call is inlined)."""
+    check_ce_tensors(hidden_states, weight, labels, bias, loss_weights)
+    _check_ce_weight(ce_weight, vocab_size, hidden_states.device, opts)
+    return first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
 
 
 def linear_cross_entropy(
@@ -158,12 +171,7 @@ def linear_cross_entropy(
     """
     opts = resolve_options(CrossEntropyOptions, options, locals())
     check_vocab_parallel_options(vocab_parallel_options)
-
-    def check(vocab_size: int) -> Optional[int]:
-        check_ce_tensors(hidden_states, weight, labels, bias, loss_weights)
-        _check_ce_weight(ce_weight, vocab_size, hidden_states.device, opts)
-        return first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
-
+    check = partial(_check_all, hidden_states, weight, labels, bias, loss_weights, ce_weight, opts)
     layout = vocab_layout(vocab_parallel_options, weight, hidden_states, labels, check,
                           ignore_index=opts.ignore_index, what="cross-entropy")
     flat_labels = layout.tokens(labels.reshape(-1).long())

@@ -18,6 +18,7 @@ the top-k) is this rank's shard of the tokens.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple, Optional
 
 import torch
@@ -28,7 +29,13 @@ from ..ops.chunk_driver import chunked_head
 from ..ops.distillation_chunk import DistillationKernel, Teacher
 from ..ops.distillation_options import DistillationOptions
 from ..ops.options import module_options, resolve_options
-from ..ops.validation import check_ce_tensors, check_finite, check_not_dtensor, first_bad_label
+from ..ops.validation import (
+    check_ce_tensors,
+    check_finite,
+    check_not_dtensor,
+    first_bad_label,
+    flagged,
+)
 from .token_coefficients import token_coefficients
 from .vocab_parallel import VocabParallelOptions, check_vocab_parallel_options, vocab_layout
 
@@ -123,35 +130,42 @@ def _check_topk_values(ids: torch.Tensor, log_probs: torch.Tensor, vocab_size: i
     """Used slots (finite log-prob): ids in range and distinct; log-probs <= 0, no NaN, summing
     to at most 1 (1% slack for rounding of stored half-precision values)."""
     lp = log_probs.to(torch.float32).reshape(-1, log_probs.shape[-1])
-    if bool(torch.isnan(lp).any()) or bool((lp > 0).any()):
-        raise ValueError("teacher_topk_log_probs must be log-probabilities (<= 0, -inf for an "
-                         "unused slot, no NaN)")
+    message = ("teacher_topk_log_probs must be log-probabilities (<= 0, -inf for an unused "
+               "slot, no NaN)")
+    if flagged(torch.isnan(lp) | (lp > 0), message):
+        raise ValueError(message)
     used = torch.isfinite(lp)
     flat = ids.reshape(-1, ids.shape[-1]).long()
     bad = used & ((flat < 0) | (flat >= vocab_size))
-    if bool(bad.any()):
-        raise ValueError(f"teacher_topk_ids must be in [0, {vocab_size}) (in the slots whose "
-                         f"log-prob is finite), found {int(flat[bad][0])}")
+    message = (f"teacher_topk_ids must be in [0, {vocab_size}) (in the slots whose log-prob is "
+               "finite)")
+    if flagged(bad, message):
+        raise ValueError(f"{message}, found {int(flat[bad][0])}")
     if flat.shape[1] > 1:
         unused_marks = -1 - torch.arange(flat.shape[1], device=flat.device)
         srt = torch.where(used, flat, unused_marks).sort(dim=1).values
-        if bool((srt[:, 1:] == srt[:, :-1]).any()):
-            raise ValueError("teacher_topk_ids must be distinct within each position")
+        message = "teacher_topk_ids must be distinct within each position"
+        if flagged(srt[:, 1:] == srt[:, :-1], message):
+            raise ValueError(message)
     total = torch.logsumexp(lp, dim=1).exp()
-    if bool((total > 1.0 + 1e-2).any()):
-        raise ValueError(f"teacher_topk_log_probs must sum to at most 1 per position (as "
-                         f"probabilities), found {float(total.max()):.4f}")
+    message = "teacher_topk_log_probs must sum to at most 1 per position (as probabilities)"
+    if flagged(total > 1.0 + 1e-2, message):
+        raise ValueError(f"{message}, found {float(total.max()):.4f}")
 
 
 def _check_all(hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
-               teacher_weight, teacher_bias, topk_ids, topk_log_probs, opts, vocab_size):
+               teacher_weight, teacher_bias, topk_ids, topk_log_probs, opts,
+               vocab_size) -> Optional[int]:
     """Every local check of a :func:`linear_distillation_loss` call (its ``vocab_layout``
-    check), the label range apart."""
+    check): the first bad label, or None. Bound with ``functools.partial``: a closure over
+    ``opts`` would leave its cell unset when ``resolve_options`` reads ``locals()`` (a graph
+    break under ``torch.compile``)."""
     check_ce_tensors(hidden_states, weight, labels, bias, loss_weights)
     _check_teacher(hidden_states, weight, labels, teacher_hidden_states, teacher_weight,
                    teacher_bias, topk_ids, topk_log_probs, opts, vocab_size)
     if isinstance(teacher_hidden_states, torch.Tensor):
         check_finite("teacher_hidden_states", teacher_hidden_states)
+    return first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
 
 
 def linear_distillation_loss(
@@ -258,12 +272,9 @@ def linear_distillation_loss(
     opts = resolve_options(DistillationOptions, options, locals())
     check_vocab_parallel_options(vocab_parallel_options)
 
-    def check(vocab_size: int) -> Optional[int]:
-        _check_all(hidden_states, weight, labels, bias, loss_weights, teacher_hidden_states,
-                   teacher_weight, teacher_bias, teacher_topk_ids, teacher_topk_log_probs, opts,
-                   vocab_size)
-        return first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
-
+    check = partial(_check_all, hidden_states, weight, labels, bias, loss_weights,
+                    teacher_hidden_states, teacher_weight, teacher_bias, teacher_topk_ids,
+                    teacher_topk_log_probs, opts)
     layout = vocab_layout(vocab_parallel_options, weight, hidden_states, labels, check,
                           ignore_index=opts.ignore_index, what="distillation")
     flat_labels = layout.tokens(labels.reshape(-1).long())

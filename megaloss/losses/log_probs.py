@@ -12,6 +12,7 @@ logsumexp(logits)``) on ``logits / temperature``.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple, Optional
 
 import torch
@@ -45,6 +46,15 @@ class LogProbsOutput(NamedTuple):
     entropy: Optional[torch.Tensor]
     lse: torch.Tensor
     greedy_match: torch.Tensor
+
+
+def _check_all(hidden_states, weight, labels, bias, ignore_index: int,
+               vocab_size: int) -> Optional[int]:
+    """Every local check of a :func:`linear_log_probs` call (its ``vocab_layout`` check), bound
+    with ``functools.partial``: a closure over ``opts`` would leave its cell unset when
+    ``resolve_options`` reads ``locals()`` (a graph break under ``torch.compile``)."""
+    check_ce_tensors(hidden_states, weight, labels, bias, None)
+    return first_bad_label(labels.reshape(-1), vocab_size, ignore_index)
 
 
 def linear_log_probs(
@@ -123,10 +133,7 @@ def linear_log_probs(
     opts = resolve_options(LogProbsOptions, options, locals())
     check_vocab_parallel_options(vocab_parallel_options)
 
-    def check(vocab_size: int) -> Optional[int]:
-        check_ce_tensors(hidden_states, weight, labels, bias, None)
-        return first_bad_label(labels.reshape(-1), vocab_size, opts.ignore_index)
-
+    check = partial(_check_all, hidden_states, weight, labels, bias, opts.ignore_index)
     layout = vocab_layout(vocab_parallel_options, weight, hidden_states, labels, check,
                           ignore_index=opts.ignore_index, what="log-probs")
     flat_labels = layout.tokens(labels.reshape(-1).long())

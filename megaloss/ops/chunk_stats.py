@@ -42,11 +42,13 @@ class ChunkResult(NamedTuple):
 class ClassWeights(NamedTuple):
     """A chunk's view of the class weights ``w [V]`` (torch's ``F.cross_entropy(weight=...)``):
     ``of_label [C]`` the weight of each token's label (0 at ignored tokens), ``local
-    [V_local]`` this slice's weights (stats dtype), ``total`` ``sum_j w_j`` over all ``V``."""
+    [V_local]`` this slice's weights (stats dtype), ``total`` ``sum_j w_j`` over all ``V`` (a
+    0-dim tensor of the stats dtype: no host sync per chunk, no graph break under
+    ``torch.compile``)."""
 
     of_label: torch.Tensor
     local: torch.Tensor
-    total: float
+    total: torch.Tensor
 
 
 def loss_from_stats(row_max: torch.Tensor, stats: torch.Tensor, labels: torch.Tensor,

@@ -98,7 +98,7 @@ class CrossEntropyKernel(ChunkKernel):
         valid = labels != self.opts.ignore_index
         of_label = torch.where(valid, w[labels.clamp(0, w.shape[0] - 1)], 0.0)
         start = self.vocab.start
-        return ClassWeights(of_label, w[start:start + n_local], float(w.sum()))
+        return ClassWeights(of_label, w[start:start + n_local], w.sum())
 
     def _epilogue(self, logits, rows, coef, lse) -> ChunkResult:
         weights = self._weights(rows, logits.shape[1], stats_dtype(logits.dtype))

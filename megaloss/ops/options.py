@@ -18,8 +18,8 @@ options is written anywhere.
 from __future__ import annotations
 
 import math
-from dataclasses import fields, replace
-from typing import Any, Dict, Mapping, Optional, Type, TypeVar
+from dataclasses import Field, fields, replace
+from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar
 
 import torch
 
@@ -101,10 +101,17 @@ def check_chunk_fields(options: Any) -> None:
         raise TypeError(f"ignore_index must be an int, got {options.ignore_index!r}")
 
 
+def _class_fields(cls: Type[OptionsBase]) -> Tuple[Field, ...]:
+    """``dataclasses.fields(cls)`` of an options class (which has no ``ClassVar`` / ``InitVar``
+    pseudo-fields), read from ``__dataclass_fields__``: under ``torch.compile`` Dynamo traces
+    ``dataclasses.fields`` of an instance only, and of a class it breaks the graph."""
+    return tuple(cls.__dataclass_fields__.values())
+
+
 def option_values(cls: Type[OptionsBase], arguments: Mapping[str, Any]) -> Dict[str, Any]:
     """``{field name: value}`` of the fields of ``cls`` that ``arguments`` (a call's arguments
     by name) holds."""
-    return {f.name: arguments[f.name] for f in fields(cls) if f.name in arguments}
+    return {f.name: arguments[f.name] for f in _class_fields(cls) if f.name in arguments}
 
 
 def resolve_options(cls: Type[OptionsT], options: Optional[OptionsT],
@@ -128,7 +135,7 @@ def resolve_options(cls: Type[OptionsT], options: Optional[OptionsT],
         return cls(**keywords)
     if not isinstance(options, cls):
         raise TypeError(f"options must be a {cls.__name__}, got {type(options).__name__}")
-    defaults = {f.name: f.default for f in fields(cls)}
+    defaults = {f.name: f.default for f in _class_fields(cls)}
     clash = [k for k, v in keywords.items() if not _is_default(v, defaults[k])]
     if clash:
         raise TypeError(f"pass either options= or the option keywords, not both: got options= "

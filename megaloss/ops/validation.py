@@ -1,5 +1,22 @@
 """Argument checks shared by the cross-entropy entry points: clear ValueError/TypeError naming the
-argument, never a silent broadcast, a NaN or a device-side assert."""
+argument, never a silent broadcast, a NaN or a device-side assert.
+
+Under ``torch.compile`` (while Dynamo traces a call: :func:`compiling`) the checks of tensor
+*values*, each a host sync that Dynamo cannot trace (``bool(tensor)`` is a graph break), change:
+
+- the values that would otherwise give a silently wrong loss (a label out of range, which the
+  chunk kernels would clamp into the vocabulary; negative or non-finite class weights; a
+  malformed top-k teacher) are checked in the graph by :func:`flagged`, with
+  ``torch._assert_async``: no graph break, no host sync; a bad value raises a ``RuntimeError``
+  carrying the same message when the compiled call runs (CPU), or fires a device-side assert
+  (CUDA, as ``F.cross_entropy``'s own for a label out of range), instead of the ValueError
+  naming the first bad value;
+- the NaN / inf scan of the hidden states (:func:`check_finite`) is skipped: such a row makes
+  the loss NaN, which is not silent.
+
+Shapes, dtypes, devices and options are Python-level facts Dynamo guards on: checked alike in
+both modes. In eager mode every check is as before.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -43,6 +60,27 @@ def check_not_dtensor(name: str, t) -> None:
             "- a tensor-parallel lm_head (ColwiseParallel, Shard(0) over the TP mesh "
             "dimension): w, opts = megaloss.VocabParallelOptions.from_dtensor(weight), then "
             "the loss of (..., w, ..., vocab_parallel_options=opts)")
+
+
+def compiling() -> bool:
+    """Whether ``torch.compile`` (Dynamo) is tracing the current call
+    (``torch.compiler.is_compiling()``): the value checks then go in the graph (module doc)."""
+    return torch.compiler.is_compiling()
+
+
+def flagged(bad: torch.Tensor, message: str) -> bool:
+    """Whether any element of the bool tensor ``bad`` is True.
+
+    Eager: ``bool(bad.any())``, one host sync; the caller raises its own error naming the bad
+    value. Under ``torch.compile`` (:func:`compiling`): ``torch._assert_async(~bad.any(),
+    message)`` in the graph and ``False`` returned, so no graph break and no host sync; the
+    compiled call raises ``RuntimeError(message)`` where a value is bad (a device-side assert
+    on CUDA).
+    """
+    if compiling():
+        torch._assert_async(~bad.any(), message)
+        return False
+    return bool(bad.any())
 
 
 def check_ce_tensors(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -102,8 +140,9 @@ def check_ce_tensors(hidden_states: torch.Tensor, weight: torch.Tensor, labels: 
 def check_finite(name: str, x: torch.Tensor) -> None:
     """Raise a ValueError naming ``name`` and the first token whose row of ``x [..., H]`` holds
     a NaN or an infinity. One pass over ``x`` and one host sync (as the label-range check); the
-    loss of such a row would be NaN, and so would every gradient of the step."""
-    if x.device.type == "meta" or x.numel() == 0:
+    loss of such a row would be NaN, and so would every gradient of the step. Skipped under
+    ``torch.compile`` (:func:`compiling`): the NaN loss shows it there."""
+    if x.device.type == "meta" or x.numel() == 0 or compiling():
         return
     bad = ~torch.isfinite(x.reshape(-1, x.shape[-1])).all(dim=-1)
     if bool(bad.any()):
@@ -115,14 +154,20 @@ def check_finite(name: str, x: torch.Tensor) -> None:
 
 def first_bad_label(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> Optional[int]:
     """The first label outside [0, vocab_size) that is not ignore_index, or None (one host sync:
-    the alternative is a device-side assert or silent garbage)."""
+    the alternative is a device-side assert or silent garbage). Under ``torch.compile``: None,
+    the check asserted in the graph (:func:`flagged`)."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
-    return int(labels[bad][0]) if bool(bad.any()) else None
+    if not flagged(bad, label_range_message(vocab_size, ignore_index)):
+        return None
+    return int(labels[bad][0])
+
+
+def label_range_message(vocab_size: int, ignore_index: int) -> str:
+    return f"labels must be in [0, {vocab_size}) or ignore_index={ignore_index}"
 
 
 def label_range_error(value: int, vocab_size: int, ignore_index: int) -> ValueError:
-    return ValueError(f"labels must be in [0, {vocab_size}) or ignore_index={ignore_index}, "
-                      f"found {value}")
+    return ValueError(f"{label_range_message(vocab_size, ignore_index)}, found {value}")
 
 
 def check_label_range(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:

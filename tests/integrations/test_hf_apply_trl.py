@@ -5,8 +5,9 @@ through its own fused lm_head (``model(..., fused_lm_head=True)``, ``trl/trainer
 whichever was patched first. Float64 tiny Llama, SGD, 4 steps of 2 accumulated micro-batches:
 every micro-batch loss of the patched runs equals the float64 loss of the model's own logits
 (``sum / num_items_in_batch``) to 1e-12, the two patch orders agree exactly, and the logged
-curve and metrics equal TRL's own fused head's to 1e-4 relative (TRL's kernel runs in fp32 and is
-5e-5 off the float64 loss inside the trainer; its metrics agree to 1e-5).
+curve and metrics equal TRL's own fused head's to 1e-4 relative (TRL's head runs under its
+config's default ``bf16=True``: CPU autocast, its GEMMs in bf16 and its statistics in fp32, 5e-5
+off the float64 loss inside the trainer; its metrics agree to 1e-5).
 
 TRL 1.16's ``DPOTrainer`` likewise (policy and reference patched, each by its own ``apply``):
 its fused-head call asks for ``mean_logits`` too (the ``logits/chosen`` / ``logits/rejected``

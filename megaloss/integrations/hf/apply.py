@@ -12,11 +12,15 @@ state-dict keys, ``save_pretrained`` folder and ``generate`` are those of the mo
 
 TRL (1.16) adds its own fused lm_head to the model (``trl.trainer.utils.add_fused_lm_head``):
 ``SFTTrainer`` / ``DPOTrainer`` call ``model(..., labels=, fused_lm_head=True)`` and read the
-per-token ``log_probs`` (``entropy`` and ``is_top1`` for ``SFTTrainer``'s ``entropy`` and
-``mean_token_accuracy`` metrics) of a ``FusedCausalLMOutput``. A patched model answers that call
-with megaloss's chunked log-probs (:func:`megaloss.linear_log_probs`, entropy and greedy match
-included), whichever of :func:`apply` and the trainer patched the forward last (a forward
-pre-hook routes TRL's call to this module's forward).
+per-token ``log_probs`` (``entropy`` and ``is_top1`` for the ``entropy`` and
+``mean_token_accuracy`` metrics, ``mean_logits`` for ``DPOTrainer``'s ``logits/chosen`` /
+``logits/rejected``) of a ``FusedCausalLMOutput``. A patched model answers that call with
+megaloss's chunked log-probs (:func:`megaloss.linear_log_probs`, entropy and greedy match
+included; the mean logit without gradient, :func:`_mean_logits`), whichever of :func:`apply`
+and the trainer patched the forward last (a forward pre-hook routes TRL's call to this
+module's forward). The policy and the reference model of ``DPOTrainer`` are patched each by
+its own call. ``DPOTrainer``'s WPO weights (``use_weighting=True``: ``log_sum_sq_probs``) are
+refused.
 """
 from __future__ import annotations
 
@@ -24,9 +28,11 @@ import dataclasses
 import inspect
 from typing import Any, Dict, Optional
 
+import torch
 from torch import nn
 
 from ...losses.log_probs import linear_log_probs
+from ...ops.chunk_driver import auto_chunk_size
 from ...ops.cross_entropy_options import CrossEntropyOptions
 from ...ops.log_probs_options import LogProbsOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike
@@ -105,6 +111,40 @@ def _trl_settings(forward: Any, depth: int = 0) -> Optional[Dict[str, Any]]:
             if found is not None:
                 return found
     return None
+
+
+def _mean_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 options: LogProbsOptions) -> torch.Tensor:
+    """TRL's ``mean_logits`` field: the mean over the vocabulary of the scaled logits
+    ``softcap(z) / temperature``, ``z = hidden @ weight.T + bias``, per token, without gradient
+    (``trl/kernels/chunked_logprob.py``, ``z_sum / vocab``).
+
+    Without a soft-cap the mean is linear in ``z``: ``(hidden @ mean_v(weight) + mean(bias)) /
+    T``, one matrix-vector product. With one, the logits are formed ``chunk_size`` tokens at a
+    time (``[chunk, V]``, never ``[tokens, V]``).
+
+    Args:
+        hidden: ``[..., H]`` (already multiplied by the model's logit scale); weight: ``[V, H]``;
+            bias: ``[V]`` or ``None``; options: the soft-cap, temperature and chunk size.
+
+    Returns:
+        ``[...]``, ``hidden``'s dtype.
+    """
+    with torch.no_grad():
+        cap, temperature = options.logit_softcapping, options.temperature
+        if cap is None:
+            z = hidden @ weight.mean(0)
+            return (z if bias is None else z + bias.mean()) / temperature
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        chunk = options.chunk_size or auto_chunk_size(flat.shape[0], weight.shape[0],
+                                                      weight.shape[1])
+        out = flat.new_empty(flat.shape[0])
+        for start in range(0, flat.shape[0], chunk):
+            z = flat[start:start + chunk] @ weight.t()
+            if bias is not None:
+                z = z + bias
+            out[start:start + chunk] = (torch.tanh(z / cap) * cap).mean(-1) / temperature
+        return out.reshape(hidden.shape[:-1])
 
 
 class MegalossForward:
@@ -221,7 +261,7 @@ class MegalossForward:
 
         Raises:
             ValueError: TRL's settings unreadable, or asking for what megaloss does not compute
-                (``log_sum_sq_probs``, ``mean_logits``; an fp32 cast of the head); tensor
+                (``log_sum_sq_probs``; an fp32 cast of the head); tensor
                 parallelism.
         """
         from trl.trainer.utils import FusedCausalLMOutput
@@ -235,7 +275,8 @@ class MegalossForward:
             raise ValueError("fused_lm_head=True is TRL's add_fused_lm_head call, but the "
                              "model's forward is not TRL's: call megaloss.integrations.hf.apply "
                              "on a model TRL has patched, or before the TRL trainer is built")
-        extra = set(settings.get("outputs", ())) - {"log_probs", "entropy", "is_top1"}
+        wanted = set(settings.get("outputs", ()))
+        extra = wanted - {"log_probs", "entropy", "is_top1", "mean_logits"}
         if extra or settings.get("cast_lm_head_to_fp32"):
             raise ValueError(f"TRL asks the fused lm_head for {sorted(extra)} (or an fp32 cast "
                              f"of the head), which megaloss's log-probs do not compute")
@@ -251,12 +292,14 @@ class MegalossForward:
                                   temperature=float(settings["temperature"]),
                                   return_entropy=True)
         head = wrapper.head
-        lp = linear_log_probs(out.last_hidden_state, head.weight, targets, bias=head.bias,
-                              options=options)
+        hidden, bias = head.scaled_inputs(out.last_hidden_state)  # the model's logit scale
+        lp = linear_log_probs(hidden, head.weight, targets, bias=bias, options=options)
         mask = targets != wrapper.ignore_index
         count = mask.sum().clamp(min=1) if num_items is None else num_items
         fields = dict(log_probs=lp.log_probs, entropy=lp.entropy * mask,
                       is_top1=lp.greedy_match & mask, label_mask=mask)
+        if "mean_logits" in wanted:
+            fields["mean_logits"] = _mean_logits(hidden, head.weight, bias, options) * mask
         if unshifted:  # TRL's shapes: [B, T - 1] for unshifted labels
             fields = {k: v[:, :-1] for k, v in fields.items()}
         return FusedCausalLMOutput(loss=-lp.log_probs.sum() / count, **fields)

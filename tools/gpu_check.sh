@@ -18,15 +18,16 @@
 #   2. wheels       pip install --no-index --no-deps of --wheels DIR
 #   3. pytest_cuda  the tests marked `cuda` -> pytest_cuda.csv (one row per test), .xml, .txt
 #   4. bench_ce     tools/bench_ce.py at N in {8192, 32768}, H=4096, V=151936, bf16: eager,
-#                   megaloss (auto), megaloss_torch, megaloss_triton, megaloss_compile, liger,
-#                   cce -> bench_ce.csv, bench_ce_impls.csv (side by side), bench_ce.txt
+#                   megaloss (auto), torch's F.linear_cross_entropy (default options and
+#                   acc_policy="accurate"), megaloss_torch, megaloss_triton, megaloss_compile,
+#                   liger, cce -> bench_ce.csv, bench_ce_impls.csv (side by side), bench_ce.txt
 #   5. bench_vp_mnr vocab-parallel CE (one rank) and gathered MNR (world 1) on the one GPU
 #                   -> bench_vp_mnr.csv
 # and summary.txt (every table) + summary.csv (one row per step: status, seconds, detail).
 # Exit status: 0 when every step passed, 1 otherwise (the files are written either way).
 set -uo pipefail
 
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT_DIR="${OUT:-}"
@@ -199,7 +200,8 @@ PY
 
 # 4. bench_ce ------------------------------------------------------------------------------------
 step_bench_ce() {
-  local impls=(megaloss_torch megaloss_triton megaloss_compile liger cce)
+  local impls=(torch_lce torch_lce_accurate megaloss_torch megaloss_triton megaloss_compile liger
+               cce)
   if [ $DRY -eq 1 ]; then
     # CPU, tiny; the Triton rows through its interpreter, torch.compile without code generation;
     # every case in one process (the fresh worker per case is tests/tools/test_bench_tools.py's).

@@ -1,13 +1,17 @@
-"""megaloss.linear_cross_entropy against the float64 eager reference (tests/ce_reference.py).
+"""megaloss.linear_cross_entropy against the float64 eager reference (tests/ce_reference.py),
+and against torch's own ``F.linear_cross_entropy`` (torch >= 2.13; its chunked path and its
+reference path) as a second, independent reference.
 
 Tolerances: fp64 inputs 1e-10 (same math, different summation order); fp32 inputs compared with
 the fp64 reference at rtol/atol 2e-5/2e-5 (values of order 1-10, V <= 64); bf16: error vs fp64 at
 most 2x eager torch's own bf16 error plus 1e-3.
 """
 import itertools
+import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -356,3 +360,77 @@ def test_a_returned_gradient_changed_in_place_fails_the_second_backward():
     g.zero_()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(loss, (w,))
+
+
+# torch's F.linear_cross_entropy (torch >= 2.13) as a second reference ---------------------------
+needs_torch_lce = pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"),
+                                     reason="F.linear_cross_entropy needs torch >= 2.13")
+
+
+def torch_linear_ce(hidden, weight, labels, *, bias=None, loss_weights=None, ce_weight=None,
+                    torch_options=None, **opts):
+    """torch's ``F.linear_cross_entropy`` under megaloss's argument names; refuses to fall back
+    from its chunked path silently (torch warns and runs its reference path instead)."""
+    assert loss_weights is None, "torch's function has no per-token weights"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "options ignored": the chunked path was not taken
+        return F.linear_cross_entropy(hidden, weight, labels, linear_bias=bias, weight=ce_weight,
+                                      options=torch_options, **opts)
+
+
+# torch's chunked path imports torch._dynamo on its first call (3-8 s on 2 cores): slow tier.
+TORCH_PATHS = [pytest.param("chunked", marks=pytest.mark.slow),
+               pytest.param("accurate", marks=pytest.mark.slow), "reference"]
+
+
+def _torch_options(name):
+    if name == "reference":
+        return None
+    nn = torch.nn
+    if name == "chunked":  # torch's defaults (compact, aspect_ratio:2 chunks: 8 rows here)
+        return nn.LinearCrossEntropyOptions()
+    return nn.LinearCrossEntropyOptions(acc_policy="accurate", batch_chunk_size=5)
+
+
+def assert_matches_torch(hidden, weight, labels, bias, *, torch_path, **opts):
+    ours, our_grads = loss_and_grads(megaloss.linear_cross_entropy, hidden, weight, labels, bias,
+                                     None, chunk_size=8, **opts)
+    theirs, their_grads = loss_and_grads(torch_linear_ce, hidden, weight, labels, bias, None,
+                                         torch_options=_torch_options(torch_path), **opts)
+    assert ours.shape == theirs.shape
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+    assert len(our_grads) == len(their_grads) == 2 + (bias is not None)
+    for got, want in zip(our_grads, their_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@needs_torch_lce
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("torch_path", TORCH_PATHS)
+@pytest.mark.parametrize("bias,ignore_index,class_weights",
+                         [(False, -100, False), (True, 7, False), (True, -100, True)])
+def test_fp64_matches_torch_linear_cross_entropy(reduction, torch_path, bias, ignore_index,
+                                                 class_weights):
+    """Loss and gradients (hidden, weight, bias) equal torch's function, its chunked path with
+    default options, with ``acc_policy="accurate"`` in 5-row chunks, and its reference path."""
+    hidden, weight, labels, b, _ = make_inputs(bias=bias, ignore_every=4)
+    labels[labels == -100] = ignore_index  # every 4th label ignored, also a valid class id (7)
+    assert (labels == ignore_index).sum() == 10
+    opts = dict(reduction=reduction, ignore_index=ignore_index)
+    if class_weights:
+        opts["ce_weight"] = torch.rand(weight.shape[0], generator=torch.Generator().manual_seed(2),
+                                       dtype=torch.float64) * 2
+    assert_matches_torch(hidden, weight, labels, b, torch_path=torch_path, **opts)
+
+
+@needs_torch_lce
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_fp64_label_smoothing_matches_torch_linear_cross_entropy(reduction):
+    """label_smoothing: torch's chunked path does not take it (it warns and runs its reference
+    path), so the comparison is with that path."""
+    hidden, weight, labels, b, _ = make_inputs(bias=True)
+    assert_matches_torch(hidden, weight, labels, b, torch_path="reference", reduction=reduction,
+                         label_smoothing=0.2)
+    with pytest.warns(UserWarning, match="options.*ignored"):
+        F.linear_cross_entropy(hidden, weight, labels, label_smoothing=0.2,
+                               options=torch.nn.LinearCrossEntropyOptions())

@@ -82,6 +82,22 @@ def _reference_ce(n: int, hidden: int, vocab: int, seed: int, order: str) -> flo
     return F.cross_entropy(t["h"].double() @ t["w"].double().T, t["y"]).item()
 
 
+def _ce_grad_errors(n: int, hidden: int, vocab: int, seed: int) -> float:
+    """bench_ce.py's float64 gradient error of eager fp32 (``F.linear`` + ``F.cross_entropy``)
+    on its inputs (order h, w, y), computed here: max abs difference of d hidden and d weight."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen).mul_(0.02)
+    y = torch.randint(0, vocab, (n,), generator=gen)
+
+    def grads(h, w):
+        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        return torch.autograd.grad(F.cross_entropy(F.linear(h, w), y), (h, w))
+
+    return max((a.double() - b).abs().max().item()
+               for a, b in zip(grads(h, w), grads(h.double(), w.double())))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # it waits for the background jobs before its own (nice 10)
 @pytest.mark.background("bench_ce")
@@ -101,6 +117,22 @@ def test_bench_ce_loss_and_memory(background):
     want = _reference_ce(n, hidden, vocab, seed=3, order="hwy")
     assert float(row["loss_eager"]) == pytest.approx(want, rel=1e-5)
     assert float(row["loss_megaloss"]) == pytest.approx(want, rel=1e-5)
+    # torch's own F.linear_cross_entropy, chunked, default options and acc_policy="accurate"
+    # (the default --impls), on the same inputs.
+    methods = ["eager", "megaloss", "torch_lce", "torch_lce_accurate"]
+    for m in methods[2:]:
+        assert row[f"{m}_note"] == "", row[f"{m}_note"]
+        _finite(row, [f"{m}_s", f"{m}_MiB"])
+        assert float(row[f"loss_{m}"]) == pytest.approx(want, rel=1e-5), m
+    # The float64 error columns: the loss's is |loss - the float64 loss| (as computed here); the
+    # gradients' is fp32 rounding (a wrong reference, e.g. a sum for a mean, is off by ~1e-3),
+    # eager's as computed here.
+    for m in methods:
+        loss = float(row[f"loss_{m}"])
+        assert float(row[f"{m}_loss_err"]) == pytest.approx(abs(loss - want), abs=1e-12), m
+        assert 0 < float(row[f"{m}_grad_err"]) < 1e-7, m
+    eager_grad_err = _ce_grad_errors(n, hidden, vocab, seed=3)
+    assert float(row["eager_grad_err"]) == pytest.approx(eager_grad_err, rel=0.5)
 
     # Memory: eager materialises the [N, V] fp32 logits (and more: softmax, its gradient); the
     # chunked loss holds [chunk, V] blocks plus O((N + V) H) buffers, far below one logits copy.
@@ -110,6 +142,8 @@ def test_bench_ce_loss_and_memory(background):
     eager, mega = float(row["eager_MiB"]), float(row["megaloss_MiB"])
     assert eager >= logits_mib, (eager, logits_mib)
     assert mega < 0.25 * logits_mib, (mega, logits_mib)
+    for m in ("torch_lce", "torch_lce_accurate"):  # chunked too: [chunk, V] blocks, [V, H] grads
+        assert float(row[f"{m}_MiB"]) < 0.25 * logits_mib, (m, row[f"{m}_MiB"], logits_mib)
     assert float(row["mem_ratio"]) == pytest.approx(mega / eager)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tools", "gpu_check.sh")
-IMPLS = ["eager", "megaloss", "megaloss_torch", "megaloss_triton", "megaloss_compile", "liger",
-         "cce"]
+IMPLS = ["eager", "megaloss", "torch_lce", "torch_lce_accurate", "megaloss_torch",
+         "megaloss_triton", "megaloss_compile", "liger", "cce"]
 
 
 def _rows(path) -> list:

@@ -397,11 +397,8 @@ class CausalLMWithLoss(HeadWrapper):
                 ``num_items_in_batch`` with a reduction other than ``"mean"``.
         """
         if labels is None and shift_labels is None:
-            if loss_weights is not None or num_items_in_batch is not None:
-                raise ValueError("loss_weights and num_items_in_batch need labels or "
-                                 "shift_labels")
-            return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids, **kwargs)
+            return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs,
+                               loss_weights=loss_weights, num_items_in_batch=num_items_in_batch)
         targets = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
                                   self.ignore_index)
         kwargs.setdefault("use_cache", False)
@@ -447,3 +444,20 @@ def token_grid(input_ids: Optional[torch.Tensor], kwargs: dict) -> torch.Tensor:
     if embeds is None:
         raise ValueError("pass input_ids (or inputs_embeds) with the labels")
     return embeds[..., 0]
+
+
+def own_forward(model: nn.Module, input_ids: Optional[torch.Tensor],
+                attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+                kwargs: dict, **loss_arguments: Any) -> Any:
+    """A wrapper called without labels: the wrapped ``model``'s own forward (its logits and
+    output type; its lm_head, a loss head, returns the raw logits then).
+
+    Raises:
+        ValueError: one of the wrapper's ``loss_arguments`` (``loss_weights``,
+            ``num_items_in_batch``) given: they need labels.
+    """
+    given = [name for name, value in loss_arguments.items() if value is not None]
+    if given:
+        raise ValueError(f"{' and '.join(given)} need labels or shift_labels")
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 **kwargs)

@@ -29,7 +29,7 @@ from ..lm_head import (
     shifted_targets,
     wrapper_options,
 )
-from .causal_lm import HeadWrapper, token_grid
+from .causal_lm import HeadWrapper, own_forward, token_grid
 
 __all__ = ["CausalLMWithLogProbs", "LinearLogProbsHead"]
 
@@ -170,8 +170,7 @@ class CausalLMWithLogProbs(HeadWrapper):
                 ``input_ids``; a label outside the vocabulary.
         """
         if labels is None and shift_labels is None:
-            return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids, **kwargs)
+            return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs)
         targets = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
                                   self.ignore_index)
         options = self.options

@@ -40,7 +40,7 @@ from ..lm_head import (
     text_decoder,
     wrapper_options,
 )
-from .causal_lm import token_grid
+from .causal_lm import own_forward, token_grid
 
 __all__ = ["CausalLMWithDistillation", "LinearDistillationHead"]
 
@@ -266,11 +266,8 @@ class CausalLMWithDistillation(nn.Module):
                 (from the loss).
         """
         if labels is None and shift_labels is None:
-            if loss_weights is not None or num_items_in_batch is not None:
-                raise ValueError("loss_weights and num_items_in_batch need labels or "
-                                 "shift_labels")
-            return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids, **kwargs)
+            return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs,
+                               loss_weights=loss_weights, num_items_in_batch=num_items_in_batch)
         target = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
                                  self.ignore_index)
         kwargs.setdefault("use_cache", False)

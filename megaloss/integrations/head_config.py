@@ -71,6 +71,7 @@ a term of the model's loss, not of its logits: it is read from the model and not
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from numbers import Real
@@ -126,7 +127,10 @@ class LogitTransform:
     """What a model's forward does to its lm_head output ``z = h @ W.T + b``: its logits are
     ``softcap(scale * z)`` (``softcap(y) = softcapping * tanh(y / softcapping)``, none when
     ``None``), and its own loss adds ``z_loss_coefficient * mean over every position of
-    logsumexp(logits) ** 2``.
+    logsumexp(logits) ** 2``; ``shifts_labels`` false when its own loss takes ``labels[t]`` as
+    the target of position ``t`` (the decoder halves of encoder-decoder families:
+    ``BartForCausalLM``, ``WhisperForCausalLM``, ...), not of ``t + 1`` as Hugging Face's
+    ``*ForCausalLM`` loss (``transformers/loss/loss_utils.py``, ``ForCausalLMLoss``) does.
 
     The loss heads apply ``scale`` by multiplying the hidden states and the bias (exact:
     ``scale * (h W^T + b) = (scale h) W^T + scale b``, so the chunked and vocab-parallel paths
@@ -140,6 +144,7 @@ class LogitTransform:
     scale: float = 1.0
     softcapping: Optional[float] = None
     z_loss_coefficient: float = 0.0
+    shifts_labels: bool = True
 
     def __post_init__(self) -> None:
         if not _number(self.scale) or not math.isfinite(self.scale) or self.scale <= 0:
@@ -449,6 +454,35 @@ def verify_logit_transform(model: nn.Module, transform: LogitTransform,
         f"lm_head such as BERT's prediction transform, or a scale megaloss does not know)")
 
 
+def _own_loss_shifts_labels(model: nn.Module) -> bool:
+    """Whether ``model``'s own loss on ``labels = input_ids`` is the cross-entropy of the
+    logits at ``t`` against the label at ``t + 1`` (Hugging Face's causal-LM convention): false
+    only when it equals the unshifted one instead (a probe of a few tokens, no gradient, modes
+    restored); true when the labelled forward fails or its loss adds terms (a z-loss, a router
+    loss) so that neither matches."""
+    head = model.get_output_embeddings()
+    ids = _probe_ids(model, head.weight.shape[0], head.weight.device)
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad():
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+    except Exception:  # noqa: BLE001 - a model that cannot take labels here keeps the default
+        return True
+    finally:
+        for module, mode in modes:
+            module.training = mode
+    loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
+    if not isinstance(loss, torch.Tensor) or not isinstance(logits, torch.Tensor):
+        return True
+    logits = logits.detach().double()[0]
+    shifted = float(F.cross_entropy(logits[:-1], ids[0, 1:]))
+    unshifted = float(F.cross_entropy(logits, ids[0]))
+    own = float(loss)
+    tol = 1e-4 * max(abs(own), 1.0)
+    return not (abs(own - unshifted) <= tol < abs(own - shifted))
+
+
 def model_logit_transform(model: nn.Module, role: str = "model") -> LogitTransform:
     """The :class:`LogitTransform` of ``model``: declared by its config and attributes
     (:func:`config_logit_transform`), verified by a probe forward of the model itself
@@ -478,6 +512,8 @@ def model_logit_transform(model: nn.Module, role: str = "model") -> LogitTransfo
             raise
         raise ValueError(f"the {role}'s {'; '.join(unlisted)}: its forward does not apply it so "
                          f"({err})") from None
+    if verified and not _own_loss_shifts_labels(model):
+        transform = dataclasses.replace(transform, shifts_labels=False)
     if not verified and unlisted:
         raise ValueError(
             f"the {role} ({type(model).__name__}) has {'; '.join(unlisted)}, a logit scale "

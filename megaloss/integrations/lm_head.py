@@ -229,9 +229,14 @@ def refuse_unsummed(module: nn.Module, what: str) -> None:
 
 
 def shifted_targets(input_ids: torch.Tensor, labels: Optional[torch.Tensor],
-                   shift_labels: Optional[torch.Tensor], ignore_index: int) -> torch.Tensor:
+                   shift_labels: Optional[torch.Tensor], ignore_index: int,
+                   model_shifts_labels: bool = True) -> torch.Tensor:
     """The ``[B, T]`` shifted targets of a wrapper's forward: ``causal_shift(labels)`` (Hugging
-    Face's unshifted labels) or ``shift_labels`` as given; exactly one of the two.
+    Face's unshifted labels) or ``shift_labels`` as given; exactly one of the two. A model whose
+    own loss takes ``labels[t]`` as the target of position ``t`` (``model_shifts_labels``
+    false, :class:`~megaloss.integrations.head_config.LogitTransform`'s ``shifts_labels``:
+    ``BartForCausalLM``, ``WhisperForCausalLM``, ...) has its ``labels`` taken as they are, so
+    the loss is the one its own forward computes.
 
     Raises:
         ValueError: neither or both given; a shape other than that of ``input_ids``.
@@ -243,7 +248,7 @@ def shifted_targets(input_ids: torch.Tensor, labels: Optional[torch.Tensor],
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
                              f"{tuple(input_ids.shape)}")
-        return causal_shift(labels, ignore_index)
+        return causal_shift(labels, ignore_index) if model_shifts_labels else labels
     if shift_labels.shape != input_ids.shape:
         raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must have the shape of "
                          f"input_ids {tuple(input_ids.shape)}")

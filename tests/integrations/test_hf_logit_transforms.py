@@ -455,3 +455,33 @@ def test_inkling_divides_its_hidden_states_by_logits_mup_width_multiplier():
         assert model_logit_transform(InklingForCausalLM(config)) == LogitTransform(scale=0.125)
     torch.manual_seed(0)
     assert model_logit_transform(InklingForCausalLM(config)) == LogitTransform(scale=0.125)
+
+
+def test_a_model_whose_own_loss_does_not_shift_labels_keeps_its_convention():
+    """BartForCausalLM's own loss takes ``labels[t]`` as the target of position ``t``
+    (``transformers/models/bart/modeling_bart.py``): the probe finds it and the wrapper's loss
+    and gradients equal the model's own (float64), where HF's shifted convention would not."""
+    from transformers import BartConfig, BartForCausalLM
+
+    torch.manual_seed(0)
+    model = BartForCausalLM(BartConfig(
+        vocab_size=40, d_model=16, decoder_layers=1, decoder_attention_heads=2,
+        decoder_ffn_dim=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
+        max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0)).double()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(3, 40, (2, 9))
+    labels = ids.clone()
+    labels[1, :3] = -100
+    wrapper = CausalLMWithLoss(model, options=CrossEntropyOptions(reduction="mean"))
+    assert wrapper.logit_transform.shifts_labels is False
+    loss = wrapper(input_ids=ids, labels=labels).loss
+    own = ref(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(loss, own, rtol=1e-12, atol=1e-12)
+    loss.backward()
+    own.backward()
+    got = dict(wrapper.model.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-10, atol=1e-12, msg=name)
+    shifted = wrapper(input_ids=ids, shift_labels=causal_shift(labels)).loss  # HF's convention
+    assert abs(float(shifted) - float(own)) > 1e-3

@@ -236,7 +236,7 @@ class MegalossForward:
         _refuse_router_loss(self.model, arguments.get("output_router_logits"))
         input_ids = arguments.pop("input_ids", None)
         targets = shifted_targets(token_grid(input_ids, arguments), labels, shift,
-                                  wrapper.ignore_index)
+                                  wrapper.ignore_index, wrapper.logit_transform.shifts_labels)
         out = wrapper.decoder(input_ids=input_ids, **arguments)
         return out, targets, num_items
 

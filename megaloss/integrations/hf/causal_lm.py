@@ -400,7 +400,7 @@ class CausalLMWithLoss(HeadWrapper):
             return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs,
                                loss_weights=loss_weights, num_items_in_batch=num_items_in_batch)
         targets = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
-                                  self.ignore_index)
+                                  self.ignore_index, self.logit_transform.shifts_labels)
         kwargs.setdefault("use_cache", False)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids, **kwargs)

@@ -172,7 +172,7 @@ class CausalLMWithLogProbs(HeadWrapper):
         if labels is None and shift_labels is None:
             return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs)
         targets = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
-                                  self.ignore_index)
+                                  self.ignore_index, self.logit_transform.shifts_labels)
         options = self.options
         if return_entropy is not None and return_entropy != options.return_entropy:
             options = options.replace(return_entropy=return_entropy)

@@ -269,7 +269,7 @@ class CausalLMWithDistillation(nn.Module):
             return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs,
                                loss_weights=loss_weights, num_items_in_batch=num_items_in_batch)
         target = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
-                                 self.ignore_index)
+                                 self.ignore_index, self.logit_transform.shifts_labels)
         kwargs.setdefault("use_cache", False)
         topk = teacher_topk_ids is not None or teacher_topk_log_probs is not None
         if (self.teacher is not None) == topk:

@@ -248,12 +248,22 @@ def model_class(name: str):
     return cls
 
 
+# classes left out of the suite's time budget (the full suite must stay within 15 minutes)
+TOO_SLOW = {
+    "VibeVoiceAsrForConditionalGeneration":
+        "its tiny build and forward take ~10 s (its audio tokenizer's convolution stacks): left "
+        "out of the suite's time budget",
+}
+
+
 def build(name: str, seed: int = 0):
     """The tiny float64 model of class ``name`` (eval mode: dropout off), seeded.
 
     Raises:
         NotBuilt: the class cannot be built tiny here (the reason).
     """
+    if name in TOO_SLOW:
+        raise NotBuilt(TOO_SLOW[name])
     cls = model_class(name)
     config_class = getattr(cls, "config_class", None)
     if config_class is None:

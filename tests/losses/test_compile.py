@@ -98,7 +98,8 @@ def _run(fn, dtype, labels, seed=0):
     return [o.detach() for o in outs], [(a.grad, b.grad) for a, b in pairs], stats
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+# fp64 only: fp32 under a real code generator is test_inductor_cross_entropy_equals_eager_...
+@pytest.mark.parametrize("dtype", [torch.float64], ids=["fp64"])
 def test_compiled_cross_entropy_equals_eager_with_ignored_rows(dtype):
     compiled, counter = counted_compile(_ce_variants)
     for name, labels in ignore_patterns(N, CHUNK, V, seed=1).items():

@@ -320,11 +320,14 @@ def apply(model: nn.Module, *, options: Optional[CrossEntropyOptions] = None,
     docstring); returns ``model``, patched in place.
 
     Args:
-        model: a ``transformers`` ``*ForCausalLM`` (a base model and an ``nn.Linear`` lm_head,
-            as :class:`~megaloss.integrations.hf.CausalLMWithLoss` takes).
+        model: a ``transformers`` ``*ForCausalLM`` or vision-language
+            ``*ForConditionalGeneration`` (a decoder module and an ``nn.Linear`` lm_head, as
+            :class:`~megaloss.integrations.hf.CausalLMWithLoss` takes).
         options: :class:`~megaloss.CrossEntropyOptions`; default ``reduction="mean"``, Hugging
             Face's token mean with ``num_items_in_batch`` honoured (so the Trainer's
-            gradient-accumulation-correct loss is kept). The config's soft-cap is taken as in
+            gradient-accumulation-correct loss is kept). The model's logit transform (scale,
+            soft-cap, z-loss term, label convention:
+            :func:`~megaloss.integrations.head_config.model_logit_transform`) is applied as in
             the wrapper.
         tp_group: tensor-parallel group (default: none), as in the wrapper.
 

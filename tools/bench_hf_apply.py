@@ -168,6 +168,20 @@ def _max_rel(a: List[float], b: List[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b))
 
 
+def _in_this_process(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """:func:`_worker` in this process, torch's thread count put back after it, an exception
+    reported in the row as :func:`run_worker` does."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return _worker(spec)
+    except Exception as e:  # noqa: BLE001 - reported in the row, as run_worker does
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,6 +202,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
     p.add_argument("--csv", metavar="PATH", help="write every column as CSV")
+    p.add_argument("--same-process", action="store_true",
+                   help="run every method in this process (for tests: no interpreter start-up, "
+                        "but the memory of one run may be left to the next)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -209,8 +226,9 @@ def main(argv=None) -> int:
     for r in range(args.repeats):
         for method in METHODS:
             t0 = time.perf_counter()
-            runs[method].append(run_worker(__file__, {**spec, "method": method}, args.threads,
-                                           args.timeout))
+            one = {**spec, "method": method}
+            runs[method].append(_in_this_process(one) if args.same_process
+                                else run_worker(__file__, one, args.threads, args.timeout))
             print(f"# round {r + 1}, {method}: {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)
     rows = []

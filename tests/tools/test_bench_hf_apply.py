@@ -1,4 +1,4 @@
-"""tools/bench_hf_apply.py end to end at a toy size (one round, a fresh process per method):
+"""tools/bench_hf_apply.py end to end at a toy size (one round, both methods in this process):
 TRL's SFTTrainer with and without ``megaloss.integrations.hf.apply`` logs the same loss and
 entropy every step (both float32: to 1e-5 relative), the first loss is the random-init model's
 near-uniform ``log V`` (the token mean, not a sum), and where the peak RSS can be reset, megaloss's
@@ -30,7 +30,7 @@ def test_bench_hf_apply_same_losses_and_less_memory(tmp_path, capsys):
     out = tmp_path / "hf_apply.csv"
     rc = bench_hf_apply.main(["--vocab", str(VOCAB), "--hidden", "32", "--min-len", "200",
                               "--max-len", "255", "--steps", "2", "--repeats", "1",
-                              "--threads", "1", "--csv", str(out)])
+                              "--threads", "1", "--same-process", "--csv", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     with open(out, newline="") as f:

@@ -73,9 +73,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from numbers import Real
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +86,7 @@ from .text_decoder import text_decoder
 
 __all__ = ["LogitTransform", "SOFTCAP_FIELDS", "SCALE_FIELDS", "config_logit_transform",
            "materialised", "verify_logit_transform", "model_logit_transform",
-           "resolve_softcapping", "z_loss_refusal"]
+           "resolve_softcapping", "z_loss_refusal", "model_configs"]
 
 SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
 
@@ -184,7 +185,10 @@ def _number(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
-def _configs(model: Any) -> List[Any]:
+def model_configs(model: Any) -> List[Any]:
+    """``model.config`` and, where it differs, its decoder text config
+    (``config.get_text_config(decoder=True)``, where composite models keep their text fields);
+    ``[]`` without a ``config``."""
     config = getattr(model, "config", None)
     if config is None:
         return []
@@ -198,7 +202,7 @@ def _configs(model: Any) -> List[Any]:
 
 
 def _model_types(model: Any) -> List[str]:
-    return [t for t in (getattr(c, "model_type", None) for c in _configs(model)) if t]
+    return [t for t in (getattr(c, "model_type", None) for c in model_configs(model)) if t]
 
 
 def _attribute(module: Any, name: str) -> Any:
@@ -217,7 +221,7 @@ def _read(model: Any, name: str) -> Tuple[Any, str]:
             value = _attribute(owner, name)
             if value is not None:
                 return value, f"{where} attribute {name}"
-    for config in _configs(model):
+    for config in model_configs(model):
         value = getattr(config, name, None)
         if value is not None:
             return value, f"config's {name}"
@@ -227,7 +231,7 @@ def _read(model: Any, name: str) -> Tuple[Any, str]:
 def _check_vocab_cut(model: Any, role: str) -> None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     rows = getattr(getattr(head, "weight", None), "shape", (None,))[0]
-    for config in _configs(model):
+    for config in model_configs(model):
         kept = getattr(config, "unpadded_vocab_size", None)
         if kept is not None and rows is not None and kept < rows:
             raise ValueError(
@@ -272,7 +276,7 @@ def _declared(model: Any, role: str) -> Tuple[LogitTransform, List[str]]:
         scale = scale * float(value) if op == "*" else scale / float(value)
     caps = set()
     for name in SOFTCAP_FIELDS:
-        for config in _configs(model):
+        for config in model_configs(model):
             value = getattr(config, name, None)
             if value is None:
                 continue
@@ -331,7 +335,7 @@ def materialised(model: nn.Module) -> Optional[str]:
 
 def _special_ids(model: Any) -> set:
     ids = set()
-    for config in _configs(model):
+    for config in model_configs(model):
         for key, value in vars(config).items():
             if key.endswith(("token_id", "token_index", "token_ids")):
                 for v in value if isinstance(value, (list, tuple)) else (value,):
@@ -358,6 +362,20 @@ def _last_hidden(output: Any) -> Optional[torch.Tensor]:
     return h if isinstance(h, torch.Tensor) else None
 
 
+@contextmanager
+def _probing(model: nn.Module) -> Iterator[None]:
+    """A probe forward's context: eval mode (dropout off) and no gradient, each module's
+    training mode put back after, whatever the forward raised."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad():
+            yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
 def _probe(model: nn.Module, role: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(raw, logits)`` on a few tokens: ``F.linear(h, W, b)`` with ``h`` the last hidden
     state of the model's decoder (:func:`~megaloss.integrations.text_decoder.text_decoder`)
@@ -365,10 +383,8 @@ def _probe(model: nn.Module, role: str) -> Tuple[torch.Tensor, torch.Tensor]:
     head = model.get_output_embeddings()
     ids = _probe_ids(model, head.weight.shape[0], head.weight.device)
     name = type(model).__name__
-    modes = [(m, m.training) for m in model.modules()]
     try:
-        model.eval()
-        with torch.no_grad():
+        with _probing(model):
             out = model(input_ids=ids, use_cache=False)
             hidden = _last_hidden(text_decoder(model)(input_ids=ids, attention_mask=None,
                                                       position_ids=None, use_cache=False))
@@ -376,9 +392,6 @@ def _probe(model: nn.Module, role: str) -> Tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"could not verify the {role}'s logit transform: a probe forward of "
                          f"{name} on input_ids {tuple(ids.shape)} raised "
                          f"{type(err).__name__}: {err}") from err
-    finally:
-        for module, mode in modes:
-            module.training = mode
     logits = getattr(out, "logits", None)
     if logits is None and isinstance(out, (tuple, list)) and out:
         logits = out[0]
@@ -462,16 +475,11 @@ def _own_loss_shifts_labels(model: nn.Module) -> bool:
     loss) so that neither matches."""
     head = model.get_output_embeddings()
     ids = _probe_ids(model, head.weight.shape[0], head.weight.device)
-    modes = [(m, m.training) for m in model.modules()]
     try:
-        model.eval()
-        with torch.no_grad():
+        with _probing(model):
             out = model(input_ids=ids, labels=ids, use_cache=False)
     except Exception:  # noqa: BLE001 - a model that cannot take labels here keeps the default
         return True
-    finally:
-        for module, mode in modes:
-            module.training = mode
     loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
     if not isinstance(loss, torch.Tensor) or not isinstance(logits, torch.Tensor):
         return True

@@ -36,6 +36,7 @@ from ...ops.chunk_driver import auto_chunk_size
 from ...ops.cross_entropy_options import CrossEntropyOptions
 from ...ops.log_probs_options import LogProbsOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike
+from ..head_config import model_configs
 from ..lm_head import shifted_targets
 from .causal_lm import CausalLMWithLoss, token_grid
 
@@ -47,22 +48,9 @@ _ROUTED = "_megaloss_fused_lm_head"
 _APPLIED = "_megaloss_apply"  # the model's attribute holding its MegalossForward
 
 
-def _text_configs(model: nn.Module) -> list:
-    config = getattr(model, "config", None)
-    if config is None:
-        return []
-    out = [config]
-    get_text = getattr(config, "get_text_config", None)
-    if callable(get_text):
-        text = get_text(decoder=True)
-        if text is not None and text is not config:
-            out.append(text)
-    return out
-
-
 def _router_loss_coefficient(model: nn.Module) -> float:
     return max((float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0)
-                for c in _text_configs(model)), default=0.0)
+                for c in model_configs(model)), default=0.0)
 
 
 def _refuse_router_loss(model: nn.Module, requested: Optional[bool]) -> None:
@@ -77,7 +65,7 @@ def _refuse_router_loss(model: nn.Module, requested: Optional[bool]) -> None:
     """
     if requested is None:
         requested = any(bool(getattr(c, "output_router_logits", False))
-                        for c in _text_configs(model))
+                        for c in model_configs(model))
     coef = _router_loss_coefficient(model)
     if requested and coef > 0:
         raise ValueError(

@@ -34,7 +34,7 @@ import resource
 import statistics
 import subprocess
 import sys
-from typing import Any, Dict, Iterable, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
 __all__ = ["MALLOC_ENV", "MemoryProbe", "trim_memory", "median", "budget_spent", "run_worker",
            "format_table", "write_csv", "mib", "worker_env", "require_positive", "vocab_shard",
@@ -186,6 +186,22 @@ def run_worker(script: str, spec: Dict[str, Any], threads: int, timeout: float) 
         tail = (proc.stderr or "").strip().splitlines()[-5:]
         return {"error": f"exit code {proc.returncode}: " + " | ".join(tail)}
     return json.loads(lines[-1])
+
+
+def run_in_this_process(worker: Callable[[Dict[str, Any]], Dict[str, Any]],
+                        spec: Dict[str, Any]) -> Dict[str, Any]:
+    """``worker(spec)`` in this process (a tool's ``--same-process``, for tests: no interpreter
+    start-up), its result as :func:`run_worker` would give it (through JSON), an exception as
+    ``{"error": ...}``, torch's thread count put back after it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return json.loads(json.dumps(worker(spec)))
+    except Exception as e:  # noqa: BLE001 - reported in the row, as run_worker does
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def require_positive(parser: Any, args: Any, names: Sequence[str]) -> None:

@@ -70,6 +70,7 @@ from _bench_common import (  # noqa: E402
     format_table,
     mib,
     require_positive,
+    run_in_this_process,
     run_worker,
     write_csv,
 )
@@ -204,15 +205,6 @@ def _compiled_megaloss(chunk: Optional[int], backend: str, reduction: str = "mea
             cross_entropy_chunk.torch_epilogue = eager
 
     return loss_fn
-
-
-def _in_this_process(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """:func:`_worker` here, its result as a worker's JSON line would give it; an exception
-    becomes ``{"error": ...}`` as a crashed worker's would."""
-    try:
-        return json.loads(json.dumps(_worker(spec)))
-    except Exception as e:  # noqa: BLE001 - reported in the row, as run_worker does
-        return {"error": f"{type(e).__name__}: {e}"[:300]}
 
 
 def _inputs(spec: Dict[str, Any], dev, dtype):
@@ -613,7 +605,7 @@ def main(argv=None) -> int:
                         "ignore_every": args.ignore_every,
                         "reference": "" if args.no_error else reference}
                 t0 = time.perf_counter()
-                out = (_in_this_process(spec) if args.same_process
+                out = (run_in_this_process(_worker, spec) if args.same_process
                        else run_worker(script, spec, args.threads, args.timeout))
                 if mode == "memory":
                     res["memory"][method] = out

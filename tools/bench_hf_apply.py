@@ -55,6 +55,7 @@ from _bench_common import (  # noqa: E402
     format_table,
     median,
     require_positive,
+    run_in_this_process,
     run_worker,
     trim_memory,
 )
@@ -168,20 +169,6 @@ def _max_rel(a: List[float], b: List[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b))
 
 
-def _in_this_process(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """:func:`_worker` in this process, torch's thread count put back after it, an exception
-    reported in the row as :func:`run_worker` does."""
-    import torch
-
-    threads = torch.get_num_threads()
-    try:
-        return _worker(spec)
-    except Exception as e:  # noqa: BLE001 - reported in the row, as run_worker does
-        return {"error": f"{type(e).__name__}: {e}"}
-    finally:
-        torch.set_num_threads(threads)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -227,7 +214,7 @@ def main(argv=None) -> int:
         for method in METHODS:
             t0 = time.perf_counter()
             one = {**spec, "method": method}
-            runs[method].append(_in_this_process(one) if args.same_process
+            runs[method].append(run_in_this_process(_worker, one) if args.same_process
                                 else run_worker(__file__, one, args.threads, args.timeout))
             print(f"# round {r + 1}, {method}: {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)

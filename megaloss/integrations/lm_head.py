@@ -26,7 +26,8 @@ from .text_decoder import text_decoder
 
 __all__ = ["LossHead", "LinearHead", "GatheredLogits", "is_loss_head",
            "linear_lm_head", "first_dtensor_parameter", "refuse_fully_sharded",
-           "wrapper_options", "refuse_unsummed", "head_loss_weights", "shifted_targets"]
+           "wrapper_options", "refuse_unsummed", "summing_options", "head_loss_weights",
+           "shifted_targets"]
 
 
 class LossHead:
@@ -255,6 +256,14 @@ def shifted_targets(input_ids: torch.Tensor, labels: Optional[torch.Tensor],
     return shift_labels
 
 
+
+
+def summing_options(options: Any) -> Any:
+    """The options of a wrapper's *summing* loss head: the wrapper's ``options``, a
+    ``reduction="mean"`` replaced by ``"sum"`` (the mean is then the head's weights,
+    :func:`head_loss_weights`, so that one head serves the token mean and Hugging Face's
+    ``num_items_in_batch``); any other reduction as it is."""
+    return options.replace(reduction="sum") if options.reduction == "mean" else options
 
 
 def head_loss_weights(targets: torch.Tensor, ignore_index: int, reduction: str,

@@ -59,9 +59,10 @@ from ..lm_head import (
     head_loss_weights,
     linear_lm_head,
     shifted_targets,
-    text_decoder,
+    summing_options,
     wrapper_options,
 )
+from ..text_decoder import text_decoder
 from .outputs import CausalLMLossOutput
 
 __all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "HF_MODEL_API", "causal_shift"]
@@ -342,17 +343,9 @@ class CausalLMWithLoss(HeadWrapper):
         lm_head = linear_lm_head(model)
         self._install_head(
             model, lm_head, wrapper_options(options, CrossEntropyOptions, "mean"), tp_group,
-            lambda linear: LinearCrossEntropyHead(linear, self._summing_options()),
+            lambda linear: LinearCrossEntropyHead(linear, summing_options(self.options)),
             lambda *size, **kw: _VocabParallelHead(*size, **kw,
-                                                   options=self._summing_options()))
-
-    def _summing_options(self) -> CrossEntropyOptions:
-        """The head's options: the wrapper's, with a mean computed as a weighted sum
-        (:func:`~megaloss.integrations.lm_head.head_loss_weights`), so that one head serves
-        the token mean and Hugging Face's ``num_items_in_batch``."""
-        if self.options.reduction == "mean":
-            return self.options.replace(reduction="sum")
-        return self.options
+                                                   options=summing_options(self.options)))
 
     def forward(self, input_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, *,

@@ -37,9 +37,10 @@ from ..lm_head import (
     linear_lm_head,
     refuse_fully_sharded,
     shifted_targets,
-    text_decoder,
+    summing_options,
     wrapper_options,
 )
+from ..text_decoder import text_decoder
 from .causal_lm import own_forward, token_grid
 
 __all__ = ["CausalLMWithDistillation", "LinearDistillationHead"]
@@ -173,9 +174,7 @@ class CausalLMWithDistillation(nn.Module):
                 options.teacher_logit_softcapping, self.teacher_logit_transform.softcapping,
                 "teacher_logit_softcapping", "teacher")
         self.options = options.replace(**caps)
-        # the head sums; a mean is its weights (head_loss_weights), so num_items_in_batch works
-        head_options = (self.options.replace(reduction="sum")
-                        if self.options.reduction == "mean" else self.options)
+        head_options = summing_options(self.options)
         if teacher is not None:
             teacher.eval()
             teacher.requires_grad_(False)

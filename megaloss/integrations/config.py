@@ -59,6 +59,7 @@ from ..losses.kto import KTOOptions
 from ..losses.mnr import MNROptions
 from ..losses.orpo import ORPOOptions
 from ..losses.policy_options import PolicyLossOptions
+from ..losses.router_options import RouterLossOptions
 from ..losses.simpo import CPOOptions
 from ..ops.cross_entropy_options import CrossEntropyOptions
 from ..ops.distillation_options import DistillationOptions
@@ -409,6 +410,20 @@ KTOConfig = _section(
     """,
     KTOOptions)
 
+RouterConfig = _section(
+    "RouterConfig", """The router losses of a mixture-of-experts model
+    (:mod:`megaloss.losses.router`), trained by
+    :func:`megaloss.integrations.deepspeed.train_step` (the module's forward takes
+    ``router_loss=``: :class:`~megaloss.integrations.hf.CausalLMWithLoss`).
+
+    Fields: every field of :class:`~megaloss.losses.router_options.RouterLossOptions`
+    (``aux_loss``, ``seq_aux_loss``, ``z_loss`` coefficients; ``scope``: ``"micro_batch"``,
+    ``"global"`` or ``"step"``; ``layers``: ``"per_layer"`` or ``"concatenated"``).
+
+    :meth:`options` gives the :class:`~megaloss.losses.router_options.RouterLossOptions`.
+    """,
+    RouterLossOptions)
+
 # the preference sections, each trained by preference_train_step (at most one in a ds_config)
 PREFERENCE_SECTIONS = ("dpo", "cpo", "simpo", "orpo", "kto")
 
@@ -470,6 +485,10 @@ class MegalossConfig(_Strict):
         distillation: :class:`DistillationConfig`, or ``None`` (default): the causal-LM loss
             is the cross-entropy. Given, the loss is the distillation loss and ``ce`` must not
             be given (refused: its keys would be ignored).
+        router: :class:`RouterConfig`, or ``None`` (default): no router losses beyond what the
+            module computes itself. Given, :func:`~megaloss.integrations.deepspeed.train_step`
+            adds the calibrated router losses of a mixture-of-experts module; the policy and
+            preference steps refuse it.
     """
 
     tensor_parallel_size: int = Field(1, ge=1, strict=True)
@@ -484,6 +503,7 @@ class MegalossConfig(_Strict):
     orpo: ORPOConfig = Field(default_factory=ORPOConfig)
     kto: KTOConfig = Field(default_factory=KTOConfig)
     distillation: Optional[DistillationConfig] = None
+    router: Optional[RouterConfig] = None
 
     @model_validator(mode="after")
     def _one_preference_loss(self) -> "MegalossConfig":

@@ -41,10 +41,22 @@ def test_missing_section_gives_defaults():
     ({"mnr": {"temperature": 0}}, "megaloss.mnr.temperature"),
     ({"mnr": {"symmetric": "yes"}}, "megaloss.mnr.symmetric"),
     ({"lossy": 1}, "megaloss.lossy"),
+    ({"router": {"scope": "batch"}}, "megaloss.router.scope"),
+    ({"router": {"aux_loss": -0.01}}, "megaloss.router.aux_loss"),
+    ({"router": {"aux_los": 0.01}}, "megaloss.router.aux_los"),
 ])
 def test_bad_keys_and_values_name_the_key(section, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         load_megaloss_config({"megaloss": section})
+
+
+def test_router_section_gives_the_router_options():
+    from megaloss.losses.router_options import RouterLossOptions
+
+    ml = load_megaloss_config({"megaloss": {"router": {"aux_loss": 0.01, "z_loss": 1e-3,
+                                                       "scope": "step"}}})
+    assert ml.router.options() == RouterLossOptions(aux_loss=0.01, z_loss=1e-3, scope="step")
+    assert MegalossConfig().router is None
 
 
 def test_ce_options_flow_to_the_kernel_options():

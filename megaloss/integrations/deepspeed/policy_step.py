@@ -81,8 +81,21 @@ def policy_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, A
         TypeError: non-integer ``input_ids``, non-floating ``advantages`` or log-probs (agreed
             on likewise); ``options`` not a ``PolicyLossOptions``.
     """
+    _refuse_router(me, "policy_train_step")
     opts = me.config.policy.options() if options is None else options
     return run_step(me, PolicyStepLoss(opts), micro_batches, log=log)
+
+
+def _refuse_router(me: MegalossEngine, step: str) -> None:
+    """The ds_config's ``megaloss.router`` section is honoured by ``train_step`` only.
+
+    Raises:
+        ValueError: a router section with a coefficient > 0.
+    """
+    router = me.config.router
+    if router is not None and router.options().enabled:
+        raise ValueError(f"{step} does not compute router losses yet: the ds_config's "
+                         f"megaloss.router section would be ignored; remove it")
 
 
 def dpo_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]], *,
@@ -184,5 +197,6 @@ def preference_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[st
             an ``attention_mask`` with zeros under sequence parallelism (agreed on by every
             rank: the same error everywhere, naming the failed ranks).
     """
+    _refuse_router(me, "preference_train_step")
     opts = me.config.preference_options() if options is None else options
     return run_step(me, PreferenceStepLoss(opts), micro_batches, log=log)

@@ -98,7 +98,9 @@ def train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, torch.Te
         TypeError: non-integer ``input_ids`` / targets / top-k ids, non-floating top-k
             log-probs (agreed on likewise).
     """
-    return run_step(me, LanguageModelLoss(check_teacher=lambda: _check_sp_teacher(me)),
+    router = me.config.router.options() if me.config.router is not None else None
+    return run_step(me, LanguageModelLoss(check_teacher=lambda: _check_sp_teacher(me),
+                                          router=router),
                     micro_batches, log=log)
 
 

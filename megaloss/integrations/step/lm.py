@@ -22,14 +22,17 @@ import torch
 from ...calibration.calibrator import LossCalibrator, StepCalibration
 from ...calibration.weights import split_for_sequence_parallel
 from ...losses.distillation import DistillationOutput
+from ...losses.router_options import RouterLossOptions
 from ...ops.labels import causal_shift
 from ...parallel.comm import all_reduce_sum_
 from ...parallel.topology import Topology
 from .checks import check_floating, check_same_shape, integer_tensor
 from .loop import StepLoss, batch_to_device
 from .metrics import EvalResult, StepMetrics, StepOutcome
+from .router import router_metrics, router_pool, router_stats, step_statistics
 
 __all__ = ["LanguageModelLoss", "NLLLoss", "TOPK_KEYS", "check_lm_micro_batch",
+           "check_router_micro_batch",
            "micro_batch_targets", "sample_boundaries", "model_inputs", "evaluate_lm"]
 
 # a stored top-k teacher's keys of an LM micro-batch
@@ -85,6 +88,32 @@ def check_lm_micro_batch(i: int, mb: Mapping[str, Any]) -> None:
     check_floating(f"{where}['teacher_topk_log_probs']", lp_k, [shape + (k,)])
 
 
+def check_router_micro_batch(i: int, mb: Mapping[str, Any], options: RouterLossOptions,
+                             topology: Topology) -> None:
+    """What router losses need of ``micro_batches[i]`` under sequence parallelism, where each
+    SP rank routes its slice of the tokens without the attention mask: no padding (an
+    ``attention_mask`` with zeros) and a length the SP size divides (the slices' own padding
+    would be routed and counted); and the scope's own refusals (:func:`router_pool`).
+
+    Raises:
+        ValueError: naming the micro-batch and the fix.
+    """
+    if i == 0:
+        router_pool(options.replace(scope="global"), topology, 1)
+    if topology.sp_size == 1:
+        return
+    mask = mb.get("attention_mask")
+    if mask is not None and bool((mask == 0).any()):
+        raise ValueError(f"micro_batches[{i}] has padding (attention_mask zeros): under sequence "
+                         f"parallelism the router losses would count padded tokens; pack the "
+                         f"sequences (position_ids / cu_seqlens) instead of padding")
+    length = mb["input_ids"].shape[-1]
+    if length % topology.sp_size:
+        raise ValueError(f"micro_batches[{i}] has {length} tokens per row, not a multiple of "
+                         f"sequence_parallel_size={topology.sp_size}: the router losses would "
+                         f"count the SP slices' padding")
+
+
 def model_inputs(mb: Mapping[str, Any], topology: Topology) -> Dict[str, Any]:
     """``input_ids`` and the decoder's keyword inputs of this rank. With sequence parallelism
     (``sp > 1``) this SP rank's contiguous slice of the tokens, cut (and right-padded) exactly as
@@ -131,15 +160,27 @@ def _distillation_sums(out: DistillationOutput) -> torch.Tensor:
 class LanguageModelLoss(StepLoss):
     """The family of a module that computes its own weighted CE or distillation loss (module
     docstring). ``check_teacher``: an extra check run with the micro-batch checks (the
-    DeepSpeed step's Ulysses teacher check). :meth:`result` is a :class:`StepMetrics`."""
+    DeepSpeed step's Ulysses teacher check). ``router``: a mixture-of-experts module's router
+    losses (:class:`megaloss.losses.router_options.RouterLossOptions`), each micro-batch's
+    pool handed to the module's forward as ``router_loss=``
+    (:mod:`megaloss.integrations.step.router`; the ``"step"`` scope's counts from a pre-pass).
+    :meth:`result` is a :class:`StepMetrics`."""
 
-    def __init__(self, check_teacher: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, check_teacher: Optional[Callable[[], None]] = None,
+                 router: Optional[RouterLossOptions] = None) -> None:
+        if router is not None and not isinstance(router, RouterLossOptions):
+            raise TypeError(f"router must be a megaloss RouterLossOptions or None, got "
+                            f"{type(router).__name__}")
         self.check_teacher = check_teacher
+        self.router = router if router is not None and router.enabled else None
+        self._router_statistics = None
 
     def check(self, i: int, mb: Mapping[str, Any], topology: Topology) -> None:
         if i == 0 and self.check_teacher is not None:
             self.check_teacher()
         check_lm_micro_batch(i, mb)
+        if self.router is not None:
+            check_router_micro_batch(i, mb, self.router, topology)
 
     def calibrate(self, calibrator: LossCalibrator,
                   micro_batches: Sequence[Mapping[str, Any]]) -> StepCalibration:
@@ -147,28 +188,50 @@ class LanguageModelLoss(StepLoss):
         return calibrator.begin_step([micro_batch_targets(mb, ignore) for mb in micro_batches],
                                      **sample_boundaries(micro_batches))
 
+    def prepare(self, forward, step: StepCalibration,
+                micro_batches: Sequence[Mapping[str, Any]]) -> None:
+        self._router_statistics = None
+        if self.router is None or self.router.scope != "step":
+            return
+
+        def counts(mb: Mapping[str, Any]) -> Callable[[Any], Any]:
+            inputs = model_inputs(mb, step.topology)
+            return lambda pool: forward(inputs["input_ids"], router_loss=pool,
+                                        **{k: v for k, v in inputs.items() if k != "input_ids"})
+
+        self._router_statistics = step_statistics(self.router, step.topology,
+                                                  [counts(mb) for mb in micro_batches])
+
+    def _router_kwargs(self, step: StepCalibration) -> Dict[str, Any]:
+        if self.router is None:
+            return {}
+        return {"router_loss": router_pool(self.router, step.topology, step.num_micro_batches,
+                                           self._router_statistics)}
+
     def loss(self, forward, step: StepCalibration, i: int,
-             mb: Mapping[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+             mb: Mapping[str, Any]) -> Tuple[torch.Tensor, Any]:
         inputs = model_inputs(mb, step.topology)
         out = forward(inputs.pop("input_ids"), shift_labels=step.local_labels(i),
-                      loss_weights=step.weights(i), **inputs)
+                      loss_weights=step.weights(i), **self._router_kwargs(step), **inputs)
+        router = None if self.router is None else router_stats(_router_output(out))
         if isinstance(out, DistillationOutput):
-            return out.loss, _distillation_sums(out)
-        return out.loss, out.z_loss.detach().to(torch.float64).reshape(1)
+            return out.loss, (_distillation_sums(out), router)
+        return out.loss, (out.z_loss.detach().to(torch.float64).reshape(1), router)
 
-    def metrics(self, step: StepCalibration, stats: List[torch.Tensor],
+    def metrics(self, step: StepCalibration, stats: List[Any],
                 topology: Topology) -> Dict[str, Any]:
         # z-loss sums ([1] each) or distillation sums ([4] each), added up in micro-batch
         # order and reduced once
-        local = stats[0].clone()
-        for s in stats[1:]:
+        local = stats[0][0].clone()
+        for s, _ in stats[1:]:
             local += s
         total = all_reduce_sum_(local, topology.dp_sp_group)
+        extra = {} if self.router is None else router_metrics([r for _, r in stats], topology)
         if local.numel() == 1:
-            return {"z_loss": float(total[0])}
+            return {"z_loss": float(total[0]), **extra}
         valid = float(total[3])
         return {"z_loss": 0.0, "divergence": float(total[0]), "ce_loss": float(total[1]),
-                "top1_agreement": float(total[2]) / valid if valid > 0 else 0.0}
+                "top1_agreement": float(total[2]) / valid if valid > 0 else 0.0, **extra}
 
     def result(self, outcome: StepOutcome) -> StepMetrics:
         m = outcome.metrics
@@ -178,7 +241,25 @@ class LanguageModelLoss(StepLoss):
             tokens_per_s=outcome.tokens_per_s, peak_memory_mib=outcome.peak_memory_mib,
             step_time_s=outcome.step_time_s, samples=outcome.samples,
             divergence=m.get("divergence"), ce_loss=m.get("ce_loss"),
-            top1_agreement=m.get("top1_agreement"))
+            top1_agreement=m.get("top1_agreement"),
+            router_aux_loss=m.get("router_aux_loss"),
+            router_seq_aux_loss=m.get("router_seq_aux_loss"),
+            router_z_loss=m.get("router_z_loss"), expert_load_max=m.get("expert_load_max"))
+
+
+def _router_output(out: Any) -> Any:
+    """The router losses' output a module's forward returned (its ``router`` field).
+
+    Raises:
+        TypeError: the module returned none: it does not take ``router_loss=`` (the router
+            losses would be dropped).
+    """
+    router = getattr(out, "router", None)
+    if router is None:
+        raise TypeError(f"the module's forward returned {type(out).__name__} without router "
+                        f"losses (a 'router' field): it does not compute the router losses "
+                        f"the step's router options ask for")
+    return router
 
 
 @torch.no_grad()
@@ -217,15 +298,22 @@ class NLLLoss(LanguageModelLoss):
     """Supervised fine-tuning on a *log-probs* module (``module(input_ids, shift_labels=)``
     returning per-token ``log_probs`` of the labels' shape, e.g.
     :class:`megaloss.CausalLMWithLogProbs`, the module a policy step trains): the calibrated
-    negative log-likelihood ``-sum_t w_t log p_t``, the calibration and checks of
-    :class:`LanguageModelLoss`. :meth:`result` is a :class:`StepMetrics` (``z_loss`` 0)."""
+    negative log-likelihood ``-sum_t w_t log p_t`` (plus the module's router losses with
+    ``router=``), the calibration and checks of :class:`LanguageModelLoss`. :meth:`result` is a
+    :class:`StepMetrics` (``z_loss`` 0)."""
 
     def loss(self, forward, step: StepCalibration, i: int,
-             mb: Mapping[str, Any]) -> Tuple[torch.Tensor, None]:
+             mb: Mapping[str, Any]) -> Tuple[torch.Tensor, Any]:
         inputs = model_inputs(mb, step.topology)
-        out = forward(inputs.pop("input_ids"), shift_labels=step.local_labels(i), **inputs)
-        return -(out.log_probs * step.weights(i)).sum(), None
+        out = forward(inputs.pop("input_ids"), shift_labels=step.local_labels(i),
+                      **self._router_kwargs(step), **inputs)
+        loss = -(out.log_probs * step.weights(i)).sum()
+        if self.router is None:
+            return loss, None
+        router = _router_output(out)
+        return loss + router.loss.to(loss.dtype), router_stats(router)
 
-    def metrics(self, step: StepCalibration, stats: List[None],
+    def metrics(self, step: StepCalibration, stats: List[Any],
                 topology: Topology) -> Dict[str, Any]:
-        return {"z_loss": 0.0}
+        extra = {} if self.router is None else router_metrics(stats, topology)
+        return {"z_loss": 0.0, **extra}

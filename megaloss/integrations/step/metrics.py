@@ -35,7 +35,12 @@ class StepMetrics:
     With a distillation module (its forward returns a :class:`megaloss.DistillationOutput`):
     ``divergence`` and ``ce_loss``, the global calibrated divergence and hard-label CE (the
     loss's two parts before their factors), and ``top1_agreement``, the fraction of valid
-    tokens whose student and teacher top-1 tokens agree; ``None`` otherwise.
+    tokens whose student and teacher top-1 tokens agree; ``None`` otherwise. With router
+    losses (a mixture-of-experts module): ``router_aux_loss``, ``router_seq_aux_loss``,
+    ``router_z_loss``, each term of the step before its coefficient (its part of ``loss`` is
+    the coefficient times it), and ``expert_load_max``, the most loaded expert's top-k
+    selections over the mean expert's in the worst layer (1: perfect balance); ``None``
+    otherwise (:func:`megaloss.integrations.step.router.router_metrics`).
     """
 
     step: int
@@ -51,6 +56,10 @@ class StepMetrics:
     divergence: Optional[float] = None
     ce_loss: Optional[float] = None
     top1_agreement: Optional[float] = None
+    router_aux_loss: Optional[float] = None
+    router_seq_aux_loss: Optional[float] = None
+    router_z_loss: Optional[float] = None
+    expert_load_max: Optional[float] = None
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)

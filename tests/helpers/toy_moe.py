@@ -1,0 +1,140 @@
+"""A tiny token-wise mixture-of-experts LM for the router-loss tests, and float64 references of
+the router losses written from the papers' formulas (one-hot counts, autograd through the
+softmax), independent of megaloss.losses.router.
+
+Token-wise (no attention), so each token's output depends on its own input only: a sequence
+cut over sequence-parallel ranks is computed exactly as whole, which lets the step's SP layout
+be tested without Ulysses attention.
+"""
+from __future__ import annotations
+
+from typing import Any, List, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, HIDDEN, EXPERTS, LAYERS, TOP_K = 29, 8, 4, 2, 2
+
+
+class ToyOutput(NamedTuple):
+    loss: torch.Tensor
+    z_loss: torch.Tensor
+    num_valid_tokens: torch.Tensor
+    router: Any
+
+
+class ToyMoE(nn.Module):
+    """Embedding, ``LAYERS`` residual MoE layers (softmax router, top-k experts with
+    renormalised gates, ``tanh(W_e h)``), lm_head. ``forward`` is the calibrated step's module
+    call: ``(input_ids, shift_labels=, loss_weights=, router_loss=, attention_mask=)``, the
+    weighted CE sum plus the router pool's share."""
+
+    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+
+        def p(*shape, scale=1.0):
+            return nn.Parameter(torch.randn(*shape, generator=g, dtype=dtype) * scale)
+
+        self.embed = p(VOCAB, HIDDEN)
+        self.routers = p(LAYERS, EXPERTS, HIDDEN)
+        self.experts = p(LAYERS, EXPERTS, HIDDEN, HIDDEN, scale=0.4)
+        self.head = p(VOCAB, HIDDEN, scale=0.5)
+
+    def hidden(self, input_ids: torch.Tensor):
+        h = self.embed[input_ids.reshape(-1)]
+        logits: List[torch.Tensor] = []
+        for layer in range(LAYERS):
+            x = h @ self.routers[layer].T
+            logits.append(x)
+            top = torch.softmax(x, -1).topk(TOP_K, dim=-1)
+            gates = top.values / top.values.sum(-1, keepdim=True)
+            w = self.experts[layer][top.indices]  # [N, k, H, H]
+            h = h + (gates[..., None] * torch.tanh(torch.einsum("nkij,nj->nki", w, h))).sum(1)
+        return h, logits
+
+    def forward(self, input_ids, shift_labels=None, loss_weights=None, router_loss=None,
+                attention_mask=None, position_ids=None):
+        h, logits = self.hidden(input_ids)
+        if router_loss is not None and router_loss.statistics_only:
+            return router_loss(logits, TOP_K, mask=attention_mask)
+        labels = shift_labels.reshape(-1)
+        ce = F.cross_entropy(h @ self.head.T, labels, ignore_index=-100, reduction="none")
+        loss = (ce * loss_weights.reshape(-1)).sum()
+        router = None
+        if router_loss is not None:
+            router = router_loss(logits, TOP_K, mask=attention_mask)
+            loss = loss + router.loss
+        return ToyOutput(loss, torch.zeros((), dtype=loss.dtype), (labels != -100).sum(), router)
+
+
+def reference_router(logits: Sequence[torch.Tensor], mask: torch.Tensor, *, aux: float,
+                     z: float, layers: str = "per_layer") -> torch.Tensor:
+    """``aux * load-balancing + z * router z-loss`` of one pool, float64, from the formulas."""
+    x = torch.stack(list(logits))  # [L, N, E]
+    p = torch.softmax(x, dim=-1)
+    sel = F.one_hot(x.topk(TOP_K, dim=-1).indices, EXPERTS).sum(-2).to(x.dtype)
+    m = mask.reshape(1, -1, 1).to(x.dtype)
+    n = m.sum()
+    if layers == "per_layer":
+        lb = (EXPERTS * ((sel * m).sum(1) / n) * ((p * m).sum(1) / n)).sum(-1).mean()
+    else:
+        f = (sel * m).sum((0, 1)) / (LAYERS * n)
+        lb = EXPERTS * (f * (p * m).sum((0, 1)) / (LAYERS * n)).sum()
+    zl = (torch.logsumexp(x, -1) ** 2 * m[..., 0]).sum() / (LAYERS * n)
+    return aux * lb + z * zl
+
+
+def reference_step(model: ToyMoE, micro_batches: Sequence[Sequence[dict]], *, scope: str,
+                   aux: float, z: float, layers: str = "per_layer") -> torch.Tensor:
+    """One device's loss of the step under ``scope``: ``micro_batches[r][m]`` is data-parallel
+    rank ``r``'s micro-batch ``m`` (``shift_labels``, optional ``attention_mask``); the CE is
+    the token mean over every valid target, the router term per the scope's definition."""
+    ranks, gas = len(micro_batches), len(micro_batches[0])
+    ce_sum, valid = 0.0, 0
+    pieces = {}
+    for r in range(ranks):
+        for m in range(gas):
+            mb = micro_batches[r][m]
+            h, logits = model.hidden(mb["input_ids"])
+            labels = mb["shift_labels"].reshape(-1)
+            ce_sum = ce_sum + F.cross_entropy(h @ model.head.T, labels, ignore_index=-100,
+                                              reduction="sum")
+            valid += int((labels != -100).sum())
+            mask = mb.get("attention_mask")
+            mask = torch.ones(labels.numel()) if mask is None else mask.reshape(-1)
+            pieces[r, m] = (logits, mask)
+
+    def pool(keys):
+        logits = [torch.cat([pieces[k][0][layer] for k in keys]) for layer in range(LAYERS)]
+        mask = torch.cat([pieces[k][1] for k in keys])
+        return reference_router(logits, mask, aux=aux, z=z, layers=layers)
+
+    if scope == "step":
+        router = pool(list(pieces))
+    elif scope == "global":
+        router = sum(pool([(r, m) for r in range(ranks)]) for m in range(gas)) / gas
+    else:
+        router = sum(pool([k]) for k in pieces) / len(pieces)
+    return ce_sum / valid + router
+
+
+def micro_batches(rank: int, gas: int = 2, rows: Optional[int] = None, seq: int = 8,
+                  padding: bool = True) -> List[dict]:
+    """Rank ``rank``'s micro-batches: uneven rows and valid tokens; with ``padding`` the last
+    tokens of row 0 are padding (attention_mask 0, label -100)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for m in range(gas):
+        b = rows or (1 + (rank + m) % 2)
+        ids = torch.randint(0, VOCAB, (b, seq), generator=g)
+        labels = torch.randint(0, VOCAB, (b, seq), generator=g)
+        mb = {"input_ids": ids, "shift_labels": labels}
+        if padding:
+            mask = torch.ones(b, seq, dtype=torch.long)
+            mask[0, seq - 2 - rank - m:] = 0
+            labels[mask == 0] = -100
+            mb["attention_mask"] = mask
+        out.append(mb)
+    return out

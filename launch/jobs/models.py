@@ -1,6 +1,7 @@
 """The small random-init models the jobs train (``transformers`` configs, no download): a
-Llama-style causal LM (:func:`build_llama`, the LM jobs) and a BERT-style encoder
-(:func:`build_encoder`, the embedding jobs), each in named sizes.
+Llama-style causal LM (:func:`build_llama`, the LM jobs), a Qwen3-MoE mixture-of-experts LM
+(:func:`build_qwen3_moe`, the MoE job) and a BERT-style encoder (:func:`build_encoder`, the
+embedding jobs), each in named sizes.
 
 ``transformers`` is imported inside the builders, so importing this module is cheap.
 """
@@ -11,7 +12,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["LLAMA_SIZES", "BERT_SIZES", "build_llama", "build_encoder"]
+__all__ = ["LLAMA_SIZES", "BERT_SIZES", "build_llama", "build_qwen3_moe", "build_encoder"]
 
 # hidden, layers, heads, kv heads, feed-forward
 LLAMA_SIZES: Dict[str, Tuple[int, int, int, int, int]] = {
@@ -66,6 +67,44 @@ def build_llama(args, vocab_size: int, attn_implementation: Optional[str] = None
         cfg._attn_implementation = attn_implementation
     torch.manual_seed(args.seed)
     return LlamaForCausalLM(cfg), cfg
+
+
+def build_qwen3_moe(args, vocab_size: int):
+    """A ``transformers.Qwen3MoeForCausalLM`` (random init, seeded from ``args.seed``): every
+    decoder layer a sparse MoE block of ``args.num_experts`` experts, ``args.top_k`` per token
+    (top-k gates renormalised, as Qwen3-MoE), ``args.hidden_size`` wide with 16-wide heads
+    (``hidden / 16`` query heads, half as many key-value heads), experts of
+    ``args.moe_intermediate_size``, ``args.num_layers`` layers, ``args.seq_len`` positions, the
+    lm_head untied.
+
+    ``output_router_logits=False``: the model's own load-balancing term
+    (``router_aux_loss_coef * load_balancing_loss_func``, added by its forward) is off, so the
+    router losses trained are those megaloss's calibrated step computes (the ds_config's
+    ``megaloss.router``). Experts run transformers' eager loop (the grouped-mm kernels are for
+    accelerators).
+
+    Returns:
+        ``(model, config)``.
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from megaloss.integrations.deepspeed.compat import freeze_imported_objects
+    freeze_imported_objects()  # transformers' modules, imported just now
+    heads = max(1, args.hidden_size // 16)
+    cfg = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=args.hidden_size,
+                         intermediate_size=args.moe_intermediate_size,
+                         moe_intermediate_size=args.moe_intermediate_size,
+                         num_hidden_layers=args.num_layers, num_attention_heads=heads,
+                         num_key_value_heads=max(1, heads // 2), head_dim=16,
+                         num_experts=args.num_experts, num_experts_per_tok=args.top_k,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                         output_router_logits=False, router_aux_loss_coef=0.0,
+                         max_position_embeddings=args.seq_len, tie_word_embeddings=False,
+                         # as build_llama: no special tokens in the jobs' BPE ids
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(args.seed)
+    return Qwen3MoeForCausalLM(cfg), cfg
 
 
 def build_encoder(size: str, vocab_size: int, max_len: int, pad_id: int,

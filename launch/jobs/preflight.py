@@ -30,7 +30,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 __all__ = ["Refusal", "preflight", "check_text_file", "check_data", "check_ds_config",
            "check_output_dir", "LM_JOBS", "EMBEDDING_JOBS"]
 
-LM_JOBS = ("train_lm", "train_lm_hf", "distill_lm", "train_grpo", "train_lm_fsdp", "train_dpo")
+LM_JOBS = ("train_lm", "train_lm_hf", "distill_lm", "train_grpo", "train_lm_fsdp", "train_dpo",
+           "train_moe")
 EMBEDDING_JOBS = ("train_embed", "train_embed_hf")
 _SNIFF = 1 << 16  # bytes searched for a NUL byte (what `file` and git call binary)
 

@@ -43,7 +43,9 @@ Reports (rank 0: a table; ``summary.json``; ``plot.png``; each run's ``metrics.c
 - expert specialisation per data domain (top-level stdlib packages, ``--domains``, on their
   held-out files): the share of a domain's top-k selections that go to its ``top_k`` most used
   experts, averaged over the layers (``top_k / E`` = 0.25: spread evenly; 1: two experts take
-  the whole domain) (:mod:`launch.jobs.expert_routing`).
+  the whole domain), and its lift: that share minus the whole held-out text's share on the
+  same experts (an unbalanced router raises every domain's share; the lift is what a domain
+  concentrates beyond that) (:mod:`launch.jobs.expert_routing`).
 
 Each run is a run of the job runner (:func:`launch.jobs.runner.train_run`, :class:`ScopeRun`).
 A stop signal ends the job after the run in progress has saved and written its outputs
@@ -258,7 +260,8 @@ class MoEComparison:
             r = summary["routing"]
             self.run.log(f"{scope}: held-out expert load (max / mean) per layer "
                          f"{', '.join(f'{v:.2f}' for v in r['load_per_layer'])}; "
-                         f"specialisation {r['specialisation_mean'] or 0:.3f}")
+                         f"specialisation {r['specialisation_mean'] or 0:.3f}, lift "
+                         f"{r['lift_mean'] or 0:+.3f}")
         self.runs[scope] = summary
         return summary.get("stopped") is not None
 
@@ -331,19 +334,21 @@ def table_rows(summary: Dict[str, Any]) -> List[tuple]:
 
     rows = [row("held-out perplexity", lambda r: r["eval_after"]["perplexity"], "{:.2f}".format),
             row("held-out CE (nats/token)", lambda r: r["eval_after"]["loss"], "{:.4f}".format),
-            row("train loss (first / last step)", lambda r: (r["first_loss"], r["last_loss"]),
+            row("train loss, first / last step", lambda r: (r["first_loss"], r["last_loss"]),
                 lambda v: f"{v[0]:.3f} / {v[1]:.3f}"),
-            row("router aux loss (last step)", lambda r: r["last_router_aux_loss"],
+            row("router aux loss, last step", lambda r: r["last_router_aux_loss"],
                 "{:.4f}".format)]
     layers = max((len(r.get("routing", {}).get("load_per_layer", [])) for r in runs), default=0)
     for i in range(layers):
-        rows.append(row(f"held-out expert load max/mean, layer {i}",
+        rows.append(row(f"held-out load, layer {i}",
                         lambda r, i=i: r["routing"]["load_per_layer"][i], "{:.3f}".format))
     for d in summary["domains"]:
-        rows.append(row(f"specialisation, {d}", lambda r, d=d: r["routing"]["specialisation"][d],
+        rows.append(row(f"specialisation: {d}", lambda r, d=d: r["routing"]["specialisation"][d],
                         "{:.3f}".format))
-    rows.append(row("specialisation, mean of domains",
+    rows.append(row("specialisation: mean",
                     lambda r: r["routing"]["specialisation_mean"], "{:.3f}".format))
+    rows.append(row("lift over the corpus: mean", lambda r: r["routing"]["lift_mean"],
+                    "{:+.3f}".format))
     return rows
 
 
@@ -355,8 +360,10 @@ def table_info(summary: Dict[str, Any]) -> str:
             f"{summary['steps']} steps of micro-batch {summary['micro_batch']} x GAS "
             f"{summary['gas']} x DP {summary['dp']} x {summary['seq_len']} tokens; aux_loss "
             f"{router['aux_loss']:g} ({router['layers']}), z_loss {router['z_loss']:g}; "
-            "load: 1 = balanced; specialisation: share of a domain's top-k selections on its "
-            f"top-k experts ({uniform if uniform is None else f'{uniform:.2f}'} = spread evenly)"
+            "load: the most used expert's top-k selections over the mean expert's (1 = "
+            "balanced); specialisation: share of a domain's top-k selections on its top-k "
+            f"experts ({uniform if uniform is None else f'{uniform:.2f}'} = spread evenly); lift: "
+            "that share minus the whole held-out text's share on the same experts"
             f"; {summary['total_seconds']:.0f} s in all")
 
 

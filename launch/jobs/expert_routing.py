@@ -7,7 +7,10 @@ from the top-k expert counts of every MoE layer (:func:`megaloss.losses.router.r
 - **specialisation** per domain (arXiv:2501.11873, sec. 4 and its figures of expert selection
   per domain): the share of a domain's top-k selections that go to the domain's ``top_k`` most
   used experts of each layer, averaged over the layers; ``top_k / E`` when the domain's tokens
-  spread evenly over all experts, 1 when they all go to the same ``top_k`` experts.
+  spread evenly over all experts, 1 when they all go to the same ``top_k`` experts;
+- **lift** per domain: that share minus the share of *all* held-out selections on the same
+  experts. An unbalanced router raises every domain's share on its popular experts; the lift
+  is what a domain concentrates beyond that (0: it routes like the whole corpus).
 
 A domain is the top-level package of a file of the built-in corpus (``email/``, ``asyncio/``,
 ...; :func:`domain_of`), or the first directory under a named ``--eval_data`` /
@@ -25,7 +28,7 @@ from .lm_data import eval_batches
 from .text_data import encode_stream, lm_blocks, read_texts
 
 __all__ = ["DOMAINS", "TOP_LEVEL", "domain_of", "domain_blocks", "routing_counts",
-           "expert_load", "specialisation", "routing_report", "plot_routing"]
+           "expert_load", "specialisation", "lift", "routing_report", "plot_routing"]
 
 # Top-level standard-library packages of distinct subject matter that hold held-out files
 # (crc32 split, launch.jobs.code_search.is_held_out) in CPython 3.11 to 3.13.
@@ -108,10 +111,18 @@ def specialisation(counts: torch.Tensor, top_k: int) -> List[float]:
     return (top / counts.sum(-1).clamp_min(1e-30)).tolist()
 
 
+def lift(counts: torch.Tensor, reference: torch.Tensor, top_k: int) -> List[float]:
+    """Per layer: :func:`specialisation` of ``counts [layers, experts]`` minus the share of
+    ``reference`` (all the text's counts) on the same ``top_k`` experts."""
+    idx = counts.topk(top_k, dim=-1).indices
+    ref = reference.gather(-1, idx).sum(-1) / reference.sum(-1).clamp_min(1e-30)
+    return [s - float(r) for s, r in zip(specialisation(counts, top_k), ref)]
+
+
 def plot_routing(path: Path, reports: Mapping[str, Mapping[str, Any]], *, title: str) -> None:
-    """Save a PNG of two panels: each run's held-out expert load per layer, and each run's
-    specialisation per domain with the even-spread share as a dashed line. ``reports``:
-    ``{run name: routing_report(...)}``."""
+    """Save a PNG of three panels, one bar per run: the held-out expert load per layer, the
+    specialisation per domain (the even-spread share dashed) and the lift per domain.
+    ``reports``: ``{run name: routing_report(...)}``."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -121,27 +132,26 @@ def plot_routing(path: Path, reports: Mapping[str, Mapping[str, Any]], *, title:
     path.parent.mkdir(parents=True, exist_ok=True)
     names = list(reports)
     width = 0.8 / max(len(names), 1)
-    fig, (ax_load, ax_spec) = plt.subplots(1, 2, figsize=(11, 4),
-                                           gridspec_kw={"width_ratios": [1, 2]})
-    for j, name in enumerate(names):
-        load = reports[name]["load_per_layer"]
-        ax_load.bar([i + j * width for i in range(len(load))], load, width, label=name)
-        spec = reports[name]["specialisation"]
-        ax_spec.bar([i + j * width for i in range(len(spec))], list(spec.values()), width,
-                    label=name)
+    offset = width * (len(names) - 1) / 2
     first = reports[names[0]]
     layers, domains = len(first["load_per_layer"]), list(first["specialisation"])
-    offset = width * (len(names) - 1) / 2
-    ax_load.set_xticks([i + offset for i in range(layers)], [f"layer {i}" for i in range(layers)])
-    ax_load.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax_load.set_ylabel("held-out expert load (max / mean)")
-    ax_load.set_title("expert load (1 = balanced)")
-    ax_spec.set_xticks([i + offset for i in range(len(domains))], domains)
-    ax_spec.axhline(first["uniform_share"], color="grey", linestyle="--", linewidth=1,
-                    label="spread evenly")
-    ax_spec.set_ylabel("share on the domain's top-k experts")
-    ax_spec.set_title("specialisation per domain (held-out)")
-    ax_spec.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1, 2, 2]})
+    panels = [("load_per_layer", [f"layer {i}" for i in range(layers)], 1.0,
+               "held-out expert load (max / mean)", "expert load (1 = balanced)"),
+              ("specialisation", domains, first["uniform_share"],
+               "share on the domain's top-k experts", "specialisation per domain"),
+              ("lift", domains, 0.0, "share minus the corpus' share on them",
+               "lift over the whole held-out text")]
+    for ax, (key, ticks, line, ylabel, panel_title) in zip(axes, panels):
+        for j, name in enumerate(names):
+            values = reports[name][key]
+            values = list(values.values()) if isinstance(values, Mapping) else list(values)
+            ax.bar([i + j * width for i in range(len(values))], values, width, label=name)
+        ax.set_xticks([i + offset for i in range(len(ticks))], ticks, fontsize=8)
+        ax.axhline(line, color="grey", linestyle="--", linewidth=1)
+        ax.set_ylabel(ylabel)
+        ax.set_title(panel_title)
+    axes[0].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -163,11 +173,12 @@ def routing_report(decoder: torch.nn.Module, top_k: int, held: Sequence[Mapping[
     Returns:
         ``{"load_per_layer": [..], "load_max": float, "specialisation": {domain: float},
         "specialisation_per_layer": {domain: [..]}, "specialisation_mean": float,
+        "lift": {domain: float}, "lift_mean": float,
         "uniform_share": top_k / experts, "domain_tokens": {domain: int}}``.
     """
     counts = routing_counts(decoder, top_k, held, device, group)
     load = expert_load(counts)
-    spec, per_layer, tokens = {}, {}, {}
+    spec, per_layer, lifts, tokens = {}, {}, {}, {}
     for name, blocks in domains.items():
         if blocks["input_ids"].shape[0] < dp:  # too few blocks to give every rank one
             continue
@@ -175,8 +186,10 @@ def routing_report(decoder: torch.nn.Module, top_k: int, held: Sequence[Mapping[
                            group)
         per_layer[name] = specialisation(c, top_k)
         spec[name] = sum(per_layer[name]) / len(per_layer[name])
+        lifts[name] = sum(lift(c, counts, top_k)) / len(per_layer[name])
         tokens[name] = int(round(float(c[0].sum()) / top_k))
     return {"load_per_layer": load, "load_max": max(load), "specialisation": spec,
             "specialisation_per_layer": per_layer,
             "specialisation_mean": sum(spec.values()) / len(spec) if spec else None,
+            "lift": lifts, "lift_mean": sum(lifts.values()) / len(lifts) if lifts else None,
             "uniform_share": top_k / counts.shape[-1], "domain_tokens": tokens}

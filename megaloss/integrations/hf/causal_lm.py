@@ -42,6 +42,7 @@ from torch import nn
 
 from ...losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy
 from ...losses.position_z_loss import linear_position_z_loss
+from ...losses.router import RouterPool
 from ...losses.vocab_parallel_embedding import VocabParallelEmbedding
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.cross_entropy_options import CrossEntropyOptions
@@ -363,7 +364,7 @@ class CausalLMWithLoss(HeadWrapper):
                 position_ids: Optional[torch.Tensor] = None,
                 loss_weights: Optional[torch.Tensor] = None,
                 num_items_in_batch: Any = None, output_router_logits: Optional[bool] = None,
-                **kwargs: Any) -> Any:
+                router_loss: Optional[RouterPool] = None, **kwargs: Any) -> Any:
         """With labels: decoder, then the fused CE of its last hidden states (plus the model's
         router term). Without: the wrapped model's own forward.
 
@@ -388,6 +389,13 @@ class CausalLMWithLoss(HeadWrapper):
                 ``load_balancing_loss_func`` on the router logits and ``attention_mask``,
                 :meth:`router_loss`; added to ``sum / num_items_in_batch`` unscaled, as the
                 model does), and the output carries ``aux_loss`` and ``router_logits``.
+            router_loss: the calibrated step's router pool
+                (:class:`megaloss.losses.router.RouterPool`, from
+                :mod:`megaloss.integrations.step.router`): megaloss's calibrated router losses
+                on the decoder's router logits *replace* the model's own term; the output's
+                ``router`` holds them (:class:`megaloss.losses.router.RouterLossOutput`). A
+                statistics-only pool (the ``"step"`` scope's pre-pass) returns this rank's
+                :class:`~megaloss.losses.router.RouterStatistics` and needs no labels.
             **kwargs: passed to the decoder (``inputs_embeds``, ``pixel_values`` of a
                 vision-language model, ...), or to the wrapped model without labels
                 (``use_cache`` defaults to ``False`` with labels).
@@ -411,13 +419,34 @@ class CausalLMWithLoss(HeadWrapper):
                 step, or ``output_router_logits=False``), or a router term megaloss cannot
                 reproduce.
         """
+        pooled = self.pool_router_kwargs(router_loss, kwargs)
+        if pooled and router_loss.statistics_only:  # the "step" scope's routing pre-pass
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, **kwargs)
+            return self.pool_router_loss(router_loss, out.router_logits, attention_mask,
+                                         position_ids)
         if labels is None and shift_labels is None:
+            if pooled:
+                raise ValueError("router_loss= (the calibrated step's router pool) needs "
+                                 "labels or shift_labels")
             if output_router_logits is not None:
                 kwargs["output_router_logits"] = output_router_logits
             return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs,
                                loss_weights=loss_weights, num_items_in_batch=num_items_in_batch)
         targets = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
                                   self.ignore_index, self.logit_transform.shifts_labels)
+        if pooled:
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, **kwargs)
+            result = self.head_loss(out.last_hidden_state, targets, loss_weights=loss_weights,
+                                    num_items_in_batch=num_items_in_batch)
+            router = self.pool_router_loss(router_loss, out.router_logits, attention_mask,
+                                           position_ids)
+            return CausalLMLossOutput(
+                loss=result.loss + router.loss.to(result.loss.dtype), z_loss=result.z_loss,
+                num_valid_tokens=result.num_valid_tokens,
+                num_correct_tokens=result.num_correct_tokens, router_logits=out.router_logits,
+                router=router)
         routed = self.router_logits_requested(output_router_logits)
         self.check_router_loss(routed, self.options.reduction, loss_weights)
         kwargs.setdefault("use_cache", False)

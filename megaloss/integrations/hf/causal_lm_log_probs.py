@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ...losses.log_probs import linear_log_probs
+from ...losses.router import RouterPool
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.log_probs_options import LogProbsOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike
@@ -147,7 +148,8 @@ class CausalLMWithLogProbs(HeadWrapper):
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
                 return_entropy: Optional[bool] = None,
-                output_router_logits: Optional[bool] = None, **kwargs: Any) -> Any:
+                output_router_logits: Optional[bool] = None,
+                router_loss: Optional[RouterPool] = None, **kwargs: Any) -> Any:
         """Decoder, then the chunked log-probs of its last hidden states; without labels, the
         wrapped model's own forward (its logits).
 
@@ -163,6 +165,12 @@ class CausalLMWithLogProbs(HeadWrapper):
             output_router_logits: a mixture-of-experts model's router logits for this call
                 (``None``: its config's); when output, the outputs carry its ``aux_loss``
                 (:meth:`router_loss`) and ``router_logits``.
+            router_loss: the calibrated step's router pool
+                (:class:`megaloss.losses.router.RouterPool`): the output's ``router`` holds
+                megaloss's calibrated router losses on the router logits
+                (:class:`megaloss.losses.router.RouterLossOutput`), which the caller's loss
+                adds (the calibrated step's NLL does); a statistics-only pool returns this
+                rank's :class:`~megaloss.losses.router.RouterStatistics`.
             **kwargs: passed to the decoder (``use_cache`` defaults to ``False``), or to the
                 model without labels.
 
@@ -183,7 +191,16 @@ class CausalLMWithLogProbs(HeadWrapper):
                 ``input_ids``; a label outside the vocabulary; router logits output for a
                 model whose router term megaloss cannot reproduce.
         """
+        pooled = self.pool_router_kwargs(router_loss, kwargs)
+        if pooled and router_loss.statistics_only:  # the "step" scope's routing pre-pass
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, **kwargs)
+            return self.pool_router_loss(router_loss, out.router_logits, attention_mask,
+                                         position_ids)
         if labels is None and shift_labels is None:
+            if pooled:
+                raise ValueError("router_loss= (the calibrated step's router pool) needs "
+                                 "labels or shift_labels")
             if output_router_logits is not None:
                 kwargs["output_router_logits"] = output_router_logits
             return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs)
@@ -192,17 +209,23 @@ class CausalLMWithLogProbs(HeadWrapper):
         options = self.options
         if return_entropy is not None and return_entropy != options.return_entropy:
             options = options.replace(return_entropy=return_entropy)
-        routed = self.router_logits_requested(output_router_logits)
-        if routed and self.router.refusal is not None:
+        routed = pooled or self.router_logits_requested(output_router_logits)
+        if routed and not pooled and self.router.refusal is not None:
             raise ValueError(self.router.refusal)
         kwargs.setdefault("use_cache", False)
-        self.decoder_router_kwargs(routed, output_router_logits, kwargs)
+        if not pooled:
+            self.decoder_router_kwargs(routed, output_router_logits, kwargs)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids, **kwargs)
         result = self.head(out.last_hidden_state, targets, options=options)
         if not routed:
             return result
         router_logits = getattr(out, "router_logits", None)
+        if pooled:
+            router = self.pool_router_loss(router_loss, router_logits, attention_mask,
+                                           position_ids)
+            return MoeLogProbsOutput(*result, aux_loss=None, router_logits=router_logits,
+                                     router=router)
         term = self.router_loss(router_logits, attention_mask)
         return MoeLogProbsOutput(*result, aux_loss=term.aux_loss, router_logits=router_logits)
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ...losses.distillation import linear_distillation_loss
+from ...losses.router import RouterPool
 from ...losses.vocab_parallel import vocab_shard_range
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.cross_entropy_options import CrossEntropyOptions
@@ -244,6 +245,7 @@ class CausalLMWithDistillation(RouterLossHook, nn.Module):
                 teacher_topk_ids: Optional[torch.Tensor] = None,
                 teacher_topk_log_probs: Optional[torch.Tensor] = None,
                 num_items_in_batch: Any = None, output_router_logits: Optional[bool] = None,
+                router_loss: Optional[RouterPool] = None,
                 **kwargs: Any) -> Any:
         """Student decoder, teacher (module or top-k), then the chunked distillation loss (plus
         the student's router term); without labels, the student's own forward (its logits).
@@ -264,6 +266,11 @@ class CausalLMWithDistillation(RouterLossHook, nn.Module):
                 (``None``: its config's). When output, ``loss`` adds the student's
                 ``router_aux_loss_coef * aux_loss`` as its own forward adds it to its loss
                 (:meth:`router_loss`); the teacher runs with its own config.
+            router_loss: the calibrated step's router pool
+                (:class:`megaloss.losses.router.RouterPool`): megaloss's calibrated router
+                losses on the student's router logits replace its own term (in ``loss``; the
+                output's ``router``), as in :meth:`CausalLMWithLoss.forward
+                <megaloss.integrations.hf.CausalLMWithLoss.forward>`.
             **kwargs: passed to both decoders (``use_cache`` defaults to ``False``).
 
         Returns:
@@ -282,7 +289,17 @@ class CausalLMWithDistillation(RouterLossHook, nn.Module):
                 calibrated router loss, ``router_loss=`` of the calibrated step, or
                 ``output_router_logits=False``), or a router term megaloss cannot reproduce.
         """
+        student = {}  # the student decoder's router arguments (the teacher runs as configured)
+        pooled = self.pool_router_kwargs(router_loss, student)
+        if pooled and router_loss.statistics_only:  # the "step" scope's routing pre-pass
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, **{**kwargs, **student})
+            return self.pool_router_loss(router_loss, out.router_logits, attention_mask,
+                                         position_ids)
         if labels is None and shift_labels is None:
+            if pooled:
+                raise ValueError("router_loss= (the calibrated step's router pool) needs "
+                                 "labels or shift_labels")
             if output_router_logits is not None:
                 kwargs["output_router_logits"] = output_router_logits
             return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs,
@@ -294,14 +311,18 @@ class CausalLMWithDistillation(RouterLossHook, nn.Module):
         if (self.teacher is not None) == topk:
             raise ValueError("give the teacher either as the wrapper's teacher module or as "
                              "teacher_topk_ids / teacher_topk_log_probs per batch (one of them)")
-        routed = self.router_logits_requested(output_router_logits)
-        self.check_router_loss(routed, self.options.reduction, loss_weights)
+        routed = pooled or self.router_logits_requested(output_router_logits)
+        if not pooled:
+            self.check_router_loss(routed, self.options.reduction, loss_weights)
         if topk:
             teacher = dict(teacher_topk_ids=teacher_topk_ids,
                            teacher_topk_log_probs=teacher_topk_log_probs)
         else:
             teacher = self._teacher_inputs(input_ids, attention_mask, position_ids, kwargs)
-        self.decoder_router_kwargs(routed, output_router_logits, kwargs)
+        if pooled:
+            kwargs.update(student)
+        else:
+            self.decoder_router_kwargs(routed, output_router_logits, kwargs)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids, **kwargs)
         hidden = out.last_hidden_state
@@ -312,6 +333,12 @@ class CausalLMWithDistillation(RouterLossHook, nn.Module):
         if not routed:
             return result
         router_logits = getattr(out, "router_logits", None)
+        if pooled:
+            router = self.pool_router_loss(router_loss, router_logits, attention_mask,
+                                           position_ids)
+            loss = result.loss + router.loss.to(result.loss.dtype)
+            return MoeDistillationOutput(*result._replace(loss=loss), aux_loss=None,
+                                         router_logits=router_logits, router=router)
         loss, term = self.add_router_loss(result.loss, router_logits, attention_mask)
         return MoeDistillationOutput(*result._replace(loss=loss), aux_loss=term.aux_loss,
                                      router_logits=router_logits)

@@ -96,6 +96,9 @@ class CausalLMLossOutput(DictOutput):
             ``loss`` includes ``router_aux_loss_coef * aux_loss``); else ``None``.
         router_logits: with router logits output, the decoder's (one ``[B * T, E]`` tensor per
             MoE layer); else ``None``.
+        router: with the calibrated step's ``router_loss=`` pool, megaloss's router losses
+            (a :class:`megaloss.losses.router.RouterLossOutput`; ``loss`` includes its
+            ``loss``); else ``None``.
     """
 
     loss: Optional[torch.Tensor] = None
@@ -105,6 +108,7 @@ class CausalLMLossOutput(DictOutput):
     num_correct_tokens: Optional[torch.Tensor] = None
     aux_loss: Optional[torch.Tensor] = None
     router_logits: Optional[Tuple[torch.Tensor, ...]] = None
+    router: Optional[Any] = None
 
 
 class MoeDistillationOutput(NamedTuple):
@@ -112,7 +116,9 @@ class MoeDistillationOutput(NamedTuple):
     outputs router logits: :class:`megaloss.DistillationOutput`'s fields (``loss`` includes
     the student's ``router_aux_loss_coef * aux_loss``), then ``aux_loss`` (the student's own
     load-balancing loss, unscaled; ``None`` when its forward adds none) and ``router_logits``
-    (the student decoder's, one ``[B * T, E]`` tensor per MoE layer)."""
+    (the student decoder's, one ``[B * T, E]`` tensor per MoE layer); with the calibrated
+    step's ``router_loss=`` pool, ``aux_loss`` is ``None`` and ``router`` holds megaloss's
+    router losses (:class:`megaloss.losses.router.RouterLossOutput`, in ``loss``)."""
 
     loss: torch.Tensor
     divergence: torch.Tensor
@@ -121,6 +127,7 @@ class MoeDistillationOutput(NamedTuple):
     num_valid_tokens: torch.Tensor
     aux_loss: Optional[torch.Tensor]
     router_logits: Optional[Tuple[torch.Tensor, ...]]
+    router: Optional[Any] = None
 
 
 class MoeLogProbsOutput(NamedTuple):
@@ -129,7 +136,9 @@ class MoeLogProbsOutput(NamedTuple):
     own load-balancing loss, unscaled and differentiable; the model's loss would add
     ``router_aux_loss_coef * aux_loss``, which the caller's loss adds: the wrapper's
     ``router_aux_loss_coef``) and ``router_logits`` (one ``[B * T, E]`` tensor per MoE
-    layer)."""
+    layer); with the calibrated step's ``router_loss=`` pool, ``aux_loss`` is ``None`` and
+    ``router`` holds megaloss's router losses (:class:`megaloss.losses.router.RouterLossOutput`:
+    the caller's loss adds its ``loss``)."""
 
     log_probs: torch.Tensor
     entropy: Optional[torch.Tensor]
@@ -137,3 +146,4 @@ class MoeLogProbsOutput(NamedTuple):
     greedy_match: torch.Tensor
     aux_loss: Optional[torch.Tensor]
     router_logits: Optional[Tuple[torch.Tensor, ...]]
+    router: Optional[Any] = None

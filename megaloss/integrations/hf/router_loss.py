@@ -16,6 +16,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
+from ...calibration.weights import sample_ids_from_boundaries
+from ...losses.router import RouterPool
 from ..router_config import RouterLoss, model_router_loss, router_loss_refusal
 
 __all__ = ["RouterLossHook", "RouterLossTerm"]
@@ -116,3 +118,62 @@ class RouterLossHook:
         if term.loss is None:
             return loss, term
         return loss + term.loss.to(loss.dtype), term
+
+    # megaloss's calibrated router losses (the calibrated step's ``router_loss=``) -------------
+    def pool_router_kwargs(self, router_loss: Optional[RouterPool], kwargs: dict) -> bool:
+        """Prepare a call with the calibrated step's ``router_loss=`` pool: router logits
+        requested from the decoder (the pool's losses then *replace* the model's own term, whose
+        per-micro-batch mean has no exact place in a calibrated step). Returns whether a pool
+        is given.
+
+        Raises:
+            TypeError: ``router_loss`` is not a :class:`megaloss.losses.router.RouterPool`.
+            ValueError: the model outputs no router logits (no router to balance), or its
+                ``top_k`` is unknown.
+        """
+        if router_loss is None:
+            return False
+        if not isinstance(router_loss, RouterPool):
+            raise TypeError(f"router_loss must be a megaloss.losses.router.RouterPool (the "
+                            f"calibrated step's), got {type(router_loss).__name__}")
+        if self.router is None or not self.router.top_k:
+            raise ValueError("router losses were asked for (a megaloss.router section or "
+                             "LanguageModelLoss(router=...)) but the model has no router "
+                             "logits to compute them on (or no known top_k): remove the router "
+                             "options")
+        kwargs["output_router_logits"] = True
+        kwargs.setdefault("use_cache", False)
+        return True
+
+    def pool_router_loss(self, router_loss: RouterPool, router_logits: Any,
+                         attention_mask: Optional[torch.Tensor],
+                         position_ids: Optional[torch.Tensor]) -> Any:
+        """The pool's share (:func:`megaloss.losses.router.router_loss`, a
+        :class:`~megaloss.losses.router.RouterLossOutput`; or this rank's
+        :class:`~megaloss.losses.router.RouterStatistics` for a statistics-only pool) on the
+        decoder's ``router_logits`` (one ``[B * T, E]`` tensor per MoE layer), padding masked by
+        the 2-D ``attention_mask``, sequences by rows or by ``position_ids`` restarting at 0
+        (packed samples)."""
+        if not router_logits:
+            raise ValueError(f"{type(self.model).__name__}'s decoder returned no router_logits "
+                             f"with output_router_logits=True: the router losses cannot be "
+                             f"computed")
+        layers = tuple(router_logits)
+        sequences = None
+        if router_loss.options.seq_aux_loss:
+            sequences = _sequence_ids(layers[0].shape[0], attention_mask, position_ids)
+        return router_loss(layers, int(self.router.top_k), mask=attention_mask,
+                           sequence_ids=sequences)
+
+
+def _sequence_ids(tokens: int, attention_mask: Optional[torch.Tensor],
+                  position_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Each routed token's sequence: packed samples from ``position_ids`` (a restart at 0), else
+    the rows of the ``[B, T]`` grid (from whichever of the two is given)."""
+    grid = position_ids if position_ids is not None else attention_mask
+    if grid is None or grid.dim() != 2 or grid.numel() != tokens:
+        return None  # one sequence: a single row
+    if position_ids is not None:
+        return sample_ids_from_boundaries(position_ids, position_ids=position_ids)
+    rows, length = grid.shape
+    return torch.arange(rows, device=grid.device).repeat_interleave(length)

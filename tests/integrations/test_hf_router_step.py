@@ -171,3 +171,63 @@ def test_a_model_without_router_refuses_the_pool():
     ids = torch.randint(0, VOCAB, (1, SEQ))
     with pytest.raises(ValueError, match="no router"):
         wrapper(ids, labels=ids, router_loss=RouterPool(RouterLossOptions(aux_loss=0.1)))
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("scope", ["micro_batch", "step"])
+def test_megaloss_trainer_router_losses_under_gradient_accumulation(tmp_path, scope):
+    """MegalossTrainer with the ds_config-style ``router`` section, 4 micro-batches of one padded
+    sample each (gradient accumulation 4, the configuration where a router term added per
+    micro-batch is over-weighted by the accumulation steps): one SGD step equals the float64
+    reference of the scope's definition (``micro_batch``: the mean of the micro-batches'
+    router losses; ``step``: one loss over the step's tokens)."""
+    pytest.importorskip("accelerate")
+    from transformers import TrainingArguments
+
+    from megaloss.integrations.hf.trainer import MegalossTrainer
+
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for i in range(4):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        mask = torch.ones(SEQ, dtype=torch.long)
+        mask[SEQ - 1 - i % 3:] = 0
+        samples.append({"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100),
+                        "attention_mask": mask})
+
+    def collate(rows):
+        return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+    model = _model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1,
+                             gradient_accumulation_steps=4, max_steps=1, learning_rate=1.0,
+                             optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+                             max_grad_norm=0.0, save_strategy="no", report_to=[], use_cpu=True,
+                             remove_unused_columns=False, disable_tqdm=True, seed=0)
+    trainer = MegalossTrainer(model=model, args=args, train_dataset=samples,
+                              data_collator=collate,
+                              megaloss_config={"router": {"aux_loss": AUX, "z_loss": Z,
+                                                          "scope": scope}})
+    trainer.train()
+    after = dict(trainer.model.model.named_parameters())
+
+    ref = _model()
+    ce, valid, pieces = 0.0, 0, []
+    for s in samples:
+        o = ref(input_ids=s["input_ids"][None], attention_mask=s["attention_mask"][None],
+                output_router_logits=True)
+        labels = s["labels"][1:]
+        ce = ce + F.cross_entropy(o.logits[0, :-1], labels, ignore_index=-100, reduction="sum")
+        valid += int((labels != -100).sum())
+        pieces.append((o.router_logits, s["attention_mask"]))
+
+    def pool(ps):
+        layers = [torch.cat([p[0][i] for p in ps]) for i in range(2)]
+        return reference_router(layers, torch.cat([p[1] for p in ps]), aux=AUX, z=Z)
+
+    router = pool(pieces) if scope == "step" else sum(pool([p]) for p in pieces) / len(pieces)
+    (ce / valid + router).backward()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(before[name] - after[name].detach(), p.grad, rtol=1e-9,
+                                   atol=1e-12, msg=name)

@@ -21,6 +21,10 @@ has a vocab-parallel form, and ``forward(..., return_stats=False)``.
 - :mod:`.distillation`: knowledge distillation through both lm_heads without logits
   (:func:`linear_distillation_loss`, :class:`LinearDistillationLoss`; one device or
   vocab-parallel; full or top-k teacher).
+- :mod:`.multi_token`: DeepSeek-V3's multi-token prediction loss, every depth through the
+  shared lm_head with the chunked (or vocab-parallel) CE, labels rolled inside packed samples,
+  each depth calibrated by its own global count (imported from its module:
+  ``from megaloss.losses.multi_token import multi_token_prediction_loss``).
 - :mod:`.log_probs`: per-token log-probabilities (and entropy, log-sum-exp, greedy match) of
   the labels under the lm_head, chunked, on one device or vocab-parallel
   (:func:`linear_log_probs`, :class:`LinearLogProbs`, :class:`LogProbsOutput`).

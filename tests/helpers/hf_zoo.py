@@ -4,9 +4,10 @@ installed ``transformers`` (the auto mappings ``MODEL_FOR_CAUSAL_LM_MAPPING_NAME
 no download: each config class's defaults shrunk generically (:func:`shrink`: hidden sizes,
 1-2 layers, 4 heads, vocabulary 128, experts, the sub-configs of composite configs, special
 token ids moved inside the vocabulary), eager attention and eager experts (transformers 5.24's
-grouped-mm experts reject float64), MoE router logits off (``output_router_logits=False``: the
-model's own loss would add ``router_aux_loss_coef * aux``, another loss), plus
-:data:`OVERRIDES` where the generic shrink does not build.
+grouped-mm experts reject float64), MoE router logits on (``output_router_logits=True``: the
+model's own loss adds ``router_aux_loss_coef * aux_loss``, which the wrappers must add too;
+``build(name, router_logits=False)`` turns them off), plus :data:`OVERRIDES` where the generic
+shrink does not build.
 
 :func:`build` returns the model or raises :class:`NotBuilt` with the reason; :func:`inputs`
 returns a padded batch (right padding, ``-100`` labels on the padding and a prompt) and, for the
@@ -84,7 +85,7 @@ _SIZES = {
     "max_position_embeddings": 256, "n_positions": 256, "max_seq_len": 256,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "n_shared_experts": 1, "num_shared_experts": 1,
-    "moe_topk": 2, "top_k": 2,
+    "moe_topk": 2, "top_k": 2, "moe_k": 2,
     "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
     "v_head_dim": 8, "n_group": 1, "topk_group": 1,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
@@ -225,6 +226,12 @@ OVERRIDES: Dict[str, Any] = {name: _mrope for name in (
     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
     "Glm4vForConditionalGeneration", "Glm46VForConditionalGeneration",
     "GlmOcrForConditionalGeneration", "PaddleOCRVLForConditionalGeneration")}
+# Flint's defaults make every layer dense (mlp_only_layers), so its router logits are an empty
+# tuple on which its own load_balancing_loss_func fails: one MoE layer
+OVERRIDES["FlintForCausalLM"] = {"mlp_only_layers": [0]}
+# Doge's default is dense (is_moe=False: its forward never outputs router logits); its
+# product-key experts, whose own aux function takes num_keys too
+OVERRIDES["DogeForCausalLM"] = {"is_moe": True}
 
 
 def _apply(config: Any, overrides: Any) -> None:
@@ -256,8 +263,9 @@ TOO_SLOW = {
 }
 
 
-def build(name: str, seed: int = 0):
-    """The tiny float64 model of class ``name`` (eval mode: dropout off), seeded.
+def build(name: str, seed: int = 0, router_logits: bool = True):
+    """The tiny float64 model of class ``name`` (eval mode: dropout off), seeded; an MoE
+    model's ``output_router_logits`` set to ``router_logits`` in every (sub-)config.
 
     Raises:
         NotBuilt: the class cannot be built tiny here (the reason).
@@ -275,7 +283,7 @@ def build(name: str, seed: int = 0):
         except Exception as exc:  # noqa: BLE001 - the reason is the outcome
             raise NotBuilt(f"tiny config: {type(exc).__name__}: {_first_line(exc)}") from exc
         _apply(config, OVERRIDES.get(name, {}))
-        _set_everywhere(config, "output_router_logits", False)
+        _set_everywhere(config, "output_router_logits", router_logits)
         _set_everywhere(config, "use_cache", True)
         config._attn_implementation = "eager"
         try:
@@ -472,7 +480,8 @@ def outcome(name: str) -> Tuple[str, str]:
             refusal = _first_line(exc)
         # the wrapper's logit-transform probe runs the model's forward too: a model whose own
         # forward fails on these inputs is "not built", not refused by that probe
-        probe_failed = refusal is not None and refusal.startswith("could not verify")
+        probe_failed = refusal is not None and (refusal.startswith("could not verify")
+                                                or "a probe forward of" in refusal)
         if refusal is not None and not probe_failed:
             return "refused", refusal
         try:

@@ -74,15 +74,15 @@ def reference_router(logits: Sequence[torch.Tensor], mask: torch.Tensor, *, aux:
     """``aux * load-balancing + z * router z-loss`` of one pool, float64, from the formulas."""
     x = torch.stack(list(logits))  # [L, N, E]
     p = torch.softmax(x, dim=-1)
-    sel = F.one_hot(x.topk(TOP_K, dim=-1).indices, EXPERTS).sum(-2).to(x.dtype)
+    sel = F.one_hot(x.topk(TOP_K, dim=-1).indices, x.shape[-1]).sum(-2).to(x.dtype)
     m = mask.reshape(1, -1, 1).to(x.dtype)
-    n = m.sum()
+    n, num_layers = m.sum(), x.shape[0]
     if layers == "per_layer":
-        lb = (EXPERTS * ((sel * m).sum(1) / n) * ((p * m).sum(1) / n)).sum(-1).mean()
+        lb = (x.shape[-1] * ((sel * m).sum(1) / n) * ((p * m).sum(1) / n)).sum(-1).mean()
     else:
-        f = (sel * m).sum((0, 1)) / (LAYERS * n)
-        lb = EXPERTS * (f * (p * m).sum((0, 1)) / (LAYERS * n)).sum()
-    zl = (torch.logsumexp(x, -1) ** 2 * m[..., 0]).sum() / (LAYERS * n)
+        f = (sel * m).sum((0, 1)) / (num_layers * n)
+        lb = x.shape[-1] * (f * (p * m).sum((0, 1)) / (num_layers * n)).sum()
+    zl = (torch.logsumexp(x, -1) ** 2 * m[..., 0]).sum() / (num_layers * n)
     return aux * lb + z * zl
 
 

@@ -36,7 +36,6 @@ from ...ops.chunk_driver import auto_chunk_size
 from ...ops.cross_entropy_options import CrossEntropyOptions
 from ...ops.log_probs_options import LogProbsOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike
-from ..head_config import model_configs
 from ..lm_head import shifted_targets
 from .causal_lm import CausalLMWithLoss, token_grid
 
@@ -46,33 +45,6 @@ __all__ = ["apply", "MegalossForward"]
 _TRL_FLAG = "fused_lm_head"
 _ROUTED = "_megaloss_fused_lm_head"
 _APPLIED = "_megaloss_apply"  # the model's attribute holding its MegalossForward
-
-
-def _router_loss_coefficient(model: nn.Module) -> float:
-    return max((float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0)
-                for c in model_configs(model)), default=0.0)
-
-
-def _refuse_router_loss(model: nn.Module, requested: Optional[bool]) -> None:
-    """A mixture-of-experts model adds ``router_aux_loss_coef * aux_loss`` to its loss when
-    router logits are output (``config.output_router_logits`` or the call's
-    ``output_router_logits``, ``transformers/models/mixtral/modeling_mixtral.py``,
-    ``MixtralForCausalLM.forward``); megaloss does not compute it yet, and would drop it.
-
-    Raises:
-        ValueError: router logits requested (``requested``, else the config) with a
-            coefficient > 0.
-    """
-    if requested is None:
-        requested = any(bool(getattr(c, "output_router_logits", False))
-                        for c in model_configs(model))
-    coef = _router_loss_coefficient(model)
-    if requested and coef > 0:
-        raise ValueError(
-            f"{type(model).__name__} adds a router load-balancing loss (router_aux_loss_coef="
-            f"{coef}, output_router_logits=True) to its loss, which megaloss does not compute "
-            f"yet: the patched model would silently drop it. Set output_router_logits=False (or "
-            f"router_aux_loss_coef=0) to train without it")
 
 
 def _trl_settings(forward: Any, depth: int = 0) -> Optional[Dict[str, Any]]:
@@ -184,14 +156,21 @@ class MegalossForward:
         """``model(**batch)``. With ``labels`` (or ``shift_labels``) and the model in training
         mode (or ``skip_logits=True``): the decoder, then megaloss's loss head on its last
         hidden states, returned as ``CausalLMOutputWithPast(loss=..., logits=None, cache=,
-        hidden_states=, attentions=)`` of the decoder (a tuple with ``return_dict=False``). The
+        hidden_states=, attentions=)`` of the decoder (a tuple with ``return_dict=False``); for
+        a mixture-of-experts model ``MoeCausalLMOutputWithPast`` with, when router logits are
+        output (the call's ``output_router_logits``, else the config's), the model's own
+        ``aux_loss`` and ``router_logits``, and ``router_aux_loss_coef * aux_loss`` added to
+        the loss as the model's forward adds it. The
         loss is the wrapper's reduction: by default Hugging Face's token mean,
-        ``sum / num_items_in_batch`` when the Trainer passes ``num_items_in_batch``. In eval
+        ``sum / num_items_in_batch`` when the Trainer passes ``num_items_in_batch`` (the
+        router term then added unscaled, as the model adds it). In eval
         mode (or with ``skip_logits=False``) and without labels: the model's own forward (its
         logits, and its own loss from them), as Liger-Kernel's ``skip_logits`` does.
 
         Raises:
-            ValueError: router logits requested with a router loss coefficient > 0;
+            ValueError: router logits output with a router coefficient > 0 under options
+                whose reduction is not ``"mean"``, or a router term megaloss cannot reproduce
+                (:mod:`megaloss.integrations.router_config`);
                 ``logits_to_keep`` with labels; an ``ignore_index`` other than the options'.
         """
         arguments = self._arguments(args, kwargs)
@@ -207,9 +186,10 @@ class MegalossForward:
             return self._inner(**arguments)
         return self._loss(arguments)
 
-    def _decoder(self, arguments: Dict[str, Any]):
-        """Pop the label keys, check what the loss cannot honour, run the decoder; returns
-        ``(decoder output, shifted targets, num_items_in_batch)``."""
+    def _decoder(self, arguments: Dict[str, Any], reduction: Optional[str] = None):
+        """Pop the label keys, check what the loss cannot honour, run the decoder (with router
+        logits when the call or the config outputs them); returns ``(decoder output, shifted
+        targets, num_items_in_batch, whether router logits are output, attention_mask)``."""
         wrapper = self.wrapper
         labels, shift = arguments.pop("labels", None), arguments.pop("shift_labels", None)
         num_items = arguments.pop("num_items_in_batch", None)
@@ -221,26 +201,38 @@ class MegalossForward:
         if not (isinstance(keep, int) and keep == 0):
             raise ValueError("logits_to_keep with labels: the loss covers every position; call "
                              "without labels for the kept logits")
-        _refuse_router_loss(self.model, arguments.get("output_router_logits"))
+        asked = arguments.pop("output_router_logits", None)
+        routed = wrapper.router_logits_requested(asked)
+        wrapper.check_router_loss(routed, reduction or wrapper.options.reduction)
+        wrapper.decoder_router_kwargs(routed, asked, arguments)
         input_ids = arguments.pop("input_ids", None)
         targets = shifted_targets(token_grid(input_ids, arguments), labels, shift,
                                   wrapper.ignore_index, wrapper.logit_transform.shifts_labels)
         out = wrapper.decoder(input_ids=input_ids, **arguments)
-        return out, targets, num_items
+        return out, targets, num_items, routed, arguments.get("attention_mask")
 
     def _loss(self, arguments: Dict[str, Any]) -> Any:
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
         return_dict = arguments.pop("return_dict", None)
         if return_dict is None:
             return_dict = getattr(self.model.config, "return_dict", True)
-        out, targets, num_items = self._decoder(arguments)
-        loss = self.wrapper.head_loss(out.last_hidden_state, targets,
-                                      num_items_in_batch=num_items).loss
-        names = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+        out, targets, num_items, routed, mask = self._decoder(arguments)
+        wrapper = self.wrapper
+        loss = wrapper.head_loss(out.last_hidden_state, targets,
+                                 num_items_in_batch=num_items).loss
+        moe = wrapper.router is not None
+        output_type = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
+        names = {f.name for f in dataclasses.fields(output_type)}
         rest = {k: out.get(k) for k in ("cache", "past_key_values", "hidden_states",
                                         "attentions") if k in names}
-        result = CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+        if routed:
+            # the model's own: loss += router_aux_loss_coef * aux_loss, also onto
+            # sum / num_items_in_batch (unscaled)
+            rest["router_logits"] = out.get("router_logits")
+            loss, term = wrapper.add_router_loss(loss, rest["router_logits"], mask)
+            rest["aux_loss"] = term.aux_loss
+        result = output_type(loss=loss, logits=None, **rest)
         return result if return_dict else result.to_tuple()
 
     def _fused(self, arguments: Dict[str, Any]) -> Any:
@@ -273,7 +265,7 @@ class MegalossForward:
         arguments.pop("return_dict", None)
         arguments["use_cache"] = False
         unshifted = arguments.get("labels") is not None
-        out, targets, num_items = self._decoder(arguments)
+        out, targets, num_items, routed, attention_mask = self._decoder(arguments, "mean")
         shared = {f.name for f in dataclasses.fields(LogProbsOptions)} & {
             f.name for f in dataclasses.fields(CrossEntropyOptions)}
         options = LogProbsOptions(**{k: getattr(wrapper.options, k) for k in shared},
@@ -290,7 +282,11 @@ class MegalossForward:
             fields["mean_logits"] = _mean_logits(hidden, head.weight, bias, options) * mask
         if unshifted:  # TRL's shapes: [B, T - 1] for unshifted labels
             fields = {k: v[:, :-1] for k, v in fields.items()}
-        return FusedCausalLMOutput(loss=-lp.log_probs.sum() / count, **fields)
+        loss = -lp.log_probs.sum() / count
+        if routed:  # TRL's fused loss adds the router term as the model's own loss does
+            loss, term = wrapper.add_router_loss(loss, out.get("router_logits"), attention_mask)
+            fields["aux_loss"] = term.aux_loss
+        return FusedCausalLMOutput(loss=loss, **fields)
 
 
 def _route_trl(model: nn.Module, args: tuple, kwargs: Dict[str, Any]):
@@ -325,14 +321,26 @@ def apply(model: nn.Module, *, options: Optional[CrossEntropyOptions] = None,
     without labels, ``model.generate``, ``save_pretrained`` (same state-dict keys) and the
     parameters are unchanged. Apply before wrapping the model with PEFT, DDP or FSDP.
 
+    A mixture-of-experts model keeps its router term: with router logits output (the call's
+    ``output_router_logits``, else the config's) the patched forward returns the model's
+    ``MoeCausalLMOutputWithPast`` with its own ``aux_loss`` and ``router_logits``, and adds
+    ``router_aux_loss_coef * aux_loss`` to the loss as the model does
+    (:mod:`megaloss.integrations.router_config`). Under the Hugging Face Trainer's
+    ``num_items_in_batch`` that is the model's own semantics too: the term is added unscaled
+    to ``sum / num_items_in_batch`` (so gradient accumulation adds it once per micro-batch),
+    and the Trainer's ``average_tokens_across_devices`` multiplies the whole loss, this term
+    included, by the world size (``transformers/trainer.py``, ``compute_loss``) — the model's
+    behaviour reproduced, not a calibration; megaloss's calibrated router loss comes from its
+    step.
+
     Returns:
         ``model``.
 
     Raises:
         ValueError: ``model`` already patched with other options (with none or the same, the
-            call returns ``model`` unchanged); a router loss the model would add
-            (``output_router_logits`` with ``router_aux_loss_coef > 0``: megaloss would drop
-            it); what :class:`~megaloss.integrations.hf.CausalLMWithLoss` refuses.
+            call returns ``model`` unchanged); what
+            :class:`~megaloss.integrations.hf.CausalLMWithLoss` refuses (a router term the
+            config outputs that megaloss cannot reproduce, among others).
         TypeError: as the wrapper (no base model, no ``nn.Linear`` lm_head).
     """
     done = model.__dict__.get(_APPLIED)
@@ -341,7 +349,6 @@ def apply(model: nn.Module, *, options: Optional[CrossEntropyOptions] = None,
             return model
         raise ValueError(f"model is already patched by megaloss.integrations.hf.apply with "
                          f"{done.given_options!r}; apply once")
-    _refuse_router_loss(model, None)
     wrapper = CausalLMWithLoss(model, options=options, tp_group=tp_group)
     forward = MegalossForward(model, wrapper, model.__dict__.get("forward"))
     forward.given_options = options

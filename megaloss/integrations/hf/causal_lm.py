@@ -42,6 +42,7 @@ from torch import nn
 
 from ...losses.cross_entropy import CrossEntropyOutput, linear_cross_entropy
 from ...losses.position_z_loss import linear_position_z_loss
+from ...losses.router import RouterPool
 from ...losses.vocab_parallel_embedding import VocabParallelEmbedding
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.cross_entropy_options import CrossEntropyOptions
@@ -64,6 +65,7 @@ from ..lm_head import (
 )
 from ..text_decoder import text_decoder
 from .outputs import CausalLMLossOutput
+from .router_loss import RouterLossHook
 
 __all__ = ["CausalLMWithLoss", "LinearCrossEntropyHead", "HF_MODEL_API", "causal_shift"]
 
@@ -192,9 +194,10 @@ HF_MODEL_API = frozenset({
 })
 
 
-class HeadWrapper(nn.Module):
+class HeadWrapper(RouterLossHook, nn.Module):
     """What the Hugging Face loss wrappers share (:class:`CausalLMWithLoss`,
-    :class:`~megaloss.integrations.hf.causal_lm_log_probs.CausalLMWithLogProbs`): the model's own
+    :class:`~megaloss.integrations.hf.causal_lm_log_probs.CausalLMWithLogProbs`): the model's
+    router term (:class:`~megaloss.integrations.hf.router_loss.RouterLossHook`), its own
     logit transform (``logit_transform``, from
     :func:`~megaloss.integrations.head_config.model_logit_transform`: its scale on the head, its
     soft-cap in the options), its ``nn.Linear`` lm_head replaced in place by a loss head
@@ -215,8 +218,11 @@ class HeadWrapper(nn.Module):
             ValueError: see :func:`~megaloss.integrations.head_config.model_logit_transform`
                 and :func:`~megaloss.integrations.head_config.resolve_softcapping`; a model
                 z-loss term with CE options whose reduction is not ``"mean"``
-                (:func:`z_loss_refusal`).
+                (:func:`z_loss_refusal`); the config outputs router logits and the model's
+                router term cannot be reproduced
+                (:func:`~megaloss.integrations.router_config.model_router_loss`).
         """
+        self._install_router(model)
         self.logit_transform = transform = model_logit_transform(model)
         self.options = options.replace(logit_softcapping=resolve_softcapping(
             options.logit_softcapping, transform.softcapping, "logit_softcapping"))
@@ -295,7 +301,10 @@ class CausalLMWithLoss(HeadWrapper):
         options: the CE options (:class:`~megaloss.CrossEntropyOptions`); default options when
             ``None``, whose ``reduction="mean"`` is Hugging Face's token mean
             (``num_items_in_batch`` honoured, :meth:`forward`), so the wrapper trains as the
-            model would under the Hugging Face Trainer, TRL or a plain loop. A calibrated
+            model would under the Hugging Face Trainer, TRL or a plain loop (a
+            mixture-of-experts model's router term, ``router_aux_loss_coef * aux_loss`` when
+            router logits are output, added as the model adds it:
+            :mod:`megaloss.integrations.router_config`). A calibrated
             training step (:func:`megaloss.integrations.deepspeed.initialize`, the FSDP step,
             :class:`~megaloss.integrations.hf.trainer.MegalossTrainer`) weights the tokens itself
             and needs ``reduction="sum"``: pass ``MegalossConfig.ce.options()`` (those steps
@@ -326,7 +335,8 @@ class CausalLMWithLoss(HeadWrapper):
             reproduce (found by a probe forward,
             :func:`~megaloss.integrations.head_config.model_logit_transform`), or cuts them;
             ``options.logit_softcapping`` set and different from the model's own soft-cap; a
-            model z-loss term with a reduction other than ``"mean"``.
+            model z-loss term with a reduction other than ``"mean"``; the config outputs router
+            logits and the model's router term cannot be reproduced (the reason).
         TypeError: TP > 1 with a tied input embedding that is neither an ``nn.Embedding`` nor
             one with an ``embed_scale`` (Gemma 3's scaled embedding): its forward is unknown.
 
@@ -353,9 +363,10 @@ class CausalLMWithLoss(HeadWrapper):
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
                 loss_weights: Optional[torch.Tensor] = None,
-                num_items_in_batch: Any = None, **kwargs: Any) -> Any:
-        """With labels: decoder, then the fused CE of its last hidden states. Without: the
-        wrapped model's own forward.
+                num_items_in_batch: Any = None, output_router_logits: Optional[bool] = None,
+                router_loss: Optional[RouterPool] = None, **kwargs: Any) -> Any:
+        """With labels: decoder, then the fused CE of its last hidden states (plus the model's
+        router term). Without: the wrapped model's own forward.
 
         Args:
             input_ids: ``[B, T]`` int64 (or ``inputs_embeds=[B, T, H]`` among ``kwargs``).
@@ -372,6 +383,19 @@ class CausalLMWithLoss(HeadWrapper):
                 ``average_tokens_across_devices``, over the ranks): with ``reduction="mean"``
                 the loss is ``sum_t w_t l_t / num_items_in_batch``, as ``transformers``'
                 ``ForCausalLMLoss`` computes it; ``None``: the micro-batch's token mean.
+            output_router_logits: a mixture-of-experts model's router logits for this call;
+                ``None``: the config's ``output_router_logits``. When output, the loss adds
+                ``router_aux_loss_coef * aux_loss`` as the model's own forward does (its
+                ``load_balancing_loss_func`` on the router logits and ``attention_mask``,
+                :meth:`router_loss`; added to ``sum / num_items_in_batch`` unscaled, as the
+                model does), and the output carries ``aux_loss`` and ``router_logits``.
+            router_loss: the calibrated step's router pool
+                (:class:`megaloss.losses.router.RouterPool`, from
+                :mod:`megaloss.integrations.step.router`): megaloss's calibrated router losses
+                on the decoder's router logits *replace* the model's own term; the output's
+                ``router`` holds them (:class:`megaloss.losses.router.RouterLossOutput`). A
+                statistics-only pool (the ``"step"`` scope's pre-pass) returns this rank's
+                :class:`~megaloss.losses.router.RouterStatistics` and needs no labels.
             **kwargs: passed to the decoder (``inputs_embeds``, ``pixel_values`` of a
                 vision-language model, ...), or to the wrapped model without labels
                 (``use_cache`` defaults to ``False`` with labels).
@@ -381,24 +405,64 @@ class CausalLMWithLoss(HeadWrapper):
             (``out.loss`` / ``out["loss"]`` / ``out[0]``; ``logits`` ``None``) under the
             wrapper's options: by default Hugging Face's token mean (fp32, fp64 for a fp64
             model, differentiable, z-loss included), ``z_loss`` its z-loss part (no grad),
-            ``num_valid_tokens`` and ``num_correct_tokens`` after the shift. Without labels,
+            ``num_valid_tokens`` and ``num_correct_tokens`` after the shift, ``aux_loss`` and
+            ``router_logits`` when router logits are output. Without labels,
             what the wrapped model returns (its ``CausalLMOutputWithPast`` with logits).
 
         Raises:
             ValueError: both ``labels`` and ``shift_labels``; labels of another shape than the
                 tokens; ``loss_weights`` / ``num_items_in_batch`` without labels;
-                ``num_items_in_batch`` with a reduction other than ``"mean"``.
+                ``num_items_in_batch`` with a reduction other than ``"mean"``; router logits
+                output with a router coefficient > 0 under a reduction other than ``"mean"``
+                or with ``loss_weights`` (the model's per-micro-batch term has no exact place
+                there: megaloss's calibrated router loss, ``router_loss=`` of the calibrated
+                step, or ``output_router_logits=False``), or a router term megaloss cannot
+                reproduce.
         """
+        pooled = self.pool_router_kwargs(router_loss, kwargs)
+        if pooled and router_loss.statistics_only:  # the "step" scope's routing pre-pass
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, **kwargs)
+            return self.pool_router_loss(router_loss, out.router_logits, attention_mask,
+                                         position_ids)
         if labels is None and shift_labels is None:
+            if pooled:
+                raise ValueError("router_loss= (the calibrated step's router pool) needs "
+                                 "labels or shift_labels")
+            if output_router_logits is not None:
+                kwargs["output_router_logits"] = output_router_logits
             return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs,
                                loss_weights=loss_weights, num_items_in_batch=num_items_in_batch)
         targets = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
                                   self.ignore_index, self.logit_transform.shifts_labels)
+        if pooled:
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, **kwargs)
+            result = self.head_loss(out.last_hidden_state, targets, loss_weights=loss_weights,
+                                    num_items_in_batch=num_items_in_batch)
+            router = self.pool_router_loss(router_loss, out.router_logits, attention_mask,
+                                           position_ids)
+            return CausalLMLossOutput(
+                loss=result.loss + router.loss.to(result.loss.dtype), z_loss=result.z_loss,
+                num_valid_tokens=result.num_valid_tokens,
+                num_correct_tokens=result.num_correct_tokens, router_logits=out.router_logits,
+                router=router)
+        routed = self.router_logits_requested(output_router_logits)
+        self.check_router_loss(routed, self.options.reduction, loss_weights)
         kwargs.setdefault("use_cache", False)
+        self.decoder_router_kwargs(routed, output_router_logits, kwargs)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids, **kwargs)
-        return self.head_loss(out.last_hidden_state, targets, loss_weights=loss_weights,
-                              num_items_in_batch=num_items_in_batch)
+        result = self.head_loss(out.last_hidden_state, targets, loss_weights=loss_weights,
+                                num_items_in_batch=num_items_in_batch)
+        if routed:
+            router_logits = getattr(out, "router_logits", None)
+            loss, term = self.add_router_loss(result.loss, router_logits, attention_mask)
+            result = CausalLMLossOutput(
+                loss=loss, z_loss=result.z_loss, num_valid_tokens=result.num_valid_tokens,
+                num_correct_tokens=result.num_correct_tokens, aux_loss=term.aux_loss,
+                router_logits=router_logits)
+        return result
 
     def head_loss(self, hidden_states: torch.Tensor, shift_labels: torch.Tensor, *,
                   loss_weights: Optional[torch.Tensor] = None,

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ...losses.log_probs import linear_log_probs
+from ...losses.router import RouterPool
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.log_probs_options import LogProbsOptions
 from ...parallel.groups import SINGLE_RANK, GroupLike
@@ -30,6 +31,7 @@ from ..lm_head import (
     wrapper_options,
 )
 from .causal_lm import HeadWrapper, own_forward, token_grid
+from .outputs import MoeLogProbsOutput
 
 __all__ = ["CausalLMWithLogProbs", "LinearLogProbsHead"]
 
@@ -92,6 +94,10 @@ class CausalLMWithLogProbs(HeadWrapper):
             (:mod:`megaloss.integrations.head_config`), so the log-probs are those of
             ``log_softmax(model(input_ids).logits / temperature)``. A model z-loss term
             (Bamba's) belongs to its training loss, not to its distribution: not added here.
+            A mixture-of-experts model's router term has no loss here to join: with router
+            logits output the outputs carry the model's ``aux_loss`` (:meth:`forward`) for
+            the caller's loss to add ``router_aux_loss_coef * aux_loss``, as TRL's trainers
+            do with a model's own output.
         tp_group: tensor-parallel group (``Topology.tp_group``); default
             :data:`~megaloss.parallel.SINGLE_RANK`; ``None`` is torch's default group. With size
             > 1 the lm_head is split over the vocabulary as in
@@ -141,7 +147,9 @@ class CausalLMWithLogProbs(HeadWrapper):
                 shift_labels: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
-                return_entropy: Optional[bool] = None, **kwargs: Any) -> Any:
+                return_entropy: Optional[bool] = None,
+                output_router_logits: Optional[bool] = None,
+                router_loss: Optional[RouterPool] = None, **kwargs: Any) -> Any:
         """Decoder, then the chunked log-probs of its last hidden states; without labels, the
         wrapped model's own forward (its logits).
 
@@ -154,6 +162,15 @@ class CausalLMWithLogProbs(HeadWrapper):
                 position ``t``), instead of ``labels``.
             attention_mask, position_ids: passed to the decoder (``[B, T]``).
             return_entropy: this call's ``options.return_entropy``; ``None``: the options'.
+            output_router_logits: a mixture-of-experts model's router logits for this call
+                (``None``: its config's); when output, the outputs carry its ``aux_loss``
+                (:meth:`router_loss`) and ``router_logits``.
+            router_loss: the calibrated step's router pool
+                (:class:`megaloss.losses.router.RouterPool`): the output's ``router`` holds
+                megaloss's calibrated router losses on the router logits
+                (:class:`megaloss.losses.router.RouterLossOutput`), which the caller's loss
+                adds (the calibrated step's NLL does); a statistics-only pool returns this
+                rank's :class:`~megaloss.losses.router.RouterStatistics`.
             **kwargs: passed to the decoder (``use_cache`` defaults to ``False``), or to the
                 model without labels.
 
@@ -161,25 +178,56 @@ class CausalLMWithLogProbs(HeadWrapper):
             :class:`megaloss.LogProbsOutput` of shape ``[B, T]``, aligned with the shifted
             targets: ``log_probs`` of ``softmax(softcap(z) / temperature)`` (fp32, fp64 for a
             fp64 model; 0 where no target), ``entropy`` (``None`` unless asked), ``lse``,
-            ``greedy_match``.
+            ``greedy_match``; with router logits output, a
+            :class:`~megaloss.integrations.hf.outputs.MoeLogProbsOutput` (the same fields,
+            then the model's own ``aux_loss``, unscaled and differentiable, and
+            ``router_logits``): a loss that trains the model adds
+            ``wrapper.router_aux_loss_coef * out.aux_loss``, as the model's own loss does.
 
             Without labels, what the wrapped model returns.
 
         Raises:
             ValueError: both ``labels`` and ``shift_labels``; a shape other than that of
-                ``input_ids``; a label outside the vocabulary.
+                ``input_ids``; a label outside the vocabulary; router logits output for a
+                model whose router term megaloss cannot reproduce.
         """
+        pooled = self.pool_router_kwargs(router_loss, kwargs)
+        if pooled and router_loss.statistics_only:  # the "step" scope's routing pre-pass
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, **kwargs)
+            return self.pool_router_loss(router_loss, out.router_logits, attention_mask,
+                                         position_ids)
         if labels is None and shift_labels is None:
+            if pooled:
+                raise ValueError("router_loss= (the calibrated step's router pool) needs "
+                                 "labels or shift_labels")
+            if output_router_logits is not None:
+                kwargs["output_router_logits"] = output_router_logits
             return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs)
         targets = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
                                   self.ignore_index, self.logit_transform.shifts_labels)
         options = self.options
         if return_entropy is not None and return_entropy != options.return_entropy:
             options = options.replace(return_entropy=return_entropy)
+        routed = pooled or self.router_logits_requested(output_router_logits)
+        if routed and not pooled and self.router.refusal is not None:
+            raise ValueError(self.router.refusal)
         kwargs.setdefault("use_cache", False)
+        if not pooled:
+            self.decoder_router_kwargs(routed, output_router_logits, kwargs)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids, **kwargs)
-        return self.head(out.last_hidden_state, targets, options=options)
+        result = self.head(out.last_hidden_state, targets, options=options)
+        if not routed:
+            return result
+        router_logits = getattr(out, "router_logits", None)
+        if pooled:
+            router = self.pool_router_loss(router_loss, router_logits, attention_mask,
+                                           position_ids)
+            return MoeLogProbsOutput(*result, aux_loss=None, router_logits=router_logits,
+                                     router=router)
+        term = self.router_loss(router_logits, attention_mask)
+        return MoeLogProbsOutput(*result, aux_loss=term.aux_loss, router_logits=router_logits)
 
     def extra_repr(self) -> str:
         return (f"tp_size={self.tp_size}, vocab_size={self.vocab_size}, tied={self.tied}, "

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ...losses.distillation import linear_distillation_loss
+from ...losses.router import RouterPool
 from ...losses.vocab_parallel import vocab_shard_range
 from ...losses.vocab_parallel_head import VocabParallelLMHead
 from ...ops.cross_entropy_options import CrossEntropyOptions
@@ -42,6 +43,8 @@ from ..lm_head import (
 )
 from ..text_decoder import text_decoder
 from .causal_lm import own_forward, token_grid
+from .outputs import MoeDistillationOutput
+from .router_loss import RouterLossHook
 
 __all__ = ["CausalLMWithDistillation", "LinearDistillationHead"]
 
@@ -113,7 +116,7 @@ def _refuse_sharded_teacher(teacher: nn.Module) -> None:
         "pass its top-k per batch (teacher_topk_ids / teacher_topk_log_probs)")
 
 
-class CausalLMWithDistillation(nn.Module):
+class CausalLMWithDistillation(RouterLossHook, nn.Module):
     """Wrap a ``transformers`` ``*ForCausalLM`` student: forward = student decoder + (teacher
     decoder, no grad) + the chunked distillation loss of both lm_heads.
 
@@ -135,7 +138,10 @@ class CausalLMWithDistillation(nn.Module):
             (:mod:`megaloss.integrations.head_config`: ``logit_transform`` and
             ``teacher_logit_transform``), so both distributions are those the models' forwards
             give. A z-loss term of either model's own loss (Bamba's) is not part of its
-            distribution and is not added.
+            distribution and is not added. A mixture-of-experts student's router term
+            (``router_aux_loss_coef * aux_loss`` when its router logits are output,
+            :mod:`megaloss.integrations.router_config`) is added under ``reduction="mean"``
+            as the student's own loss adds it (:meth:`forward`).
         tp_group: tensor-parallel group; with size > 1 both lm_heads are split over the
             vocabulary (the student's as a :class:`megaloss.VocabParallelLMHead`, tagged
             ``tensor_model_parallel``; the teacher's rows sliced per call).
@@ -147,7 +153,8 @@ class CausalLMWithDistillation(nn.Module):
             a model whose forward transforms its logits in a way megaloss does not reproduce
             (:func:`~megaloss.integrations.head_config.model_logit_transform`); a soft-cap of
             the options set and different from that model's own; a teacher already sharded by
-            FSDP2.
+            FSDP2; the student's config outputs router logits and its router term cannot be
+            reproduced.
     """
 
     def __init__(self, model: nn.Module, teacher: Optional[nn.Module] = None, *,
@@ -156,6 +163,7 @@ class CausalLMWithDistillation(nn.Module):
         super().__init__()
         lm_head = linear_lm_head(model)
         options = wrapper_options(options, DistillationOptions, "mean")
+        self._install_router(model)
         self.logit_transform = model_logit_transform(model, "student")
         caps = {"logit_softcapping": resolve_softcapping(
             options.logit_softcapping, self.logit_transform.softcapping, "logit_softcapping",
@@ -236,9 +244,11 @@ class CausalLMWithDistillation(nn.Module):
                 loss_weights: Optional[torch.Tensor] = None,
                 teacher_topk_ids: Optional[torch.Tensor] = None,
                 teacher_topk_log_probs: Optional[torch.Tensor] = None,
-                num_items_in_batch: Any = None, **kwargs: Any) -> Any:
-        """Student decoder, teacher (module or top-k), then the chunked distillation loss; without
-        labels, the student's own forward (its logits).
+                num_items_in_batch: Any = None, output_router_logits: Optional[bool] = None,
+                router_loss: Optional[RouterPool] = None,
+                **kwargs: Any) -> Any:
+        """Student decoder, teacher (module or top-k), then the chunked distillation loss (plus
+        the student's router term); without labels, the student's own forward (its logits).
 
         Args:
             input_ids: ``[B, T]`` int64 (or ``inputs_embeds`` among ``kwargs``).
@@ -252,19 +262,46 @@ class CausalLMWithDistillation(nn.Module):
                 over the token at ``t + 1``), only without a teacher module.
             num_items_in_batch: with ``reduction="mean"``, the divisor of the token sums
                 (Hugging Face's, as in :meth:`megaloss.integrations.hf.CausalLMWithLoss.forward`).
+            output_router_logits: a mixture-of-experts student's router logits for this call
+                (``None``: its config's). When output, ``loss`` adds the student's
+                ``router_aux_loss_coef * aux_loss`` as its own forward adds it to its loss
+                (:meth:`router_loss`); the teacher runs with its own config.
+            router_loss: the calibrated step's router pool
+                (:class:`megaloss.losses.router.RouterPool`): megaloss's calibrated router
+                losses on the student's router logits replace its own term (in ``loss``; the
+                output's ``router``), as in :meth:`CausalLMWithLoss.forward
+                <megaloss.integrations.hf.CausalLMWithLoss.forward>`.
             **kwargs: passed to both decoders (``use_cache`` defaults to ``False``).
 
         Returns:
             :class:`megaloss.DistillationOutput` under the wrapper's options (``loss``,
-            ``divergence`` and ``ce_loss`` reduced alike); without labels, the student's output.
+            ``divergence`` and ``ce_loss`` reduced alike); with the student's router logits
+            output, a :class:`~megaloss.integrations.hf.outputs.MoeDistillationOutput` (the
+            same fields, ``loss`` with the router term, then ``aux_loss`` and
+            ``router_logits``); without labels, the student's output.
 
         Raises:
             ValueError: both ``labels`` / ``shift_labels``; a top-k teacher together with a
                 teacher module, or neither; ``loss_weights`` / ``num_items_in_batch`` without
                 labels; ``num_items_in_batch`` with a reduction other than ``"mean"``; shapes
-                (from the loss).
+                (from the loss); router logits output with a router coefficient > 0 under a
+                reduction other than ``"mean"`` or with ``loss_weights`` (megaloss's
+                calibrated router loss, ``router_loss=`` of the calibrated step, or
+                ``output_router_logits=False``), or a router term megaloss cannot reproduce.
         """
+        student = {}  # the student decoder's router arguments (the teacher runs as configured)
+        pooled = self.pool_router_kwargs(router_loss, student)
+        if pooled and router_loss.statistics_only:  # the "step" scope's routing pre-pass
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, **{**kwargs, **student})
+            return self.pool_router_loss(router_loss, out.router_logits, attention_mask,
+                                         position_ids)
         if labels is None and shift_labels is None:
+            if pooled:
+                raise ValueError("router_loss= (the calibrated step's router pool) needs "
+                                 "labels or shift_labels")
+            if output_router_logits is not None:
+                kwargs["output_router_logits"] = output_router_logits
             return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs,
                                loss_weights=loss_weights, num_items_in_batch=num_items_in_batch)
         target = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
@@ -274,18 +311,37 @@ class CausalLMWithDistillation(nn.Module):
         if (self.teacher is not None) == topk:
             raise ValueError("give the teacher either as the wrapper's teacher module or as "
                              "teacher_topk_ids / teacher_topk_log_probs per batch (one of them)")
+        routed = pooled or self.router_logits_requested(output_router_logits)
+        if not pooled:
+            self.check_router_loss(routed, self.options.reduction, loss_weights)
         if topk:
             teacher = dict(teacher_topk_ids=teacher_topk_ids,
                            teacher_topk_log_probs=teacher_topk_log_probs)
         else:
             teacher = self._teacher_inputs(input_ids, attention_mask, position_ids, kwargs)
+        if pooled:
+            kwargs.update(student)
+        else:
+            self.decoder_router_kwargs(routed, output_router_logits, kwargs)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids, **kwargs)
         hidden = out.last_hidden_state
         weights = head_loss_weights(
             target, self.ignore_index, self.options.reduction, loss_weights, num_items_in_batch,
             torch.float64 if hidden.dtype == torch.float64 else torch.float32)
-        return self.head(hidden, target, loss_weights=weights, **teacher)
+        result = self.head(hidden, target, loss_weights=weights, **teacher)
+        if not routed:
+            return result
+        router_logits = getattr(out, "router_logits", None)
+        if pooled:
+            router = self.pool_router_loss(router_loss, router_logits, attention_mask,
+                                           position_ids)
+            loss = result.loss + router.loss.to(result.loss.dtype)
+            return MoeDistillationOutput(*result._replace(loss=loss), aux_loss=None,
+                                         router_logits=router_logits, router=router)
+        loss, term = self.add_router_loss(result.loss, router_logits, attention_mask)
+        return MoeDistillationOutput(*result._replace(loss=loss), aux_loss=term.aux_loss,
+                                     router_logits=router_logits)
 
     def extra_repr(self) -> str:
         return (f"tp_size={self.tp_size}, vocab_size={self.vocab_size}, "

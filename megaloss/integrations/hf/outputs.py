@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from functools import partial
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["DictOutput", "CausalLMLossOutput"]
+__all__ = ["DictOutput", "CausalLMLossOutput", "MoeDistillationOutput", "MoeLogProbsOutput"]
 
 
 def _flatten(out: "DictOutput") -> Tuple[List[Any], List[str]]:
@@ -91,6 +91,14 @@ class CausalLMLossOutput(DictOutput):
         z_loss: the z-loss part of ``loss``, same reduction, no gradient.
         num_valid_tokens: int64 scalar, shifted targets that are not ``ignore_index``.
         num_correct_tokens: int64 scalar, valid tokens whose label has the largest logit.
+        aux_loss: with router logits output (a mixture-of-experts model), the model's own
+            load-balancing loss (unscaled, as ``MoeCausalLMOutputWithPast.aux_loss``;
+            ``loss`` includes ``router_aux_loss_coef * aux_loss``); else ``None``.
+        router_logits: with router logits output, the decoder's (one ``[B * T, E]`` tensor per
+            MoE layer); else ``None``.
+        router: with the calibrated step's ``router_loss=`` pool, megaloss's router losses
+            (a :class:`megaloss.losses.router.RouterLossOutput`; ``loss`` includes its
+            ``loss``); else ``None``.
     """
 
     loss: Optional[torch.Tensor] = None
@@ -98,3 +106,44 @@ class CausalLMLossOutput(DictOutput):
     z_loss: Optional[torch.Tensor] = None
     num_valid_tokens: Optional[torch.Tensor] = None
     num_correct_tokens: Optional[torch.Tensor] = None
+    aux_loss: Optional[torch.Tensor] = None
+    router_logits: Optional[Tuple[torch.Tensor, ...]] = None
+    router: Optional[Any] = None
+
+
+class MoeDistillationOutput(NamedTuple):
+    """:class:`~megaloss.integrations.hf.CausalLMWithDistillation`'s output when the student
+    outputs router logits: :class:`megaloss.DistillationOutput`'s fields (``loss`` includes
+    the student's ``router_aux_loss_coef * aux_loss``), then ``aux_loss`` (the student's own
+    load-balancing loss, unscaled; ``None`` when its forward adds none) and ``router_logits``
+    (the student decoder's, one ``[B * T, E]`` tensor per MoE layer); with the calibrated
+    step's ``router_loss=`` pool, ``aux_loss`` is ``None`` and ``router`` holds megaloss's
+    router losses (:class:`megaloss.losses.router.RouterLossOutput`, in ``loss``)."""
+
+    loss: torch.Tensor
+    divergence: torch.Tensor
+    ce_loss: torch.Tensor
+    num_top1_matches: torch.Tensor
+    num_valid_tokens: torch.Tensor
+    aux_loss: Optional[torch.Tensor]
+    router_logits: Optional[Tuple[torch.Tensor, ...]]
+    router: Optional[Any] = None
+
+
+class MoeLogProbsOutput(NamedTuple):
+    """:class:`~megaloss.integrations.hf.CausalLMWithLogProbs`'s output when the model outputs
+    router logits: :class:`megaloss.LogProbsOutput`'s fields, then ``aux_loss`` (the model's
+    own load-balancing loss, unscaled and differentiable; the model's loss would add
+    ``router_aux_loss_coef * aux_loss``, which the caller's loss adds: the wrapper's
+    ``router_aux_loss_coef``) and ``router_logits`` (one ``[B * T, E]`` tensor per MoE
+    layer); with the calibrated step's ``router_loss=`` pool, ``aux_loss`` is ``None`` and
+    ``router`` holds megaloss's router losses (:class:`megaloss.losses.router.RouterLossOutput`:
+    the caller's loss adds its ``loss``)."""
+
+    log_probs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    lse: torch.Tensor
+    greedy_match: torch.Tensor
+    aux_loss: Optional[torch.Tensor]
+    router_logits: Optional[Tuple[torch.Tensor, ...]]
+    router: Optional[Any] = None

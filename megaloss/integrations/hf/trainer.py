@@ -131,8 +131,10 @@ from ...calibration.calibrator import LossCalibrator, StepCalibration
 from ...calibration.deepspeed_scale import engine_reduce_group
 from ...calibration.engine_scale import EngineScale
 from ...calibration.weights import LOSS_REDUCTIONS, loss_weight_dtype, raw_token_weights
+from ...losses.router_options import RouterLossOptions
 from ...ops.labels import causal_shift
 from ...ops.validation import is_dtensor
+from ...parallel.comm import all_reduce_max_
 from ...parallel.groups import SINGLE_RANK, group_ranks, group_size
 from ...parallel.topology import Topology
 from ..config import MegalossConfig, ds_config_autotp_size, load_megaloss_config
@@ -160,10 +162,14 @@ class TrainerCausalLMLoss(LanguageModelLoss):
     (Hugging Face's unshifted ``labels`` or ``shift_labels``, tensors or lists), moved to the
     Trainer's ``device``; ``position_ids`` mark packed samples; a step with no batch left on
     this rank still calibrated (its all-reduce entered with one ignored label); a micro-batch's
-    stats are its CE and z-loss parts (float64, CPU) for the Trainer's logs."""
+    stats are its CE and z-loss parts (float64, CPU) for the Trainer's logs. ``router``: the
+    router losses of a mixture-of-experts model (the ``megaloss.router`` section), every rank
+    of the step then holding the same number of micro-batches (checked with the calibration's
+    collective: a pool's all-reduce inside the forward must be entered by every rank)."""
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
+    def __init__(self, device: torch.device,
+                 router: Optional[RouterLossOptions] = None) -> None:
+        super().__init__(router=router)
         self.device = device
 
     def check(self, i: int, mb: Mapping[str, Any], topology: Topology) -> None:
@@ -177,6 +183,8 @@ class TrainerCausalLMLoss(LanguageModelLoss):
         shifted = [torch.as_tensor(b["shift_labels"]).to(device) if "shift_labels" in b else
                    causal_shift(torch.as_tensor(b["labels"]).to(device), ignore)
                    for b in micro_batches]
+        if self.router is not None:
+            _same_count_on_every_rank(len(micro_batches), calibrator.topology, device)
         if not shifted:
             return calibrator.begin_step([torch.full((1,), ignore, dtype=torch.long,
                                                      device=device)])
@@ -186,8 +194,29 @@ class TrainerCausalLMLoss(LanguageModelLoss):
         return calibrator.begin_step(shifted, position_ids=positions)
 
     def loss(self, forward, step: StepCalibration, i: int, mb: Mapping[str, Any]):
-        loss, z = super().loss(forward, step, i, mb)  # z: the z-loss part, float64 [1]
-        return loss, torch.cat([loss.detach().double().reshape(1) - z, z]).cpu()
+        # z: the z-loss part, float64 [1]; router: the router losses' figures (their part of
+        # the loss last), which the CE part excludes
+        loss, (z, router) = super().loss(forward, step, i, mb)
+        ce = loss.detach().double().reshape(1) - z
+        if router is not None:
+            ce = ce - router[0][3]
+        return loss, torch.cat([ce, z]).cpu()
+
+
+def _same_count_on_every_rank(count: int, topology: Topology, device: torch.device) -> None:
+    """Router losses all-reduce inside each micro-batch's forward: every rank must hold the
+    same number of micro-batches (the Trainer's last window may not).
+
+    Raises:
+        ValueError: on every rank alike, when the counts differ.
+    """
+    counts = torch.tensor([count, -count], dtype=torch.float64, device=device)
+    all_reduce_max_(counts, topology.dp_sp_group)
+    if int(counts[0]) != -int(counts[1]):
+        raise ValueError(f"the ranks hold between {-int(counts[1])} and {int(counts[0])} "
+                         f"micro-batches in this step: router losses need the same number on "
+                         f"every rank (drop the last incomplete window: dataloader_drop_last="
+                         f"True)")
 
 
 def megaloss_config_from_args(args: Any) -> MegalossConfig:
@@ -572,7 +601,10 @@ class MegalossTrainer(Trainer):
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
-        self._step = CalibratedStep(TrainerCausalLMLoss(device), self._calibrator(), batches,
+        router = self.megaloss_config.router
+        router = None if router is None else router.options()
+        self._step = CalibratedStep(TrainerCausalLMLoss(device, router), self._calibrator(),
+                                    batches,
                                     allow_empty=True)
         calibration = self._step.calibration
         for i, b in enumerate(batches):

@@ -214,7 +214,7 @@ class LanguageModelLoss(StepLoss):
         out = forward(inputs.pop("input_ids"), shift_labels=step.local_labels(i),
                       loss_weights=step.weights(i), **self._router_kwargs(step), **inputs)
         router = None if self.router is None else router_stats(_router_output(out))
-        if isinstance(out, DistillationOutput):
+        if _is_distillation(out):
             return out.loss, (_distillation_sums(out), router)
         return out.loss, (out.z_loss.detach().to(torch.float64).reshape(1), router)
 
@@ -245,6 +245,12 @@ class LanguageModelLoss(StepLoss):
             router_aux_loss=m.get("router_aux_loss"),
             router_seq_aux_loss=m.get("router_seq_aux_loss"),
             router_z_loss=m.get("router_z_loss"), expert_load_max=m.get("expert_load_max"))
+
+
+def _is_distillation(out: Any) -> bool:
+    """A distillation module's output (a :class:`megaloss.DistillationOutput`, or a
+    mixture-of-experts student's with its router fields after the same ones)."""
+    return isinstance(out, DistillationOutput) or hasattr(out, "divergence")
 
 
 def _router_output(out: Any) -> Any:
@@ -283,7 +289,7 @@ def evaluate_lm(forward: Callable[..., Any], batches: Iterable[Mapping[str, torc
                                              topology.sp_rank, topology.sp_size, ignore_index)
         inputs = model_inputs(mb, topology)
         out = forward(inputs.pop("input_ids"), shift_labels=labels, **inputs)
-        if isinstance(out, DistillationOutput):  # the student's own CE (its hard-label part)
+        if _is_distillation(out):  # the student's own CE (its hard-label part)
             sums[0] += out.ce_loss.to(torch.float64)
         else:
             sums[0] += (out.loss - out.z_loss).to(torch.float64)

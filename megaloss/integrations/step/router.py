@@ -78,9 +78,10 @@ def step_statistics(options: RouterLossOptions, topology: Topology,
 
 def router_stats(out: RouterLossOutput) -> Tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch's router figures to reduce at the step's end (float64): the shares of
-    the three terms ``[3]`` and this rank's expert counts ``[L, E]``."""
-    return (torch.stack([out.aux_loss, out.seq_aux_loss, out.z_loss]).to(torch.float64),
-            out.local.counts)
+    the three terms and of their weighted sum (the part of the loss) ``[4]``, and this rank's
+    expert counts ``[L, E]``."""
+    terms = torch.stack([out.aux_loss, out.seq_aux_loss, out.z_loss, out.loss.detach()])
+    return terms.to(torch.float64), out.local.counts
 
 
 def router_metrics(stats: Sequence[Tuple[torch.Tensor, torch.Tensor]],
@@ -94,7 +95,7 @@ def router_metrics(stats: Sequence[Tuple[torch.Tensor, torch.Tensor]],
     terms = sum(t for t, _ in stats)
     counts = sum(c for _, c in stats)
     flat = all_reduce_sum_(torch.cat([terms, counts.reshape(-1)]), topology.dp_sp_group)
-    counts = flat[3:].reshape(counts.shape)
+    counts = flat[4:].reshape(counts.shape)
     load = counts.max(-1).values / counts.mean(-1).clamp_min(1e-30)
     return {"router_aux_loss": float(flat[0]), "router_seq_aux_loss": float(flat[1]),
             "router_z_loss": float(flat[2]), "expert_load_max": float(load.max())}

@@ -47,6 +47,15 @@ Reports (rank 0: a table; ``summary.json``; ``plot.png``; each run's ``metrics.c
   same experts (an unbalanced router raises every domain's share; the lift is what a domain
   concentrates beyond that) (:mod:`launch.jobs.expert_routing`).
 
+``--mtp D`` adds DeepSeek-V3's multi-token prediction (arXiv:2412.19437, sec. 2.2) to every run:
+``D`` depths (:mod:`launch.jobs.mtp_module`, each one decoder layer of the model's class) whose
+cross-entropies go through the shared lm_head, chunked, each calibrated over the global batch
+with its own token count, weighted ``--mtp_scaling / D``
+(:func:`megaloss.losses.multi_token.multi_token_prediction_loss`,
+:class:`launch.jobs.mtp_lm.CausalLMWithMTP`); each depth's CE per step goes to ``metrics.csv``
+(``mtp_loss_depth<k>``) and the last step's to the table. The held-out CE stays the main
+model's.
+
 Each run is a run of the job runner (:func:`launch.jobs.runner.train_run`, :class:`ScopeRun`).
 A stop signal ends the job after the run in progress has saved and written its outputs
 (``"stopped"`` in ``summary.json``); the job does not resume (rerun with ``--overwrite``).
@@ -155,7 +164,13 @@ class ScopeRun(LMJob):
     def step(self, step: int) -> Dict[str, Any]:
         from megaloss.integrations.deepspeed import train_step
 
-        return train_step(self.me, next(self.batches)).as_dict()
+        row = train_step(self.me, next(self.batches)).as_dict()
+        if self.args.mtp:  # each depth's global CE mean: its parts summed over micro-batches
+            from megaloss.parallel.comm import all_reduce_sum_
+
+            sums = all_reduce_sum_(self.module.take_depth_sums(), self.topo.dp_group)
+            row.update({f"mtp_loss_depth{k}": float(v) for k, v in enumerate(sums, start=1)})
+        return row
 
     def evaluate(self) -> Dict[str, Any]:
         from megaloss.integrations.deepspeed import evaluate
@@ -182,7 +197,10 @@ class ScopeRun(LMJob):
                 "router": self.ml.router.options().as_dict(),
                 "first_router_aux_loss": rows[0]["router_aux_loss"] if rows else None,
                 "last_router_aux_loss": rows[-1]["router_aux_loss"] if rows else None,
-                "last_expert_load_max": rows[-1]["expert_load_max"] if rows else None}
+                "last_expert_load_max": rows[-1]["expert_load_max"] if rows else None,
+                "mtp_depths": self.args.mtp,
+                "last_mtp_losses": [rows[-1][f"mtp_loss_depth{k}"]
+                                    for k in range(1, self.args.mtp + 1)] if rows else None}
 
     def plot_title(self, summary: Dict[str, Any]) -> str:
         return f"megaloss MoE: router loss scope {self.scope}"
@@ -244,7 +262,12 @@ class MoEComparison:
 
         model, self.cfg = build_qwen3_moe(self.args, self.vocab)
         self.n_params = sum(p.numel() for p in model.parameters())
-        return CausalLMWithLoss(model, options=self.ml.ce.options(), tp_group=self.topo.tp_group)
+        lm = CausalLMWithLoss(model, options=self.ml.ce.options(), tp_group=self.topo.tp_group)
+        if not self.args.mtp:
+            return lm
+        from launch.jobs.mtp_lm import CausalLMWithMTP
+
+        return CausalLMWithMTP(lm, self.args.mtp, self.args.mtp_scaling)
 
     def train(self, scope: str) -> bool:
         """Run ``scope``, then its routing figures; whether it was stopped. Collective."""
@@ -347,6 +370,9 @@ def table_rows(summary: Dict[str, Any]) -> List[tuple]:
                         "{:.3f}".format))
     rows.append(row("specialisation: mean",
                     lambda r: r["routing"]["specialisation_mean"], "{:.3f}".format))
+    for k in range(1, max((r.get("mtp_depths") or 0 for r in runs), default=0) + 1):
+        rows.insert(3 + k, row(f"MTP depth {k} CE, last step",
+                           lambda r, k=k: r["last_mtp_losses"][k - 1], "{:.4f}".format))
     rows.append(row("lift over the corpus: mean", lambda r: r["routing"]["lift_mean"],
                     "{:+.3f}".format))
     return rows
@@ -414,8 +440,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "folders of --eval_data / --train_data)")
     g.add_argument("--domain_blocks", type=int, default=32,
                    help="held-out blocks per domain (at most, evenly spaced)")
-    # MTP hook: --mtp (multi-token prediction and its per-depth losses) goes here once
-    # megaloss.losses.multi_token and launch/jobs/mtp_module.py are in main.
+    g.add_argument("--mtp", type=int, default=0, metavar="D",
+                   help="multi-token prediction (DeepSeek-V3): D extra depths, each one MoE "
+                        "layer predicting a token further ahead through the shared lm_head, "
+                        "calibrated per depth (launch/jobs/mtp_lm.py); their CE per step in "
+                        "metrics.csv (0: off)")
+    g.add_argument("--mtp_scaling", type=float, default=0.1,
+                   help="the MTP depths' weight, divided by D (Megatron-core's "
+                        "mtp_loss_scaling_factor)")
     g = p.add_argument_group("runs")
     g.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --output_dir (its outputs and run folders)")
@@ -426,7 +458,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     require_at_least(p, args, ("steps", "hidden_size", "num_layers", "num_experts", "top_k",
                                "moe_intermediate_size", "seq_len", "eval_blocks",
                                "domain_blocks"))
-    require_at_least(p, args, ("eval_every",), 0)
+    require_at_least(p, args, ("eval_every", "mtp"), 0)
+    if not args.mtp_scaling >= 0:
+        p.error(f"--mtp_scaling must be >= 0, got {args.mtp_scaling}")
+    if args.mtp >= args.seq_len:
+        p.error(f"--mtp {args.mtp} must be < --seq_len {args.seq_len}")
     if args.hidden_size % 16:
         p.error(f"--hidden_size must be a multiple of 16 (16-wide heads), got {args.hidden_size}")
     if args.top_k > args.num_experts:

@@ -7,7 +7,8 @@ Checks what a user reads: the table on rank 0, ``summary.json``'s keys (one run 
 held-out perplexity, expert load per layer and specialisation per domain within their bounds),
 ``plot.png`` and each run's folder; that every run trained (held-out CE below the untrained
 model's, from the same initial weights); and that the scope took effect (each run's folder
-records its scope, and the runs' losses after the first step differ).
+records its scope, and the runs' losses after the first step differ). A second, smaller job
+runs one scope with ``--mtp 2``: each depth's CE per step in ``metrics.csv`` and the table.
 """
 import json
 import math
@@ -31,15 +32,18 @@ def shared_launch_jobs(tmp_path) -> list:
     cfg["optimizer"]["params"]["lr"] = 1e-2
     cfg["megaloss"]["router"]["aux_loss"] = 0.1  # the scopes' difference shows in 4 steps
     (tmp_path / "moe.json").write_text(json.dumps(cfg))
-    return [{"job": "train_moe", "argv": [
-        "--deepspeed_config", str(tmp_path / "moe.json"), "--steps", str(STEPS),
-        "--scopes", ",".join(SCOPES), "--seq_len", "32", "--vocab_size", "320",
-        "--max_train_bytes", "200000", "--eval_blocks", "8", "--eval_every", "0",
-        "--domain_blocks", "4", "--domains", "email,json,asyncio",
-        "--hidden_size", "16", "--num_layers", str(LAYERS), "--num_experts", str(EXPERTS),
-        "--top_k", str(TOP_K), "--moe_intermediate_size", "32",
-        "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out"),
-        "--no_progress"]}]
+    common = ["--deepspeed_config", str(tmp_path / "moe.json"), "--seq_len", "32",
+              "--vocab_size", "320", "--max_train_bytes", "200000", "--eval_blocks", "8",
+              "--eval_every", "0", "--domain_blocks", "4", "--domains", "email,json,asyncio",
+              "--hidden_size", "16", "--num_layers", str(LAYERS), "--num_experts",
+              str(EXPERTS), "--top_k", str(TOP_K), "--moe_intermediate_size", "32",
+              "--cache_dir", str(tmp_path / "cache"), "--no_progress"]
+    return [{"job": "train_moe", "argv": common + [
+                "--steps", str(STEPS), "--scopes", ",".join(SCOPES),
+                "--output_dir", str(tmp_path / "out")]},
+            {"job": "train_moe", "argv": common + [
+                "--steps", "2", "--scopes", "step", "--mtp", "2",
+                "--output_dir", str(tmp_path / "mtp")]}]
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +89,22 @@ def test_every_run_trained_from_the_same_weights(run):
     firsts = [r["first_loss"] for r in runs]
     assert max(firsts) - min(firsts) < 0.05
     assert len({r["last_loss"] for r in runs}) == len(runs)
+
+
+def test_mtp_depths_are_reported(run):
+    import csv
+
+    out = run.tmp_path / "mtp"
+    summary = json.loads((out / "summary.json").read_text())
+    step = summary["runs"]["step"]
+    assert step["mtp_depths"] == 2 and len(step["last_mtp_losses"]) == 2
+    with open(out / "step" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2
+    for r in rows:
+        depths = [float(r["mtp_loss_depth1"]), float(r["mtp_loss_depth2"])]
+        # each depth's global CE mean: about the main CE at this size (near log V at init)
+        assert all(0 < d < 2 * math.log(320) for d in depths)
+    assert step["last_mtp_losses"] == depths
+    text = " ".join(run.outputs[1].split())
+    assert "MTP depth 1 CE, last step" in text and "MTP depth 2 CE, last step" in text

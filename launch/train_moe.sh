@@ -5,7 +5,7 @@
 # micro_batch vs step, same coefficient, seed and data); prints held-out perplexity, expert load
 # and expert specialisation per data domain of both runs, and writes plot.png. Extra arguments
 # go to train_moe.py, e.g.
-#   bash launch/train_moe.sh --steps 400 --scopes micro_batch,global,step --aux_loss 0.01
+#   bash launch/train_moe.sh --steps 600 --scopes micro_batch,global,step --aux_loss 0.05
 # Runs in the current directory: outputs go to ./runs/moe unless --output_dir says otherwise.
 # Several nodes: as launch/train_lm.sh (launch/multinode.sh).
 set -euo pipefail

@@ -151,9 +151,10 @@ def plot_routing(path: Path, reports: Mapping[str, Mapping[str, Any]], *, title:
         ax.axhline(line, color="grey", linestyle="--", linewidth=1)
         ax.set_ylabel(ylabel)
         ax.set_title(panel_title)
-    axes[0].legend(fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper left", ncol=len(names),
+               fontsize=9, frameon=False)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -44,7 +44,7 @@ def test_configs_without_a_router_loss_or_data_parallel_only_are_refused(tmp_pat
 def test_router_options_flag_over_the_section():
     _, ml = load_ds_config(train_moe.REPO / "configs" / "moe.json")
     default = train_moe.router_options(train_moe.parse_args([]), ml)
-    assert (default.aux_loss, default.layers, default.z_loss) == (0.01, "per_layer", 0.0)
+    assert (default.aux_loss, default.layers, default.z_loss) == (0.1, "per_layer", 0.0)
     given = train_moe.router_options(train_moe.parse_args(["--aux_loss", "0.05"]), ml)
     assert given.aux_loss == 0.05
     assert train_moe.parse_args([]).scopes == ["micro_batch", "step"]

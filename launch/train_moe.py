@@ -223,8 +223,8 @@ class MoEComparison:
         rank, _ = start_process(args.local_rank, args.output_dir)
         self.run = Run(rank, rank0_logger("moe", rank, t_start), t_start)
         self.args, self.out_dir = args, Path(args.output_dir)
-        self.ds_config, self.ml = load_ds_config(args.deepspeed_config,
-                                                 output_dir=str(self.out_dir))
+        # the monitors' paths stay empty here: each run points them at its own folder
+        self.ds_config, self.ml = load_ds_config(args.deepspeed_config)
         self.router = router_options(args, self.ml)  # the comparison's coefficients
         self.ds_config.setdefault("megaloss", {})["router"] = self.router.as_dict()
         if (self.ml.tensor_parallel_size, self.ml.sequence_parallel_size,

@@ -60,11 +60,15 @@ def test_summary_table_and_plot(run):
     assert summary["domains"] == ["email", "json", "asyncio"]
     assert (summary["dp"], summary["gas"], summary["micro_batch"]) == (2, 2, 2)
     assert (out / "plot.png").stat().st_size > 0 and (out / "loss_curve.png").exists()
+    assert not (out / "monitor").exists()
     text = " ".join(run.outputs[0].split())
     assert "megaloss MoE job" in text and "held-out perplexity" in text
     assert "specialisation: json" in text
     for scope, r in summary["runs"].items():
         assert (out / scope / "metrics.csv").exists()
+        # each run's monitor in its own folder (DeepSpeed's csv_monitor), none shared
+        rows = (out / scope / "monitor" / "megaloss" / "Train_megaloss_loss.csv").read_text()
+        assert len(rows.strip().splitlines()) == STEPS + 1  # header + one row per step
         assert json.loads((out / scope / "summary.json").read_text())["router"]["scope"] == scope
         assert r["steps"] == STEPS and math.isfinite(r["eval_after"]["perplexity"])
         routing = r["routing"]

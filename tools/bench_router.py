@@ -26,10 +26,10 @@ interleaved rounds (order rotated, until ``--time-budget`` seconds), the minimum
 **Part 2, the step** (``--step``, on by default): a random-init ``Qwen3MoeForCausalLM``
 (``--moe-hidden``, ``--moe-layers``, ``--moe-experts`` top ``--moe-top-k``, ``--vocab``) and
 ``--micro-batches`` micro-batches of ``--batch`` rows of ``--seq`` random tokens (row 0 of each
-ends in 16 padded tokens: attention mask 0, label -100), fp32, CPU. The decoder is wrapped in
-a stand-in module taking the calibrated step's ``router_loss=`` (``model.model(...,
-output_router_logits=True)``, lm_head, the step's weighted CE sum plus the router pool's share,
-or the pool's counts alone for a pre-pass). In one process, interleaved rounds of
+ends in 16 padded tokens: attention mask 0, label -100), fp32, CPU, wrapped in
+``megaloss.CausalLMWithLoss`` (the chunked CE sum plus the router pool's share the calibrated
+step hands it, ``router_loss=``; the pool's counts alone for a pre-pass). In one process,
+interleaved rounds of
 
 * ``global`` (the baseline): ``run_step(engine, LanguageModelLoss(router=RouterLossOptions(
   aux_loss=1, scope="global", layers="concatenated")), micro_batches)`` on a one-process
@@ -57,7 +57,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, NamedTuple
+from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import (  # noqa: E402
@@ -257,49 +257,6 @@ def _loss_rows(args, n: int, layers: int, res: Dict[str, Any]) -> List[Dict[str,
 
 
 # part 2: the step ------------------------------------------------------------------------------
-class _Output(NamedTuple):
-    loss: Any
-    z_loss: Any
-    num_valid_tokens: Any
-    router: Any
-
-
-def _routed_module(model):
-    """A stand-in for a megaloss wrapper that computes router losses: the calibrated step's
-    module call ``(input_ids, shift_labels=, loss_weights=, router_loss=, attention_mask=,
-    position_ids=)`` over a Hugging Face MoE causal LM's decoder and lm_head (the weighted CE
-    sum plus the router pool's share; the pool's counts alone for a pre-pass)."""
-    import torch
-    import torch.nn.functional as F
-
-    class Routed(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, input_ids, shift_labels=None, loss_weights=None, router_loss=None,
-                    attention_mask=None, position_ids=None):
-            out = self.inner.model(input_ids=input_ids, attention_mask=attention_mask,
-                                   position_ids=position_ids,
-                                   output_router_logits=router_loss is not None)
-            top_k = self.inner.config.num_experts_per_tok
-            if router_loss is not None and router_loss.statistics_only:
-                return router_loss(out.router_logits, top_k, mask=attention_mask)
-            logits = self.inner.lm_head(out.last_hidden_state).float()
-            labels = shift_labels.reshape(-1)
-            ce = F.cross_entropy(logits.reshape(labels.numel(), -1), labels, ignore_index=-100,
-                                 reduction="none")
-            loss = (ce * loss_weights.reshape(-1)).sum()
-            router = None
-            if router_loss is not None:
-                router = router_loss(out.router_logits, top_k, mask=attention_mask)
-                loss = loss + router.loss
-            return _Output(loss, torch.zeros((), dtype=loss.dtype), (labels != -100).sum(),
-                           router)
-
-    return Routed(model)
-
-
 def step_model(spec: Dict[str, Any]):
     """The random-init ``Qwen3MoeForCausalLM`` of ``spec`` (seeded) and its micro-batches."""
     import torch
@@ -340,7 +297,8 @@ def _step_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     model, batches = step_model(spec)
-    module = _routed_module(model)
+    module = megaloss.CausalLMWithLoss(
+        model, options=megaloss.CrossEntropyOptions(reduction="sum"))
     engine = FSDPStepEngine(module, torch.optim.SGD(module.parameters(), lr=0.0),
                             megaloss.LossCalibrator())
     options = {s: RouterLossOptions(aux_loss=1.0, scope=s, layers="concatenated")

@@ -34,5 +34,6 @@ def sft_step(me, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> Dict[st
         ValueError: the number of micro-batches differs from the engine's accumulation steps
             (on every rank alike).
     """
-    m = run_step(me, NLLLoss(), micro_batches, log=False)
+    router = me.config.router.options() if me.config.router is not None else None
+    m = run_step(me, NLLLoss(router=router), micro_batches, log=False)
     return {"step": m.step, "loss": m.loss, "num_tokens": m.num_tokens, "lr": m.lr}

@@ -413,8 +413,11 @@ KTOConfig = _section(
 RouterConfig = _section(
     "RouterConfig", """The router losses of a mixture-of-experts model
     (:mod:`megaloss.losses.router`), trained by
-    :func:`megaloss.integrations.deepspeed.train_step` (the module's forward takes
-    ``router_loss=``: :class:`~megaloss.integrations.hf.CausalLMWithLoss`).
+    :func:`megaloss.integrations.deepspeed.train_step`,
+    :func:`~megaloss.integrations.deepspeed.policy_train_step` and
+    :func:`~megaloss.integrations.deepspeed.preference_train_step` (the module's forward takes
+    ``router_loss=``: :class:`~megaloss.integrations.hf.CausalLMWithLoss`,
+    :class:`~megaloss.integrations.hf.CausalLMWithLogProbs`).
 
     Fields: every field of :class:`~megaloss.losses.router_options.RouterLossOptions`
     (``aux_loss``, ``seq_aux_loss``, ``z_loss`` coefficients; ``scope``: ``"micro_batch"``,
@@ -487,8 +490,8 @@ class MegalossConfig(_Strict):
             be given (refused: its keys would be ignored).
         router: :class:`RouterConfig`, or ``None`` (default): no router losses beyond what the
             module computes itself. Given, :func:`~megaloss.integrations.deepspeed.train_step`
-            adds the calibrated router losses of a mixture-of-experts module; the policy and
-            preference steps refuse it.
+            adds the calibrated router losses of a mixture-of-experts module, as do the
+            policy and preference steps.
     """
 
     tensor_parallel_size: int = Field(1, ge=1, strict=True)

@@ -189,22 +189,24 @@ def router_statistics(router_logits: RouterLogits, top_k: int, *,
 class _LayerShares(torch.autograd.Function):
     """``[3]``: one layer's ``sum_t m_t sum_e a_e p_te``, ``sum_t m_t sum_e b_{s(t)e} p_te``,
     ``sum_t m_t z lse_t ** 2``; the backward recomputes ``p`` from the logits (nothing new
-    saved): ``d/dx_t = m_t (p_t * (W_t - p_t . W_t) + 2 z lse_t p_t)``, ``W = g0 a + g1 b``."""
+    saved): ``d/dx_t = m_t (p_t * (W_t - p_t . W_t) + 2 z lse_t p_t)``, ``W = g0 a + g1 b``.
+    ``W`` is centred per token in float64 before the cast (softmax's Jacobian ignores a
+    constant, and a nearly uniform ``W``, a balanced router's, would otherwise cancel in
+    ``W_t - p_t . W_t``)."""
 
     @staticmethod
     def forward(ctx, x, m, a, b, seq, z):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         xs = x.to(acc)
-        lse = torch.logsumexp(xs, dim=-1)
-        p = torch.exp(xs - lse[:, None])
-        mp = p * m.to(acc)[:, None]
+        p = torch.softmax(xs, dim=-1)
+        mask = m.to(acc)
         out = torch.zeros(3, dtype=acc, device=x.device)
         if a is not None:
-            out[0] = (mp.sum(0) * a.to(acc)).sum()
+            out[0] = (mask @ p) @ a.to(acc)
         if b is not None:
-            out[1] = (mp * b.to(acc)[seq]).sum()
+            out[1] = (mask[:, None] * p * b.to(acc)[seq]).sum()
         if z:
-            out[2] = (m.to(acc) * lse.square()).sum() * z
+            out[2] = (mask * torch.logsumexp(xs, dim=-1).square()).sum() * z
         ctx.save_for_backward(x, m, a, b, seq)
         ctx.z = z
         return out
@@ -214,15 +216,17 @@ class _LayerShares(torch.autograd.Function):
         x, m, a, b, seq = ctx.saved_tensors
         acc = grad.dtype
         xs = x.to(acc)
-        lse = torch.logsumexp(xs, dim=-1)
-        p = torch.exp(xs - lse[:, None])
-        w = torch.zeros_like(p)
+        p = torch.softmax(xs, dim=-1)
+        g = grad.to(torch.float64)
+        gx = torch.zeros_like(p)
         if a is not None:
-            w = w + grad[0] * a.to(acc)[None, :]
+            wa = (g[0] * (a - a.mean())).to(acc)  # [E]
+            gx = p * (wa[None, :] - (p @ wa)[:, None])
         if b is not None:
-            w = w + grad[1] * b.to(acc)[seq]
-        gx = p * (w - (p * w).sum(-1, keepdim=True))
+            wb = (g[1] * (b - b.mean(-1, keepdim=True))).to(acc)[seq]  # [N, E]
+            gx = gx + p * (wb - (p * wb).sum(-1, keepdim=True))
         if ctx.z:
+            lse = torch.logsumexp(xs, dim=-1)
             gx = gx + (2 * ctx.z * grad[2]) * lse[:, None] * p
         gx = gx * m.to(acc)[:, None]
         return gx.to(x.dtype), None, None, None, None, None

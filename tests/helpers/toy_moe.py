@@ -69,6 +69,29 @@ class ToyMoE(nn.Module):
         return ToyOutput(loss, torch.zeros((), dtype=loss.dtype), (labels != -100).sum(), router)
 
 
+class ToyLogProbs(NamedTuple):
+    log_probs: torch.Tensor
+    entropy: Any
+    router: Any
+
+
+class ToyMoELogProbs(ToyMoE):
+    """:class:`ToyMoE` as a log-probs module (the policy and preference steps' contract):
+    ``forward(input_ids, shift_labels=, router_loss=, attention_mask=)`` returns the labels'
+    log-probs (0 where ignored) and the router pool's share as ``router``."""
+
+    def forward(self, input_ids, shift_labels=None, router_loss=None, attention_mask=None,
+                position_ids=None, **_):
+        h, logits = self.hidden(input_ids)
+        if router_loss is not None and router_loss.statistics_only:
+            return router_loss(logits, TOP_K, mask=attention_mask)
+        labels = shift_labels.reshape(-1)
+        lp = torch.log_softmax(h @ self.head.T, -1)
+        lp = lp.gather(1, labels.clamp_min(0)[:, None])[:, 0] * (labels != -100)
+        router = None if router_loss is None else router_loss(logits, TOP_K, mask=attention_mask)
+        return ToyLogProbs(lp.reshape(shift_labels.shape), None, router)
+
+
 def reference_router(logits: Sequence[torch.Tensor], mask: torch.Tensor, *, aux: float,
                      z: float, layers: str = "per_layer") -> torch.Tensor:
     """``aux * load-balancing + z * router z-loss`` of one pool, float64, from the formulas."""
@@ -86,24 +109,19 @@ def reference_router(logits: Sequence[torch.Tensor], mask: torch.Tensor, *, aux:
     return aux * lb + z * zl
 
 
-def reference_step(model: ToyMoE, micro_batches: Sequence[Sequence[dict]], *, scope: str,
-                   aux: float, z: float, layers: str = "per_layer") -> torch.Tensor:
-    """One device's loss of the step under ``scope``: ``micro_batches[r][m]`` is data-parallel
-    rank ``r``'s micro-batch ``m`` (``shift_labels``, optional ``attention_mask``); the CE is
-    the token mean over every valid target, the router term per the scope's definition."""
+def reference_router_step(model: ToyMoE, micro_batches: Sequence[Sequence[dict]], *,
+                          scope: str, aux: float, z: float,
+                          layers: str = "per_layer") -> torch.Tensor:
+    """One device's router losses of the step under ``scope``: ``micro_batches[r][m]`` is
+    data-parallel rank ``r``'s micro-batch ``m`` (``input_ids``, optional ``attention_mask``)."""
     ranks, gas = len(micro_batches), len(micro_batches[0])
-    ce_sum, valid = 0.0, 0
     pieces = {}
     for r in range(ranks):
         for m in range(gas):
             mb = micro_batches[r][m]
-            h, logits = model.hidden(mb["input_ids"])
-            labels = mb["shift_labels"].reshape(-1)
-            ce_sum = ce_sum + F.cross_entropy(h @ model.head.T, labels, ignore_index=-100,
-                                              reduction="sum")
-            valid += int((labels != -100).sum())
+            _, logits = model.hidden(mb["input_ids"])
             mask = mb.get("attention_mask")
-            mask = torch.ones(labels.numel()) if mask is None else mask.reshape(-1)
+            mask = torch.ones(mb["input_ids"].numel()) if mask is None else mask.reshape(-1)
             pieces[r, m] = (logits, mask)
 
     def pool(keys):
@@ -112,12 +130,26 @@ def reference_step(model: ToyMoE, micro_batches: Sequence[Sequence[dict]], *, sc
         return reference_router(logits, mask, aux=aux, z=z, layers=layers)
 
     if scope == "step":
-        router = pool(list(pieces))
-    elif scope == "global":
-        router = sum(pool([(r, m) for r in range(ranks)]) for m in range(gas)) / gas
-    else:
-        router = sum(pool([k]) for k in pieces) / len(pieces)
-    return ce_sum / valid + router
+        return pool(list(pieces))
+    if scope == "global":
+        return sum(pool([(r, m) for r in range(ranks)]) for m in range(gas)) / gas
+    return sum(pool([k]) for k in pieces) / len(pieces)
+
+
+def reference_step(model: ToyMoE, micro_batches: Sequence[Sequence[dict]], *, scope: str,
+                   aux: float, z: float, layers: str = "per_layer") -> torch.Tensor:
+    """One device's loss of the step under ``scope``: the CE (``shift_labels``) as the token
+    mean over every valid target, plus :func:`reference_router_step`."""
+    ce_sum, valid = 0.0, 0
+    for rank_batches in micro_batches:
+        for mb in rank_batches:
+            h, _ = model.hidden(mb["input_ids"])
+            labels = mb["shift_labels"].reshape(-1)
+            ce_sum = ce_sum + F.cross_entropy(h @ model.head.T, labels, ignore_index=-100,
+                                              reduction="sum")
+            valid += int((labels != -100).sum())
+    return ce_sum / valid + reference_router_step(model, micro_batches, scope=scope, aux=aux,
+                                                  z=z, layers=layers)
 
 
 def micro_batches(rank: int, gas: int = 2, rows: Optional[int] = None, seq: int = 8,

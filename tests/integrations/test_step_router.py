@@ -200,3 +200,72 @@ def test_padding_under_sequence_parallelism_is_refused_on_every_rank():
     """Each SP rank routes its slice without the attention mask: padded tokens would count."""
     for message in run_distributed(_padded_under_sp, 2, timeout=100):
         assert message is not None and "padding" in message
+
+
+def _policy_batches(rank, family):
+    g = torch.Generator().manual_seed(40 + rank)
+    out = []
+    for m in range(2):
+        rows = 2 * (1 + (rank + m) % 2)
+        ids = torch.randint(0, 29, (rows, 6), generator=g)
+        completion = torch.zeros(rows, 6, dtype=torch.long)
+        completion[:, 2:5] = 1
+        mb = {"input_ids": ids, "completion_mask": completion}
+        if family == "policy":
+            mb["advantages"] = torch.randn(rows, generator=g, dtype=torch.float64)
+        else:
+            mb["ref_chosen_log_probs"] = torch.randn(rows // 2, generator=g, dtype=torch.float64)
+            mb["ref_rejected_log_probs"] = torch.randn(rows // 2, generator=g,
+                                                       dtype=torch.float64)
+        out.append(mb)
+    return out
+
+
+def _policy_rank(rank, world, family):
+    import megaloss
+    from megaloss.integrations.step import run_step
+    from megaloss.integrations.step.policy import PolicyStepLoss
+    from megaloss.integrations.step.preference import PreferenceStepLoss
+    from megaloss.losses.dpo import DPOOptions
+    from megaloss.losses.policy_options import PolicyLossOptions
+    from tests.helpers.toy_moe import ToyMoELogProbs
+
+    topology = megaloss.Topology.build(1)
+    out = {}
+    for scope in ("global", "step"):
+        deltas, metrics = [], []
+        for router in (_options(scope), None):
+            model = ToyMoELogProbs()
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            loss = (PolicyStepLoss(PolicyLossOptions(), router=router) if family == "policy"
+                    else PreferenceStepLoss(DPOOptions(), router=router))
+            metrics.append(run_step(_engine(model, topology, "sum", 2), loss,
+                                    _policy_batches(rank, family), log=False).metrics)
+            deltas.append({n: before[n] - p.detach() for n, p in model.named_parameters()})
+        out[scope] = (metrics[0], {n: deltas[0][n] - deltas[1][n] for n in deltas[0]})
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("family", ["policy", "dpo"])
+def test_policy_and_preference_steps_add_the_router_losses(family):
+    """The policy (GRPO) and preference (DPO) steps on a log-probs MoE module, 2 ranks x 2
+    micro-batches: the update with router losses minus the update without is one device's
+    router-loss gradient of the scope on the whole global batch (the losses are added, their
+    gradients sum)."""
+    from tests.helpers.toy_moe import ToyMoE, reference_router_step
+
+    results = run_distributed(_policy_rank, 2, family, timeout=180)
+    for scope in ("global", "step"):
+        model = ToyMoE()
+        ref = reference_router_step(model, [_policy_batches(r, family) for r in range(2)],
+                                    scope=scope, aux=AUX, z=Z)
+        grads = torch.autograd.grad(ref, list(model.parameters()), allow_unused=True)
+        for _, diff in (r[scope] for r in results):
+            for (name, p), g in zip(model.named_parameters(), grads):
+                g = torch.zeros_like(p) if g is None else g  # the lm_head: no router gradient
+                torch.testing.assert_close(diff[name], g, rtol=1e-9, atol=1e-12,
+                                           msg=f"{family} {scope} {name}")
+        for metrics, _ in (r[scope] for r in results):
+            assert metrics["router_aux_loss"] > 0

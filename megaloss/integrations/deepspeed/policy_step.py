@@ -29,6 +29,7 @@ from typing import Any, Mapping, Optional, Sequence
 from ...losses.dpo import DPOOptions
 from ...losses.policy_options import PolicyLossOptions
 from ...losses.preference import PreferenceOptions
+from ...losses.router_options import RouterLossOptions
 from ..step.loop import run_step
 from ..step.metrics import PolicyStepMetrics
 from ..step.policy import PolicyStepLoss
@@ -81,21 +82,14 @@ def policy_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, A
         TypeError: non-integer ``input_ids``, non-floating ``advantages`` or log-probs (agreed
             on likewise); ``options`` not a ``PolicyLossOptions``.
     """
-    _refuse_router(me, "policy_train_step")
     opts = me.config.policy.options() if options is None else options
-    return run_step(me, PolicyStepLoss(opts), micro_batches, log=log)
+    return run_step(me, PolicyStepLoss(opts, router=_router(me)), micro_batches, log=log)
 
 
-def _refuse_router(me: MegalossEngine, step: str) -> None:
-    """The ds_config's ``megaloss.router`` section is honoured by ``train_step`` only.
-
-    Raises:
-        ValueError: a router section with a coefficient > 0.
-    """
-    router = me.config.router
-    if router is not None and router.options().enabled:
-        raise ValueError(f"{step} does not compute router losses yet: the ds_config's "
-                         f"megaloss.router section would be ignored; remove it")
+def _router(me: MegalossEngine) -> Optional[RouterLossOptions]:
+    """The ds_config's ``megaloss.router`` options (a mixture-of-experts policy's router
+    losses, :mod:`megaloss.integrations.step.router`), or ``None``."""
+    return None if me.config.router is None else me.config.router.options()
 
 
 def dpo_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[str, Any]], *,
@@ -197,6 +191,5 @@ def preference_train_step(me: MegalossEngine, micro_batches: Sequence[Mapping[st
             an ``attention_mask`` with zeros under sequence parallelism (agreed on by every
             rank: the same error everywhere, naming the failed ranks).
     """
-    _refuse_router(me, "preference_train_step")
     opts = me.config.preference_options() if options is None else options
-    return run_step(me, PreferenceStepLoss(opts), micro_batches, log=log)
+    return run_step(me, PreferenceStepLoss(opts, router=_router(me)), micro_batches, log=log)

@@ -183,7 +183,7 @@ class TrainerCausalLMLoss(LanguageModelLoss):
         shifted = [torch.as_tensor(b["shift_labels"]).to(device) if "shift_labels" in b else
                    causal_shift(torch.as_tensor(b["labels"]).to(device), ignore)
                    for b in micro_batches]
-        if self.router is not None:
+        if self.router:
             _same_count_on_every_rank(len(micro_batches), calibrator.topology, device)
         if not shifted:
             return calibrator.begin_step([torch.full((1,), ignore, dtype=torch.long,

@@ -29,10 +29,10 @@ from ...parallel.topology import Topology
 from .checks import check_floating, check_same_shape, integer_tensor
 from .loop import StepLoss, batch_to_device
 from .metrics import EvalResult, StepMetrics, StepOutcome
-from .router import router_metrics, router_pool, router_stats, step_statistics
+from .router import StepRouter, router_stats
 
 __all__ = ["LanguageModelLoss", "NLLLoss", "TOPK_KEYS", "check_lm_micro_batch",
-           "check_router_micro_batch",
+
            "micro_batch_targets", "sample_boundaries", "model_inputs", "evaluate_lm"]
 
 # a stored top-k teacher's keys of an LM micro-batch
@@ -86,32 +86,6 @@ def check_lm_micro_batch(i: int, mb: Mapping[str, Any]) -> None:
     k = ids_k.shape[-1] if ids_k.dim() > 0 else 0
     check_same_shape(f"{where}['teacher_topk_ids']", ids_k, shape + (k,), "input_ids + (k,)")
     check_floating(f"{where}['teacher_topk_log_probs']", lp_k, [shape + (k,)])
-
-
-def check_router_micro_batch(i: int, mb: Mapping[str, Any], options: RouterLossOptions,
-                             topology: Topology) -> None:
-    """What router losses need of ``micro_batches[i]`` under sequence parallelism, where each
-    SP rank routes its slice of the tokens without the attention mask: no padding (an
-    ``attention_mask`` with zeros) and a length the SP size divides (the slices' own padding
-    would be routed and counted); and the scope's own refusals (:func:`router_pool`).
-
-    Raises:
-        ValueError: naming the micro-batch and the fix.
-    """
-    if i == 0:
-        router_pool(options.replace(scope="global"), topology, 1)
-    if topology.sp_size == 1:
-        return
-    mask = mb.get("attention_mask")
-    if mask is not None and bool((mask == 0).any()):
-        raise ValueError(f"micro_batches[{i}] has padding (attention_mask zeros): under sequence "
-                         f"parallelism the router losses would count padded tokens; pack the "
-                         f"sequences (position_ids / cu_seqlens) instead of padding")
-    length = mb["input_ids"].shape[-1]
-    if length % topology.sp_size:
-        raise ValueError(f"micro_batches[{i}] has {length} tokens per row, not a multiple of "
-                         f"sequence_parallel_size={topology.sp_size}: the router losses would "
-                         f"count the SP slices' padding")
 
 
 def model_inputs(mb: Mapping[str, Any], topology: Topology) -> Dict[str, Any]:
@@ -168,19 +142,14 @@ class LanguageModelLoss(StepLoss):
 
     def __init__(self, check_teacher: Optional[Callable[[], None]] = None,
                  router: Optional[RouterLossOptions] = None) -> None:
-        if router is not None and not isinstance(router, RouterLossOptions):
-            raise TypeError(f"router must be a megaloss RouterLossOptions or None, got "
-                            f"{type(router).__name__}")
         self.check_teacher = check_teacher
-        self.router = router if router is not None and router.enabled else None
-        self._router_statistics = None
+        self.router = StepRouter(router)
 
     def check(self, i: int, mb: Mapping[str, Any], topology: Topology) -> None:
         if i == 0 and self.check_teacher is not None:
             self.check_teacher()
         check_lm_micro_batch(i, mb)
-        if self.router is not None:
-            check_router_micro_batch(i, mb, self.router, topology)
+        self.router.check(i, mb, topology)
 
     def calibrate(self, calibrator: LossCalibrator,
                   micro_batches: Sequence[Mapping[str, Any]]) -> StepCalibration:
@@ -190,30 +159,21 @@ class LanguageModelLoss(StepLoss):
 
     def prepare(self, forward, step: StepCalibration,
                 micro_batches: Sequence[Mapping[str, Any]]) -> None:
-        self._router_statistics = None
-        if self.router is None or self.router.scope != "step":
-            return
-
         def counts(mb: Mapping[str, Any]) -> Callable[[Any], Any]:
             inputs = model_inputs(mb, step.topology)
             return lambda pool: forward(inputs["input_ids"], router_loss=pool,
                                         **{k: v for k, v in inputs.items() if k != "input_ids"})
 
-        self._router_statistics = step_statistics(self.router, step.topology,
-                                                  [counts(mb) for mb in micro_batches])
-
-    def _router_kwargs(self, step: StepCalibration) -> Dict[str, Any]:
-        if self.router is None:
-            return {}
-        return {"router_loss": router_pool(self.router, step.topology, step.num_micro_batches,
-                                           self._router_statistics)}
+        self.router.prepare(step.topology, [counts(mb) for mb in micro_batches])
 
     def loss(self, forward, step: StepCalibration, i: int,
              mb: Mapping[str, Any]) -> Tuple[torch.Tensor, Any]:
         inputs = model_inputs(mb, step.topology)
         out = forward(inputs.pop("input_ids"), shift_labels=step.local_labels(i),
-                      loss_weights=step.weights(i), **self._router_kwargs(step), **inputs)
-        router = None if self.router is None else router_stats(_router_output(out))
+                      loss_weights=step.weights(i),
+                      **self.router.kwargs(step.topology, step.num_micro_batches), **inputs)
+        router = self.router.output(out)
+        router = None if router is None else router_stats(router)
         if _is_distillation(out):
             return out.loss, (_distillation_sums(out), router)
         return out.loss, (out.z_loss.detach().to(torch.float64).reshape(1), router)
@@ -226,7 +186,7 @@ class LanguageModelLoss(StepLoss):
         for s, _ in stats[1:]:
             local += s
         total = all_reduce_sum_(local, topology.dp_sp_group)
-        extra = {} if self.router is None else router_metrics([r for _, r in stats], topology)
+        extra = self.router.metrics([r for _, r in stats], topology)
         if local.numel() == 1:
             return {"z_loss": float(total[0]), **extra}
         valid = float(total[3])
@@ -251,21 +211,6 @@ def _is_distillation(out: Any) -> bool:
     """A distillation module's output (a :class:`megaloss.DistillationOutput`, or a
     mixture-of-experts student's with its router fields after the same ones)."""
     return isinstance(out, DistillationOutput) or hasattr(out, "divergence")
-
-
-def _router_output(out: Any) -> Any:
-    """The router losses' output a module's forward returned (its ``router`` field).
-
-    Raises:
-        TypeError: the module returned none: it does not take ``router_loss=`` (the router
-            losses would be dropped).
-    """
-    router = getattr(out, "router", None)
-    if router is None:
-        raise TypeError(f"the module's forward returned {type(out).__name__} without router "
-                        f"losses (a 'router' field): it does not compute the router losses "
-                        f"the step's router options ask for")
-    return router
 
 
 @torch.no_grad()
@@ -312,14 +257,13 @@ class NLLLoss(LanguageModelLoss):
              mb: Mapping[str, Any]) -> Tuple[torch.Tensor, Any]:
         inputs = model_inputs(mb, step.topology)
         out = forward(inputs.pop("input_ids"), shift_labels=step.local_labels(i),
-                      **self._router_kwargs(step), **inputs)
+                      **self.router.kwargs(step.topology, step.num_micro_batches), **inputs)
         loss = -(out.log_probs * step.weights(i)).sum()
-        if self.router is None:
+        router = self.router.output(out)
+        if router is None:
             return loss, None
-        router = _router_output(out)
         return loss + router.loss.to(loss.dtype), router_stats(router)
 
     def metrics(self, step: StepCalibration, stats: List[Any],
                 topology: Topology) -> Dict[str, Any]:
-        extra = {} if self.router is None else router_metrics(stats, topology)
-        return {"z_loss": 0.0, **extra}
+        return {"z_loss": 0.0, **self.router.metrics(stats, topology)}

@@ -12,16 +12,17 @@ sequence-level sums over the SP group.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ...calibration.weights import split_for_sequence_parallel
 from ...ops.labels import causal_shift
 from ...parallel.topology import Topology
+from .router import StepRouter
 
 __all__ = ["completion_targets", "check_completion_keys", "check_sp_attention_mask", "sp_slices",
-           "log_probs_forward"]
+           "log_probs_forward", "LogProbsForward", "router_prepass"]
 
 
 def completion_targets(mb: Mapping[str, Any], ignore_index: int) -> torch.Tensor:
@@ -76,12 +77,38 @@ def sp_slices(topology: Topology, mb: Mapping[str, Any], labels: torch.Tensor,
     return out, split_for_sequence_parallel(labels, rank, sp, ignore_index)
 
 
-def log_probs_forward(forward, mb: Mapping[str, Any], labels: torch.Tensor
-                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``(log_probs, entropy or None)`` of ``mb``'s rows under ``forward`` (the module's), each
-    of ``labels``' shape."""
+class LogProbsForward(NamedTuple):
+    """:func:`log_probs_forward`'s result: ``log_probs`` and ``entropy`` (or ``None``) of the
+    labels' shape, and the router losses the module returned (``None`` without router
+    options)."""
+
+    log_probs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    router: Any
+
+
+def log_probs_forward(forward, mb: Mapping[str, Any], labels: torch.Tensor,
+                      router: Optional[StepRouter] = None, topology: Optional[Topology] = None,
+                      num_micro_batches: int = 1) -> LogProbsForward:
+    """The log-probs (and entropy) of ``mb``'s rows under ``forward`` (the module's). With a
+    :class:`~.router.StepRouter` (and the step's ``topology`` and micro-batch count), the
+    forward gets the router pool (``router_loss=``) and the router losses it returned come
+    back too."""
     inputs = {k: mb[k] for k in ("attention_mask", "position_ids") if mb.get(k) is not None}
+    if router:
+        inputs.update(router.kwargs(topology, num_micro_batches))
     out = forward(mb["input_ids"], shift_labels=labels, **inputs)
     entropy = getattr(out, "entropy", None)
-    return (out.log_probs.reshape(labels.shape),
-            None if entropy is None else entropy.reshape(labels.shape))
+    return LogProbsForward(out.log_probs.reshape(labels.shape),
+                           None if entropy is None else entropy.reshape(labels.shape),
+                           router.output(out) if router else None)
+
+
+def router_prepass(forward, topology: Topology, mb: Mapping[str, Any],
+                   ignore_index: int) -> Any:
+    """One micro-batch's forward for the router losses' ``"step"`` pre-pass
+    (:meth:`~.router.StepRouter.prepare`): ``pool -> forward(this SP rank's rows,
+    router_loss=pool)``."""
+    rows, _ = sp_slices(topology, mb, completion_targets(mb, ignore_index), ignore_index)
+    inputs = {k: rows[k] for k in ("attention_mask", "position_ids") if rows.get(k) is not None}
+    return lambda pool: forward(rows["input_ids"], router_loss=pool, **inputs)

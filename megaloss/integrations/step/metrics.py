@@ -7,7 +7,7 @@ from __future__ import annotations
 import resource
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -40,7 +40,9 @@ class StepMetrics:
     ``router_z_loss``, each term of the step before its coefficient (its part of ``loss`` is
     the coefficient times it), and ``expert_load_max``, the most loaded expert's top-k
     selections over the mean expert's in the worst layer (1: perfect balance); ``None``
-    otherwise (:func:`megaloss.integrations.step.router.router_metrics`).
+    otherwise (:func:`megaloss.integrations.step.router.router_metrics`). With multi-token
+    prediction (:mod:`megaloss.integrations.step.mtp`): ``mtp_losses``, each depth's global
+    cross-entropy (before the scaling factor), written to the monitors as ``mtp_loss_1`` ...
     """
 
     step: int
@@ -60,9 +62,14 @@ class StepMetrics:
     router_seq_aux_loss: Optional[float] = None
     router_z_loss: Optional[float] = None
     expert_load_max: Optional[float] = None
+    mtp_losses: Optional[List[float]] = None
 
     def as_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        """Flat ``{name: value}`` (``mtp_losses`` as ``mtp_loss_1``, ...)."""
+        d = asdict(self)
+        for k, value in enumerate(d.pop("mtp_losses") or [], start=1):
+            d[f"mtp_loss_{k}"] = value
+        return d
 
 
 @dataclass

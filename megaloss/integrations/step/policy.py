@@ -11,7 +11,7 @@ boundary. The result equals one device's step on the global batch for every ``lo
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -24,6 +24,7 @@ from ...losses.policy import (
     policy_metrics,
 )
 from ...losses.policy_options import PolicyLossOptions
+from ...losses.router_options import RouterLossOptions
 from ...parallel.topology import Topology
 from .checks import check_floating, check_same_shape, rows_shape
 from .log_probs import (
@@ -31,10 +32,12 @@ from .log_probs import (
     check_sp_attention_mask,
     completion_targets,
     log_probs_forward,
+    router_prepass,
     sp_slices,
 )
 from .loop import StepLoss
 from .metrics import PolicyStepMetrics, StepOutcome
+from .router import StepRouter, router_stats
 
 __all__ = ["PolicyStepLoss", "check_policy_micro_batch"]
 
@@ -67,16 +70,25 @@ class PolicyStepLoss(StepLoss):
     ``ref_log_probs``, ``attention_mask``, ``position_ids``. :meth:`result` is a
     :class:`PolicyStepMetrics`."""
 
-    def __init__(self, options: PolicyLossOptions) -> None:
+    def __init__(self, options: PolicyLossOptions,
+                 router: Optional[RouterLossOptions] = None) -> None:
         if not isinstance(options, PolicyLossOptions):
             raise TypeError(f"options must be a PolicyLossOptions, got {type(options).__name__}")
         self.options = options
+        self.router = StepRouter(router)
         self.ignore_index = -100
 
     def check(self, i: int, mb: Mapping[str, Any], topology: Topology) -> None:
         check_completion_keys(i, mb, _KEYS)
         check_policy_micro_batch(i, mb, beta=self.options.beta)
         check_sp_attention_mask(i, mb, topology)
+        self.router.check(i, mb, topology)
+
+    def prepare(self, forward, step: StepCalibration,
+                micro_batches: Sequence[Mapping[str, Any]]) -> None:
+        self.router.prepare(step.topology, [
+            router_prepass(forward, step.topology, mb, self.ignore_index)
+            for mb in micro_batches] if self.router else [])
 
     def calibrate(self, calibrator: LossCalibrator,
                   micro_batches: Sequence[Mapping[str, Any]]) -> StepCalibration:
@@ -91,18 +103,24 @@ class PolicyStepLoss(StepLoss):
              mb: Mapping[str, Any]) -> Tuple[torch.Tensor, Tuple[torch.Tensor, bool]]:
         ignore, topology = self.ignore_index, step.topology
         mb, labels = sp_slices(topology, mb, completion_targets(mb, ignore), ignore)
-        log_probs, entropy = log_probs_forward(forward, mb, labels)
+        log_probs, entropy, router = log_probs_forward(forward, mb, labels, self.router, topology,
+                                                       step.num_micro_batches)
         out = policy_loss(log_probs, mb.get("old_log_probs"), mb["advantages"],
                           mb["completion_mask"], ref_log_probs=mb.get("ref_log_probs"),
                           entropy=entropy,
                           weights=policy_loss_weights(step, i, self.options, ignore_index=ignore),
                           options=self.options, return_stats=True, sp_group=topology.sp_group)
-        return out.loss, (out.stats, entropy is not None)
+        if router is None:
+            return out.loss, (out.stats, entropy is not None, None)
+        return (out.loss + router.loss.to(out.loss.dtype),
+                (out.stats, entropy is not None, router_stats(router)))
 
-    def metrics(self, step: StepCalibration, stats: List[Tuple[torch.Tensor, bool]],
+    def metrics(self, step: StepCalibration, stats: List[Tuple[torch.Tensor, bool, Any]],
                 topology: Topology) -> Dict[str, Any]:
-        return policy_metrics([s for s, _ in stats], self.options, group=topology.dp_sp_group,
-                              has_entropy=all(e for _, e in stats))
+        metrics = policy_metrics([s for s, _, _ in stats], self.options,
+                                 group=topology.dp_sp_group,
+                                 has_entropy=all(e for _, e, _ in stats))
+        return {**metrics, **self.router.metrics([r for _, _, r in stats], topology)}
 
     def result(self, outcome: StepOutcome) -> PolicyStepMetrics:
         return PolicyStepMetrics(**vars(outcome))

@@ -31,6 +31,7 @@ from ...losses.preference import (
     preference_loss_kind,
     sequence_preference_loss,
 )
+from ...losses.router_options import RouterLossOptions
 from ...losses.simpo import cpo_metrics
 from ...parallel.topology import Topology
 from .checks import check_floating, check_same_shape, integer_tensor, rows_shape
@@ -39,10 +40,12 @@ from .log_probs import (
     check_sp_attention_mask,
     completion_targets,
     log_probs_forward,
+    router_prepass,
     sp_slices,
 )
 from .loop import StepLoss
 from .metrics import PolicyStepMetrics, StepOutcome
+from .router import StepRouter, router_stats
 
 __all__ = ["PreferenceStepLoss", "PREFERENCE_LOSSES", "KTO_KL_KEYS", "check_dpo_micro_batch",
            "check_preference_micro_batch"]
@@ -133,9 +136,11 @@ class PreferenceStepLoss(StepLoss):
         TypeError: ``options`` of none of the preference options classes.
     """
 
-    def __init__(self, options: PreferenceOptions) -> None:
+    def __init__(self, options: PreferenceOptions,
+                 router: Optional[RouterLossOptions] = None) -> None:
         self.kind = preference_loss_kind(options)
         self.options = options
+        self.router = StepRouter(router)
         self.ignore_index = -100
         self.z0: Optional[torch.Tensor] = None
 
@@ -143,6 +148,7 @@ class PreferenceStepLoss(StepLoss):
         check_completion_keys(i, mb, _KEYS[self.kind])
         check_preference_micro_batch(i, mb, loss=self.kind)
         check_sp_attention_mask(i, mb, topology)
+        self.router.check(i, mb, topology)
 
     def calibrate(self, calibrator: LossCalibrator,
                   micro_batches: Sequence[Mapping[str, Any]]) -> StepCalibration:
@@ -159,7 +165,11 @@ class PreferenceStepLoss(StepLoss):
                 micro_batches: Sequence[Mapping[str, Any]]) -> None:
         """KTO's ``z0`` of the step (:func:`megaloss.losses.kto_kl_baseline`): the KL rows'
         sequence log-probs under the policy (``no_grad``, SP slices added over the SP group)
-        against ``ref_kl_log_probs``; ``None`` without KL rows."""
+        against ``ref_kl_log_probs``; ``None`` without KL rows. And the router losses'
+        ``"step"`` pre-pass (the KL rows are not trained: their routing does not count)."""
+        self.router.prepare(step.topology, [
+            router_prepass(forward, step.topology, mb, self.ignore_index)
+            for mb in micro_batches] if self.router else [])
         if self.kind != "kto" or micro_batches[0].get("kl_input_ids") is None:
             return
         topology, ignore = step.topology, self.ignore_index
@@ -169,7 +179,7 @@ class PreferenceStepLoss(StepLoss):
                 rows = {"input_ids": full["kl_input_ids"],
                         "completion_mask": full["kl_completion_mask"]}
                 mb, labels = sp_slices(topology, rows, completion_targets(rows, ignore), ignore)
-                log_probs, _ = log_probs_forward(forward, mb, labels)
+                log_probs = log_probs_forward(forward, mb, labels).log_probs
                 seq, n = sequence_log_probs(log_probs, mb["completion_mask"],
                                             sp_group=topology.sp_group, return_lengths=True)
                 pol.append(seq)
@@ -181,7 +191,8 @@ class PreferenceStepLoss(StepLoss):
              mb: Mapping[str, Any]) -> Tuple[torch.Tensor, Any]:
         ignore, topology = self.ignore_index, step.topology
         mb, labels = sp_slices(topology, mb, completion_targets(mb, ignore), ignore)
-        log_probs, _ = log_probs_forward(forward, mb, labels)
+        log_probs, _, router = log_probs_forward(forward, mb, labels, self.router, topology,
+                                                 step.num_micro_batches)
         seq, lengths = sequence_log_probs(log_probs, mb["completion_mask"],
                                           sp_group=topology.sp_group, return_lengths=True)
         w = preference_weights(step, i, ignore_index=ignore)
@@ -191,11 +202,14 @@ class PreferenceStepLoss(StepLoss):
                                        desirable=mb.get("desirable"), kl=self.z0,
                                        weights=w.pair_weights, nll_weight=w.nll_weight,
                                        return_stats=True)
-        return out.loss, out.stats
+        if router is None:
+            return out.loss, (out.stats, None)
+        return out.loss + router.loss.to(out.loss.dtype), (out.stats, router_stats(router))
 
     def metrics(self, step: StepCalibration, stats: List[Any],
                 topology: Topology) -> Dict[str, Any]:
-        return _METRICS[self.kind](stats, group=topology.dp_sp_group)
+        metrics = _METRICS[self.kind]([s for s, _ in stats], group=topology.dp_sp_group)
+        return {**metrics, **self.router.metrics([r for _, r in stats], topology)}
 
     def result(self, outcome: StepOutcome) -> PolicyStepMetrics:
         return PolicyStepMetrics(**vars(outcome))

@@ -20,7 +20,7 @@ router, as for every replicated parameter.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,7 +29,8 @@ from ...losses.router_options import RouterLossOptions
 from ...parallel.comm import all_reduce_sum_
 from ...parallel.topology import Topology
 
-__all__ = ["router_pool", "step_statistics", "router_stats", "router_metrics"]
+__all__ = ["StepRouter", "router_pool", "step_statistics", "router_stats", "router_metrics",
+           "check_router_micro_batch"]
 
 
 def router_pool(options: RouterLossOptions, topology: Topology, num_micro_batches: int,
@@ -99,3 +100,94 @@ def router_metrics(stats: Sequence[Tuple[torch.Tensor, torch.Tensor]],
     load = counts.max(-1).values / counts.mean(-1).clamp_min(1e-30)
     return {"router_aux_loss": float(flat[0]), "router_seq_aux_loss": float(flat[1]),
             "router_z_loss": float(flat[2]), "expert_load_max": float(load.max())}
+
+
+def check_router_micro_batch(i: int, mb: Mapping[str, Any], options: RouterLossOptions,
+                             topology: Topology) -> None:
+    """What router losses need of ``micro_batches[i]`` under sequence parallelism, where each
+    SP rank routes its slice of the tokens without the attention mask: no padding (an
+    ``attention_mask`` with zeros) and a length the SP size divides (the slices' own padding
+    would be routed and counted); and the scope's own refusals (:func:`router_pool`).
+
+    Raises:
+        ValueError: naming the micro-batch and the fix.
+    """
+    if i == 0:
+        router_pool(options.replace(scope="global"), topology, 1)
+    if topology.sp_size == 1:
+        return
+    mask = mb.get("attention_mask")
+    if mask is not None and bool((mask == 0).any()):
+        raise ValueError(f"micro_batches[{i}] has padding (attention_mask zeros): under sequence "
+                         f"parallelism the router losses would count padded tokens; pack the "
+                         f"sequences (position_ids / cu_seqlens) instead of padding")
+    length = mb["input_ids"].shape[-1]
+    if length % topology.sp_size:
+        raise ValueError(f"micro_batches[{i}] has {length} tokens per row, not a multiple of "
+                         f"sequence_parallel_size={topology.sp_size}: the router losses would "
+                         f"count the SP slices' padding")
+
+
+class StepRouter:
+    """A loss family's router losses in the step: its checks, the ``"step"`` scope's pre-pass,
+    the pool handed to each forward (``router_loss=``), the output's router losses and the
+    step's router metrics (module docstring). Falsy without router options (or all
+    coefficients 0): the family then passes nothing and reads nothing.
+
+    Raises:
+        TypeError: ``options`` is not a :class:`RouterLossOptions` or ``None``.
+    """
+
+    def __init__(self, options: Optional[RouterLossOptions]) -> None:
+        if options is not None and not isinstance(options, RouterLossOptions):
+            raise TypeError(f"router must be a megaloss RouterLossOptions or None, got "
+                            f"{type(options).__name__}")
+        self.options = options if options is not None and options.enabled else None
+        self.statistics: Optional[RouterStatistics] = None
+
+    def __bool__(self) -> bool:
+        return self.options is not None
+
+    def check(self, i: int, mb: Mapping[str, Any], topology: Topology) -> None:
+        """:func:`check_router_micro_batch` (nothing without options)."""
+        if self.options is not None:
+            check_router_micro_batch(i, mb, self.options, topology)
+
+    def prepare(self, topology: Topology,
+                forwards: Sequence[Callable[[RouterPool], Any]]) -> None:
+        """The ``"step"`` scope's pre-pass (:func:`step_statistics`; nothing for the other
+        scopes): ``forwards``, one per micro-batch, each the module's forward of that
+        micro-batch given a pool."""
+        self.statistics = None
+        if self.options is not None and self.options.scope == "step":
+            self.statistics = step_statistics(self.options, topology, forwards)
+
+    def kwargs(self, topology: Topology, num_micro_batches: int) -> Dict[str, Any]:
+        """The forward's ``router_loss=`` (empty without options)."""
+        if self.options is None:
+            return {}
+        return {"router_loss": router_pool(self.options, topology, num_micro_batches,
+                                           self.statistics)}
+
+    def output(self, out: Any) -> Optional[RouterLossOutput]:
+        """The router losses the module's forward returned (its output's ``router``), ``None``
+        without options.
+
+        Raises:
+            TypeError: the module returned none: it does not take ``router_loss=`` (the router
+                losses would be dropped).
+        """
+        if self.options is None:
+            return None
+        router = getattr(out, "router", None)
+        if router is None:
+            raise TypeError(f"the module's forward returned {type(out).__name__} without router "
+                            f"losses (a 'router' field): it does not compute the router losses "
+                            f"the step's router options ask for")
+        return router
+
+    def metrics(self, stats: List[Optional[Tuple[torch.Tensor, torch.Tensor]]],
+                topology: Topology) -> Dict[str, float]:
+        """:func:`router_metrics` of the micro-batches' :func:`router_stats` (empty without
+        options; collective with them)."""
+        return {} if self.options is None else router_metrics(stats, topology)

@@ -56,9 +56,9 @@ Reports (rank 0: a table; ``summary.json``; ``plot.png``; each run's ``metrics.c
 ``D`` depths (:mod:`launch.jobs.mtp_module`, each one decoder layer of the model's class) whose
 cross-entropies go through the shared lm_head, chunked, each calibrated over the global batch
 with its own token count, weighted ``--mtp_scaling / D``
-(:func:`megaloss.losses.multi_token.multi_token_prediction_loss`,
+(:class:`megaloss.integrations.step.mtp.MultiTokenPredictionStepLoss`,
 :class:`launch.jobs.mtp_lm.CausalLMWithMTP`); each depth's CE per step goes to ``metrics.csv``
-(``mtp_loss_depth<k>``) and the last step's to the table. The held-out CE stays the main
+(``mtp_loss_<k>``) and the last step's to the table. The held-out CE stays the main
 model's.
 
 Each run is a run of the job runner (:func:`launch.jobs.runner.train_run`, :class:`ScopeRun`).
@@ -169,13 +169,15 @@ class ScopeRun(LMJob):
     def step(self, step: int) -> Dict[str, Any]:
         from megaloss.integrations.deepspeed import train_step
 
-        row = train_step(self.me, next(self.batches)).as_dict()
-        if self.args.mtp:  # each depth's global CE mean: its parts summed over micro-batches
-            from megaloss.parallel.comm import all_reduce_sum_
+        if not self.args.mtp:
+            return train_step(self.me, next(self.batches)).as_dict()
+        # the multi-token prediction family of the calibrated step: every depth calibrated by
+        # its own global count; its depths' global CEs as mtp_loss_1, ...
+        from megaloss.integrations.step import run_step
+        from megaloss.integrations.step.mtp import MultiTokenPredictionStepLoss
 
-            sums = all_reduce_sum_(self.module.take_depth_sums(), self.topo.dp_group)
-            row.update({f"mtp_loss_depth{k}": float(v) for k, v in enumerate(sums, start=1)})
-        return row
+        family = MultiTokenPredictionStepLoss(self.args.mtp, router=self.ml.router.options())
+        return run_step(self.me, family, next(self.batches)).as_dict()
 
     def evaluate(self) -> Dict[str, Any]:
         from megaloss.integrations.deepspeed import evaluate
@@ -204,7 +206,7 @@ class ScopeRun(LMJob):
                 "last_router_aux_loss": rows[-1]["router_aux_loss"] if rows else None,
                 "last_expert_load_max": rows[-1]["expert_load_max"] if rows else None,
                 "mtp_depths": self.args.mtp,
-                "last_mtp_losses": [rows[-1][f"mtp_loss_depth{k}"]
+                "last_mtp_losses": [rows[-1][f"mtp_loss_{k}"]
                                     for k in range(1, self.args.mtp + 1)] if rows else None}
 
     def plot_title(self, summary: Dict[str, Any]) -> str:

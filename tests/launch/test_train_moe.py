@@ -106,7 +106,7 @@ def test_mtp_depths_are_reported(run):
         rows = list(csv.DictReader(f))
     assert len(rows) == 2
     for r in rows:
-        depths = [float(r["mtp_loss_depth1"]), float(r["mtp_loss_depth2"])]
+        depths = [float(r["mtp_loss_1"]), float(r["mtp_loss_2"])]
         # each depth's global CE mean: about the main CE at this size (near log V at init)
         assert all(0 < d < 2 * math.log(320) for d in depths)
     assert step["last_mtp_losses"] == depths

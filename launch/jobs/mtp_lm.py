@@ -52,9 +52,6 @@ class CausalLMWithMTP(nn.Module):
         super().__init__()
         self.lm = lm
         self.mtp = MultiTokenPrediction(lm.model, depth)
-        # the model's own initialisation for the depths' fresh layers: transformers' MoE experts
-        # are torch.empty until a model's post_init initialises them
-        self.mtp.apply(lm.model._init_weights)
         self.depth, self.scaling_factor = depth, float(scaling_factor)
 
     @property

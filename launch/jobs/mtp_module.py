@@ -99,6 +99,11 @@ class MultiTokenPrediction(nn.Module):
         self.depths = nn.ModuleList(
             MTPDepth(decoder.norm, layer_cls(config, n + k), config.hidden_size)
             for k in range(depth))
+        # the model's own initialisation for the fresh layers: transformers' MoE experts are
+        # torch.empty until a model's post_init initialises them
+        init = getattr(decoder, "_init_weights", None)
+        if init is not None:
+            self.depths.apply(init)
         param = next(decoder.parameters())
         self.to(dtype=param.dtype, device=param.device)
         # plain attributes, not submodules: the model owns (and trains) them

@@ -86,7 +86,7 @@ from .text_decoder import text_decoder
 
 __all__ = ["LogitTransform", "SOFTCAP_FIELDS", "SCALE_FIELDS", "config_logit_transform",
            "materialised", "verify_logit_transform", "model_logit_transform",
-           "resolve_softcapping", "z_loss_refusal", "model_configs"]
+           "resolve_softcapping", "z_loss_refusal", "unplaced_mean", "model_configs"]
 
 SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
 
@@ -550,6 +550,17 @@ def resolve_softcapping(given: Optional[float], model_cap: Optional[float], opti
                      f"or give the same value")
 
 
+def unplaced_mean(reduction: str, loss_weights: Optional[torch.Tensor]) -> Optional[str]:
+    """What cannot place a model's own per-micro-batch mean term (its z-loss, its router loss)
+    next to the CE: ``reduction`` other than ``"mean"``, or the calibrated step's
+    ``loss_weights``; ``None`` for the wrapper's plain token mean."""
+    if reduction != "mean":
+        return f'reduction="{reduction}"'
+    if loss_weights is not None:
+        return "loss_weights (the calibrated step's token weights)"
+    return None
+
+
 def z_loss_refusal(transform: LogitTransform, reduction: str,
                    loss_weights: Optional[torch.Tensor] = None) -> Optional[str]:
     """Why the model's own z-loss term (``transform.z_loss_coefficient``, Bamba's) cannot be
@@ -560,11 +571,8 @@ def z_loss_refusal(transform: LogitTransform, reduction: str,
     weights and count it once per micro-batch), and a per-token loss has no place for it."""
     if transform.z_loss_coefficient == 0.0:
         return None
-    if reduction != "mean":
-        why = f'reduction="{reduction}"'
-    elif loss_weights is not None:
-        why = "loss_weights (the calibrated step's token weights)"
-    else:
+    why = unplaced_mean(reduction, loss_weights)
+    if why is None:
         return None
     return (f"the model's own loss adds z_loss_coefficient={transform.z_loss_coefficient:g} "
             f"* mean(logsumexp(logits) ** 2) over every position of the micro-batch (Bamba), a "

@@ -60,7 +60,14 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch import nn
 
-from .head_config import _number, _probe_ids, _probing, materialised, model_configs
+from .head_config import (
+    _number,
+    _probe_ids,
+    _probing,
+    materialised,
+    model_configs,
+    unplaced_mean,
+)
 
 __all__ = ["RouterLoss", "AUX_FUNCTION", "COEFFICIENT_FIELDS", "model_router_loss",
            "verify_router_loss", "router_loss_refusal", "accepts_router_logits"]
@@ -357,11 +364,8 @@ def router_loss_refusal(router: Optional[RouterLoss], requested: bool, reduction
         return router.refusal
     if router.coefficient == 0.0 or router.aux_function is None:
         return None
-    if reduction != "mean":
-        why = f'reduction="{reduction}"'
-    elif loss_weights is not None:
-        why = "loss_weights (the calibrated step's token weights)"
-    else:
+    why = unplaced_mean(reduction, loss_weights)
+    if why is None:
         return None
     return (f"the model's own loss adds router_aux_loss_coef={router.coefficient:g} * its "
             f"load-balancing loss, a mean over the micro-batch's tokens that {why} cannot place "

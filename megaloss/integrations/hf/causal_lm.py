@@ -421,10 +421,8 @@ class CausalLMWithLoss(HeadWrapper):
         """
         pooled = self.pool_router_kwargs(router_loss, kwargs)
         if pooled and router_loss.statistics_only:  # the "step" scope's routing pre-pass
-            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids, **kwargs)
-            return self.pool_router_loss(router_loss, out.router_logits, attention_mask,
-                                         position_ids)
+            return self.pool_statistics(router_loss, input_ids, attention_mask, position_ids,
+                                        kwargs)
         if labels is None and shift_labels is None:
             if pooled:
                 raise ValueError("router_loss= (the calibrated step's router pool) needs "

@@ -145,6 +145,17 @@ class RouterLossHook:
         kwargs.setdefault("use_cache", False)
         return True
 
+    def pool_statistics(self, router_loss: RouterPool, input_ids: Optional[torch.Tensor],
+                        attention_mask: Optional[torch.Tensor],
+                        position_ids: Optional[torch.Tensor], kwargs: dict) -> Any:
+        """The ``"step"`` scope's routing pre-pass of a statistics-only pool: the decoder's
+        forward (``kwargs`` as :meth:`pool_router_kwargs` prepared them), then this rank's
+        :class:`~megaloss.losses.router.RouterStatistics` of its router logits."""
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids, **kwargs)
+        return self.pool_router_loss(router_loss, out.router_logits, attention_mask,
+                                     position_ids)
+
     def pool_router_loss(self, router_loss: RouterPool, router_logits: Any,
                          attention_mask: Optional[torch.Tensor],
                          position_ids: Optional[torch.Tensor]) -> Any:

@@ -96,6 +96,10 @@ class RouterLoss:
             router logits), or ``None``.
         verified: whether the probe of :func:`verify_router_loss` confirmed the term.
         is_moe: the config's ``is_moe`` (``True`` without the field).
+        probe_decides: the refusal is the declared one of a coefficient without an aux
+            function (Llama 4's config has ``router_aux_loss_coef``, its forward adds nothing):
+            the probe lifts it when the model's loss is the same with and without router
+            logits.
     """
 
     coefficient: float = 0.0
@@ -106,6 +110,7 @@ class RouterLoss:
     refusal: Optional[str] = None
     verified: bool = False
     is_moe: bool = True
+    probe_decides: bool = False
 
     def requested(self, output_router_logits: Optional[bool]) -> bool:
         """Whether router logits are output: the call's value, else the config's, and never
@@ -233,11 +238,13 @@ def _declared(model: nn.Module) -> RouterLoss:
             f"{name}'s router_aux_loss_coef={coef!r}: expected a finite number >= 0"))
     if fn is None:
         if coef > 0:
-            return RouterLoss(coefficient=coef, output_router_logits=default, refusal=(
-                f"{name} has router_aux_loss_coef={coef:g} but its modeling module has no "
-                f"{AUX_FUNCTION}: megaloss cannot tell which router loss its forward adds. "
-                f"Pass output_router_logits=False (or set config.output_router_logits=False) "
-                f"to train without it"))
+            return RouterLoss(
+                coefficient=coef, num_experts=experts, top_k=top_k,
+                output_router_logits=default, probe_decides=True, refusal=(
+                    f"{name} has router_aux_loss_coef={coef:g} but its modeling module has no "
+                    f"{AUX_FUNCTION}: megaloss cannot tell which router loss its forward adds. "
+                    f"Pass output_router_logits=False (or set config.output_router_logits="
+                    f"False) to train without it"))
         return RouterLoss(output_router_logits=default)
     known = {"num_experts", "top_k", "attention_mask", "num_keys"}
     params = list(inspect.signature(fn).parameters.values())[1:]
@@ -275,10 +282,15 @@ def verify_router_loss(model: nn.Module, router: RouterLoss) -> RouterLoss:
     Returns:
         ``router`` with ``verified=True``; with :attr:`RouterLoss.refusal` set on a mismatch or
         when the probe's forward raised; ``router`` itself when the parameters are not
-        materialised or ``router`` is already a refusal.
+        materialised or ``router`` is already a refusal (but one the probe decides: a
+        coefficient without an aux function passes when the forward adds nothing).
     """
-    if router.refusal is not None or materialised(model) is not None:
+    if materialised(model) is not None:
         return router
+    if router.refusal is not None:
+        if not router.probe_decides:
+            return router
+        router = replace(router, refusal=None, coefficient=0.0)  # adds nothing, if the probe agrees
     name = type(model).__name__
     ids, mask = _probe_batch(model)
     try:

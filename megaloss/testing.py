@@ -120,9 +120,30 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
         The ranks' return values, in rank order.
 
     Raises:
-        RuntimeError: a rank failed (with its traceback).
+        RuntimeError: a rank failed (with its traceback); the rendezvous port was taken by
+            another process on every one of a few fresh ports.
         TimeoutError: the ranks did not all finish within ``timeout`` seconds.
     """
+    for _ in range(_PORT_ATTEMPTS - 1):
+        try:
+            return _spawn(fn, world_size, args, timeout, threads_per_rank)
+        except _PortTaken:
+            continue
+    return _spawn(fn, world_size, args, timeout, threads_per_rank)
+
+
+# free_port's port may be taken by another process before rank 0 listens on it (many suites and
+# launches start ranks on one machine): the rendezvous then fails at once with EADDRINUSE, and a
+# fresh port is tried
+_PORT_ATTEMPTS = 3
+
+
+class _PortTaken(RuntimeError):
+    """Rank 0 could not listen on the rendezvous port (taken since :func:`free_port`)."""
+
+
+def _spawn(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float,
+           threads_per_rank: int) -> List[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -140,7 +161,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
         for _ in range(world_size):
             rank, status, payload = _next_reply(queue, procs, deadline, fn, timeout)
             if status == "error":
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
+                message = f"rank {rank} of {world_size} failed:\n{payload}"
+                if "EADDRINUSE" in payload and "_init_rank" in payload:
+                    raise _PortTaken(message)
+                raise RuntimeError(message)
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         failed = False
     finally:

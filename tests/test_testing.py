@@ -188,3 +188,24 @@ def test_run_distributed_spawns_fresh_ranks_outside_a_pool(pool):
         run_distributed(_fail_on_rank1, 2, timeout=120)
     with pytest.raises(TimeoutError, match="_rank0_waits_forever on 2 ranks"):
         run_distributed(_rank0_waits_forever, 2, timeout=3)
+
+
+@pytest.mark.fresh_processes
+def test_a_taken_rendezvous_port_is_retried_on_a_fresh_one(monkeypatch):
+    """``free_port``'s port taken by another process before rank 0 listens (EADDRINUSE at the
+    rendezvous, as seen when suites and launches share a machine): the ranks start again on a
+    fresh port instead of failing the caller."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    ports = [held.getsockname()[1]]
+    real = megaloss.testing.free_port
+    monkeypatch.setattr(megaloss.testing, "free_port",
+                        lambda: ports.pop() if ports else real())
+    try:
+        assert [r[3] for r in run_distributed(_identity, 2, timeout=120)] == [3.0, 3.0]
+    finally:
+        held.close()
+    assert not ports  # the taken port was tried first

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
 __all__ = ["Refusal", "preflight", "check_text_file", "check_data", "check_ds_config",
-           "check_output_dir", "LM_JOBS", "EMBEDDING_JOBS"]
+           "check_ds_config_numbers", "check_output_dir", "LM_JOBS", "EMBEDDING_JOBS"]
 
 LM_JOBS = ("train_lm", "train_lm_hf", "distill_lm", "train_grpo", "train_lm_fsdp", "train_dpo",
            "train_moe")
@@ -137,6 +138,53 @@ def _int(cfg: Dict[str, Any], key: str) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+# The ds_config numbers the jobs depend on: (dotted key, kind); "auto" is accepted where the
+# Hugging Face Trainer fills it in from its arguments (the *_hf jobs)
+_NUMBERS = (
+    ("train_micro_batch_size_per_gpu", "positive int"),
+    ("gradient_accumulation_steps", "positive int"),
+    ("train_batch_size", "positive int"),
+    ("steps_per_print", "positive int"),
+    ("gradient_clipping", "number >= 0"),
+    ("zero_optimization.stage", "ZeRO stage"),
+    ("optimizer.params.lr", "number >= 0"),
+    ("optimizer.params.weight_decay", "number >= 0"),
+    ("scheduler.params.warmup_num_steps", "int >= 0"),
+)
+
+
+def _bad_number(value: Any, kind: str) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return True
+    if kind.endswith("int") or kind in ("int >= 0", "ZeRO stage"):
+        if not isinstance(value, int):
+            return True
+    if kind == "positive int":
+        return value < 1
+    if kind == "ZeRO stage":
+        return value not in (0, 1, 2, 3)
+    return not math.isfinite(value) or value < 0
+
+
+def check_ds_config_numbers(cfg: Mapping[str, Any], where: str, job: str) -> None:
+    """Every ds_config number the jobs depend on (:data:`_NUMBERS`) of the right type and sign:
+    DeepSpeed itself would take ``"8"`` or ``-2`` into its arithmetic and fail with a traceback
+    after the ranks start (or, for a negative clipping, silently not clip).
+
+    Raises:
+        Refusal: naming the key, the value and what it must be.
+    """
+    for key, kind in _NUMBERS:
+        value: Any = cfg
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, Mapping) else None
+        if value is None or (value == "auto" and job.endswith("_hf")):
+            continue
+        if _bad_number(value, kind):
+            expected = "0, 1, 2 or 3" if kind == "ZeRO stage" else f"a {kind}"
+            raise Refusal(f"{where}: {key} must be {expected}, got {json.dumps(value)}")
+
+
 def check_ds_config(job: str, args: argparse.Namespace, world_size: Optional[int]) -> None:
     """The ds_config's ``"megaloss"`` section and top-level keys, the layout against
     ``world_size`` (None: unknown, not checked) and DeepSpeed's batch arithmetic.
@@ -157,6 +205,7 @@ def check_ds_config(job: str, args: argparse.Namespace, world_size: Optional[int
             ml = load_megaloss_config(cfg)
         except (ValueError, TypeError, UserWarning) as e:
             raise Refusal(f"{where}: {e}") from None
+    check_ds_config_numbers(cfg, where, job)
     if world_size is None:
         return
     autotp = ds_config_autotp_size(cfg)  # DeepSpeed AutoTP's TP (megaloss's is then 1)

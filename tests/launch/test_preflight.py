@@ -263,3 +263,20 @@ def test_the_script_refuses_before_any_rank(tmp_path):
         assert "deepspeed" not in out.stdout.lower() and seconds < 30, (seconds, out.stdout)
         assert not (tmp_path / "run").exists()
     assert os.environ.get("MEGALOSS_PROG") is None
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("train_micro_batch_size_per_gpu", "8", 'train_micro_batch_size_per_gpu must be a positive '
+                                            'int, got "8"'),
+    ("gradient_accumulation_steps", -2, "gradient_accumulation_steps must be a positive int, "
+                                        "got -2"),
+    ("gradient_clipping", -1.0, "gradient_clipping must be a number >= 0, got -1.0"),
+    ("zero_optimization", {"stage": 5}, "zero_optimization.stage must be 0, 1, 2 or 3, got 5"),
+    ("steps_per_print", True, "steps_per_print must be a positive int, got true"),
+])
+def test_a_ds_config_number_of_the_wrong_type_or_sign(tmp_path, capsys, monkeypatch, key,
+                                                      value, expected):
+    """DeepSpeed would take it into its arithmetic after the ranks start (a traceback 15 s
+    later), or not clip at all."""
+    cfg = _config(tmp_path, **{key: value})
+    _one_line(capsys, monkeypatch, ["--deepspeed_config", cfg], [expected])

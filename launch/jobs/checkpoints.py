@@ -160,10 +160,26 @@ def open_run(args: argparse.Namespace, out_dir: Path, ds_config: dict) -> Option
         prepare_output_dir(out_dir, overwrite=args.overwrite, resuming=source is not None,
                            eval_only=args.eval_only)
         if source is not None and not args.eval_only:
+            _check_files(source)  # before latest moves to it: a damaged branch leaves it as is
             follow_branch(source, out_dir / CHECKPOINTS)
         return None if source is None else str(source)
 
     return rank0_decides(run_folder, what=f"--output_dir {out_dir}")
+
+
+def _check_files(source: Path) -> None:
+    """``--resume``'s checkpoint files intact (:func:`megaloss.integrations.deepspeed.checkpoint.
+    check_checkpoint_files`).
+
+    Raises:
+        SystemExit: naming ``--resume`` and the damaged file.
+    """
+    from megaloss.integrations.deepspeed.checkpoint import check_checkpoint_files
+
+    try:
+        check_checkpoint_files(source)
+    except ValueError as e:
+        raise SystemExit(f"--resume {source}: {e}") from None
 
 
 def follow_branch(source: Path, ckpt_dir: Path) -> None:
@@ -260,15 +276,9 @@ def resume_job_state(me: Any, resume_from: str, job_state: dict, expected: Dict[
     import time
 
     from megaloss.integrations.deepspeed import load_checkpoint
-    from megaloss.integrations.deepspeed.checkpoint import check_checkpoint_files
 
-    def check():
-        try:
-            check_checkpoint_files(resume_from)
-        except ValueError as e:
-            raise SystemExit(f"--resume {resume_from}: {e}") from None
-
-    agreed(check, what=f"--resume {resume_from}")  # damaged files: one message, every rank exits
+    # damaged files: one message, every rank exits
+    agreed(lambda: _check_files(Path(resume_from)), what=f"--resume {resume_from}")
     t0 = time.perf_counter()
     path, client = load_checkpoint(me, resume_from)
     saved = client.get("job", {})

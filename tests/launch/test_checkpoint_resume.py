@@ -214,9 +214,11 @@ def test_eval_only_reproduces_the_final_evaluation_and_a_rerun_is_refused(runs):
 def test_a_truncated_checkpoint_file_is_refused_with_its_path_on_every_rank(runs):
     tmp_path = runs[0]
     cut = tmp_path / "lm21-part" / "checkpoints" / f"step_{N}" / "mp_rank_00_model_states.pt"
-    # rank 0 checked the files; rank 1 exits with rank 0's message (launch.jobs.runs.agreed)
+    # rank 0 checked the files with the run folder, before anything in it changed; rank 1 exits
+    # with rank 0's message (launch.jobs.agreement.agreed)
+    out_dir = cut.parents[2]
     for rank, start in ((0, f"--resume {cut.parent}: "),
-                        (1, f"error on rank 0 (--resume {cut.parent}): --resume {cut.parent}: ")):
+                        (1, f"error on rank 0 (--output_dir {out_dir}): --resume {cut.parent}: ")):
         message = (tmp_path / f"truncated.txt.rank{rank}").read_text()
         assert message.startswith(start + f"checkpoint file {cut} is truncated or corrupted"), \
             (rank, message)

@@ -419,29 +419,27 @@ class CausalLMWithLoss(HeadWrapper):
                 step, or ``output_router_logits=False``), or a router term megaloss cannot
                 reproduce.
         """
-        pooled = self.pool_router_kwargs(router_loss, kwargs)
-        if pooled and router_loss.statistics_only:  # the "step" scope's routing pre-pass
+        labeled = labels is not None or shift_labels is not None
+        pool = self.pool_router_kwargs(router_loss, labeled, kwargs)
+        if pool is not None and router_loss.statistics_only:  # the "step" scope's pre-pass
             return self.pool_statistics(router_loss, input_ids, attention_mask, position_ids,
-                                        kwargs)
-        if labels is None and shift_labels is None:
-            if pooled:
-                raise ValueError("router_loss= (the calibrated step's router pool) needs "
-                                 "labels or shift_labels")
+                                        pool)
+        if not labeled:
             if output_router_logits is not None:
                 kwargs["output_router_logits"] = output_router_logits
             return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs,
                                loss_weights=loss_weights, num_items_in_batch=num_items_in_batch)
         targets = shifted_targets(token_grid(input_ids, kwargs), labels, shift_labels,
                                   self.ignore_index, self.logit_transform.shifts_labels)
-        if pooled:
+        if pool is not None:
             out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids, **kwargs)
+                               position_ids=position_ids, **pool)
             result = self.head_loss(out.last_hidden_state, targets, loss_weights=loss_weights,
                                     num_items_in_batch=num_items_in_batch)
-            router = self.pool_router_loss(router_loss, out.router_logits, attention_mask,
-                                           position_ids)
+            loss, router = self.add_pool_loss(result.loss, router_loss, out.router_logits,
+                                              attention_mask, position_ids)
             return CausalLMLossOutput(
-                loss=result.loss + router.loss.to(result.loss.dtype), z_loss=result.z_loss,
+                loss=loss, z_loss=result.z_loss,
                 num_valid_tokens=result.num_valid_tokens,
                 num_correct_tokens=result.num_correct_tokens, router_logits=out.router_logits,
                 router=router)

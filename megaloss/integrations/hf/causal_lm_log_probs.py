@@ -191,14 +191,12 @@ class CausalLMWithLogProbs(HeadWrapper):
                 ``input_ids``; a label outside the vocabulary; router logits output for a
                 model whose router term megaloss cannot reproduce.
         """
-        pooled = self.pool_router_kwargs(router_loss, kwargs)
-        if pooled and router_loss.statistics_only:  # the "step" scope's routing pre-pass
+        labeled = labels is not None or shift_labels is not None
+        pool = self.pool_router_kwargs(router_loss, labeled, kwargs)
+        if pool is not None and router_loss.statistics_only:  # the "step" scope's pre-pass
             return self.pool_statistics(router_loss, input_ids, attention_mask, position_ids,
-                                        kwargs)
-        if labels is None and shift_labels is None:
-            if pooled:
-                raise ValueError("router_loss= (the calibrated step's router pool) needs "
-                                 "labels or shift_labels")
+                                        pool)
+        if not labeled:
             if output_router_logits is not None:
                 kwargs["output_router_logits"] = output_router_logits
             return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs)
@@ -207,19 +205,19 @@ class CausalLMWithLogProbs(HeadWrapper):
         options = self.options
         if return_entropy is not None and return_entropy != options.return_entropy:
             options = options.replace(return_entropy=return_entropy)
-        routed = pooled or self.router_logits_requested(output_router_logits)
-        if routed and not pooled and self.router.refusal is not None:
-            raise ValueError(self.router.refusal)
-        kwargs.setdefault("use_cache", False)
-        if not pooled:
+        routed = pool is not None or self.router_logits_requested(output_router_logits)
+        if pool is None:
+            if routed and self.router.refusal is not None:
+                raise ValueError(self.router.refusal)
+            kwargs.setdefault("use_cache", False)
             self.decoder_router_kwargs(routed, output_router_logits, kwargs)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids, **kwargs)
+                           position_ids=position_ids, **(kwargs if pool is None else pool))
         result = self.head(out.last_hidden_state, targets, options=options)
         if not routed:
             return result
         router_logits = getattr(out, "router_logits", None)
-        if pooled:
+        if pool is not None:
             router = self.pool_router_loss(router_loss, router_logits, attention_mask,
                                            position_ids)
             return MoeLogProbsOutput(*result, aux_loss=None, router_logits=router_logits,

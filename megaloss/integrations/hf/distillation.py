@@ -289,15 +289,13 @@ class CausalLMWithDistillation(RouterLossHook, nn.Module):
                 calibrated router loss, ``router_loss=`` of the calibrated step, or
                 ``output_router_logits=False``), or a router term megaloss cannot reproduce.
         """
-        student = {}  # the student decoder's router arguments (the teacher runs as configured)
-        pooled = self.pool_router_kwargs(router_loss, student)
-        if pooled and router_loss.statistics_only:  # the "step" scope's routing pre-pass
+        labeled = labels is not None or shift_labels is not None
+        # the student decoder's arguments under a pool (the teacher's stay kwargs, as configured)
+        pool = self.pool_router_kwargs(router_loss, labeled, kwargs)
+        if pool is not None and router_loss.statistics_only:  # the "step" scope's pre-pass
             return self.pool_statistics(router_loss, input_ids, attention_mask, position_ids,
-                                        {**kwargs, **student})
-        if labels is None and shift_labels is None:
-            if pooled:
-                raise ValueError("router_loss= (the calibrated step's router pool) needs "
-                                 "labels or shift_labels")
+                                        pool)
+        if not labeled:
             if output_router_logits is not None:
                 kwargs["output_router_logits"] = output_router_logits
             return own_forward(self.model, input_ids, attention_mask, position_ids, kwargs,
@@ -309,20 +307,18 @@ class CausalLMWithDistillation(RouterLossHook, nn.Module):
         if (self.teacher is not None) == topk:
             raise ValueError("give the teacher either as the wrapper's teacher module or as "
                              "teacher_topk_ids / teacher_topk_log_probs per batch (one of them)")
-        routed = pooled or self.router_logits_requested(output_router_logits)
-        if not pooled:
+        routed = pool is not None or self.router_logits_requested(output_router_logits)
+        if pool is None:
             self.check_router_loss(routed, self.options.reduction, loss_weights)
         if topk:
             teacher = dict(teacher_topk_ids=teacher_topk_ids,
                            teacher_topk_log_probs=teacher_topk_log_probs)
         else:
             teacher = self._teacher_inputs(input_ids, attention_mask, position_ids, kwargs)
-        if pooled:
-            kwargs.update(student)
-        else:
+        if pool is None:
             self.decoder_router_kwargs(routed, output_router_logits, kwargs)
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids, **kwargs)
+                           position_ids=position_ids, **(kwargs if pool is None else pool))
         hidden = out.last_hidden_state
         weights = head_loss_weights(
             target, self.ignore_index, self.options.reduction, loss_weights, num_items_in_batch,
@@ -331,10 +327,9 @@ class CausalLMWithDistillation(RouterLossHook, nn.Module):
         if not routed:
             return result
         router_logits = getattr(out, "router_logits", None)
-        if pooled:
-            router = self.pool_router_loss(router_loss, router_logits, attention_mask,
-                                           position_ids)
-            loss = result.loss + router.loss.to(result.loss.dtype)
+        if pool is not None:
+            loss, router = self.add_pool_loss(result.loss, router_loss, router_logits,
+                                              attention_mask, position_ids)
             return MoeDistillationOutput(*result._replace(loss=loss), aux_loss=None,
                                          router_logits=router_logits, router=router)
         loss, term = self.add_router_loss(result.loss, router_logits, attention_mask)

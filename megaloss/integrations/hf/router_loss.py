@@ -120,19 +120,20 @@ class RouterLossHook:
         return loss + term.loss.to(loss.dtype), term
 
     # megaloss's calibrated router losses (the calibrated step's ``router_loss=``) -------------
-    def pool_router_kwargs(self, router_loss: Optional[RouterPool], kwargs: dict) -> bool:
-        """Prepare a call with the calibrated step's ``router_loss=`` pool: router logits
-        requested from the decoder (the pool's losses then *replace* the model's own term, whose
-        per-micro-batch mean has no exact place in a calibrated step). Returns whether a pool
-        is given.
+    def pool_router_kwargs(self, router_loss: Optional[RouterPool], has_labels: bool,
+                           kwargs: dict) -> Optional[dict]:
+        """The decoder's keyword arguments for a call with the calibrated step's
+        ``router_loss=`` pool: ``kwargs`` with router logits requested (the pool's losses then
+        *replace* the model's own term, whose per-micro-batch mean has no exact place in a
+        calibrated step) and ``use_cache`` off by default; ``None`` without a pool.
 
         Raises:
             TypeError: ``router_loss`` is not a :class:`megaloss.losses.router.RouterPool`.
             ValueError: the model outputs no router logits (no router to balance), or its
-                ``top_k`` is unknown.
+                ``top_k`` is unknown; a pool that is not statistics-only without labels.
         """
         if router_loss is None:
-            return False
+            return None
         if not isinstance(router_loss, RouterPool):
             raise TypeError(f"router_loss must be a megaloss.losses.router.RouterPool (the "
                             f"calibrated step's), got {type(router_loss).__name__}")
@@ -141,20 +142,29 @@ class RouterLossHook:
                              "LanguageModelLoss(router=...)) but the model has no router "
                              "logits to compute them on (or no known top_k): remove the router "
                              "options")
-        kwargs["output_router_logits"] = True
-        kwargs.setdefault("use_cache", False)
-        return True
+        if not has_labels and not router_loss.statistics_only:
+            raise ValueError("router_loss= (the calibrated step's router pool) needs labels or "
+                             "shift_labels")
+        return {"use_cache": False, **kwargs, "output_router_logits": True}
 
     def pool_statistics(self, router_loss: RouterPool, input_ids: Optional[torch.Tensor],
                         attention_mask: Optional[torch.Tensor],
-                        position_ids: Optional[torch.Tensor], kwargs: dict) -> Any:
+                        position_ids: Optional[torch.Tensor], decoder_kwargs: dict) -> Any:
         """The ``"step"`` scope's routing pre-pass of a statistics-only pool: the decoder's
-        forward (``kwargs`` as :meth:`pool_router_kwargs` prepared them), then this rank's
+        forward (``decoder_kwargs`` from :meth:`pool_router_kwargs`), then this rank's
         :class:`~megaloss.losses.router.RouterStatistics` of its router logits."""
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids, **kwargs)
+                           position_ids=position_ids, **decoder_kwargs)
         return self.pool_router_loss(router_loss, out.router_logits, attention_mask,
                                      position_ids)
+
+    def add_pool_loss(self, loss: torch.Tensor, router_loss: RouterPool, router_logits: Any,
+                      attention_mask: Optional[torch.Tensor],
+                      position_ids: Optional[torch.Tensor]):
+        """``(loss + the pool's share, the share)``: :meth:`pool_router_loss`'s
+        :class:`~megaloss.losses.router.RouterLossOutput`, its ``loss`` in ``loss``'s dtype."""
+        router = self.pool_router_loss(router_loss, router_logits, attention_mask, position_ids)
+        return loss + router.loss.to(loss.dtype), router
 
     def pool_router_loss(self, router_loss: RouterPool, router_logits: Any,
                          attention_mask: Optional[torch.Tensor],

@@ -8,7 +8,7 @@ be tested without Ulysses attention.
 """
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Sequence
+from typing import Any, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -109,31 +109,88 @@ def reference_router(logits: Sequence[torch.Tensor], mask: torch.Tensor, *, aux:
     return aux * lb + z * zl
 
 
+def reference_scope(pieces: Mapping[Tuple[int, int], Tuple[Sequence[torch.Tensor], torch.Tensor]],
+                    *, scope: str, aux: float, z: float,
+                    layers: str = "per_layer") -> torch.Tensor:
+    """One device's router losses of a step under ``scope``: ``pieces[(r, m)]`` is data-parallel
+    rank ``r``'s micro-batch ``m`` as ``(per-layer router logits [N, E], mask [N])``; ``step``:
+    one pool; ``global``: a pool per micro-step ``m`` over the ranks, averaged; ``micro_batch``: a
+    pool per piece, averaged."""
+    def pool(keys):
+        num_layers = len(pieces[keys[0]][0])
+        logits = [torch.cat([pieces[k][0][i] for k in keys]) for i in range(num_layers)]
+        mask = torch.cat([pieces[k][1] for k in keys])
+        return reference_router(logits, mask, aux=aux, z=z, layers=layers)
+
+    keys = sorted(pieces)
+    if scope == "step":
+        return pool(keys)
+    if scope == "global":
+        steps = sorted({m for _, m in keys})
+        return sum(pool([k for k in keys if k[1] == m]) for m in steps) / len(steps)
+    return sum(pool([k]) for k in keys) / len(keys)
+
+
 def reference_router_step(model: ToyMoE, micro_batches: Sequence[Sequence[dict]], *,
                           scope: str, aux: float, z: float,
                           layers: str = "per_layer") -> torch.Tensor:
-    """One device's router losses of the step under ``scope``: ``micro_batches[r][m]`` is
-    data-parallel rank ``r``'s micro-batch ``m`` (``input_ids``, optional ``attention_mask``)."""
-    ranks, gas = len(micro_batches), len(micro_batches[0])
+    """:func:`reference_scope` of the toy model: ``micro_batches[r][m]`` is data-parallel rank
+    ``r``'s micro-batch ``m`` (``input_ids``, optional ``attention_mask``)."""
     pieces = {}
-    for r in range(ranks):
-        for m in range(gas):
-            mb = micro_batches[r][m]
+    for r, rank_batches in enumerate(micro_batches):
+        for m, mb in enumerate(rank_batches):
             _, logits = model.hidden(mb["input_ids"])
             mask = mb.get("attention_mask")
             mask = torch.ones(mb["input_ids"].numel()) if mask is None else mask.reshape(-1)
             pieces[r, m] = (logits, mask)
+    return reference_scope(pieces, scope=scope, aux=aux, z=z, layers=layers)
 
-    def pool(keys):
-        logits = [torch.cat([pieces[k][0][layer] for k in keys]) for layer in range(LAYERS)]
-        mask = torch.cat([pieces[k][1] for k in keys])
-        return reference_router(logits, mask, aux=aux, z=z, layers=layers)
 
-    if scope == "step":
-        return pool(list(pieces))
-    if scope == "global":
-        return sum(pool([(r, m) for r in range(ranks)]) for m in range(gas)) / gas
-    return sum(pool([k]) for k in pieces) / len(pieces)
+def tiny_qwen3_moe(vocab: int = 41) -> nn.Module:
+    """A seeded 2-layer Qwen3-MoE (4 experts, top-2), its own router term off, eager experts
+    (float64 capable)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=16, intermediate_size=16,
+                            moe_intermediate_size=8, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+                            num_experts_per_tok=2, head_dim=8, output_router_logits=False,
+                            router_aux_loss_coef=0.001)
+    config._experts_implementation = "eager"
+    return Qwen3MoeForCausalLM(config)
+
+
+def padded_samples(vocab: int = 41, seq: int = 6) -> List[dict]:
+    """4 samples of ``seq`` tokens, 1 to 3 of them padding (attention mask 0, label -100)."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for i in range(4):
+        ids = torch.randint(0, vocab, (seq,), generator=g)
+        mask = torch.ones(seq, dtype=torch.long)
+        mask[seq - 1 - i % 3:] = 0
+        out.append({"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100),
+                    "attention_mask": mask})
+    return out
+
+
+def reference_hf_step(model: nn.Module, micro_batches: Sequence[Sequence[dict]], *, scope: str,
+                      aux: float, z: float) -> torch.Tensor:
+    """One device's loss of a Hugging Face MoE model's step under ``scope``: the token-mean CE of
+    the model's own logits over every valid shifted label, plus :func:`reference_scope` of its
+    own ``router_logits``; ``micro_batches[r][m]`` holds ``input_ids``, unshifted ``labels`` and
+    ``attention_mask`` ``[B, T]``."""
+    ce, valid, pieces = 0.0, 0, {}
+    for r, rank_batches in enumerate(micro_batches):
+        for m, mb in enumerate(rank_batches):
+            o = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                      output_router_logits=True)
+            labels = mb["labels"][:, 1:].reshape(-1)
+            ce = ce + F.cross_entropy(o.logits[:, :-1].reshape(labels.numel(), -1), labels,
+                                      ignore_index=-100, reduction="sum")
+            valid += int((labels != -100).sum())
+            pieces[r, m] = (o.router_logits, mb["attention_mask"].reshape(-1))
+    return ce / valid + reference_scope(pieces, scope=scope, aux=aux, z=z)
 
 
 def reference_step(model: ToyMoE, micro_batches: Sequence[Sequence[dict]], *, scope: str,

@@ -90,23 +90,16 @@ def _worker(rank, world):
 
 
 def _reference(scope):
-    from tests.helpers.toy_moe import reference_router
+    from tests.helpers.toy_moe import reference_scope
 
     embed, gate = (t.double() for t in _initial())
     gate.requires_grad_(True)
-    pieces = {(r, m): embed[mb["input_ids"].reshape(-1)] @ gate.T
-              for r in range(2) for m, mb in enumerate(_batches(r))}
-
-    def pool(keys):
-        logits = torch.cat([pieces[k] for k in keys])
-        return reference_router([logits], torch.ones(logits.shape[0]), aux=AUX, z=Z)
-
-    if scope == "step":
-        loss = pool(list(pieces))
-    elif scope == "global":
-        loss = sum(pool([(0, m), (1, m)]) for m in range(GAS)) / GAS
-    else:
-        loss = sum(pool([k]) for k in pieces) / len(pieces)
+    pieces = {}
+    for r in range(2):
+        for m, mb in enumerate(_batches(r)):
+            logits = embed[mb["input_ids"].reshape(-1)] @ gate.T
+            pieces[r, m] = ([logits], torch.ones(logits.shape[0]))
+    loss = reference_scope(pieces, scope=scope, aux=AUX, z=Z)
     (grad,) = torch.autograd.grad(loss, gate)
     return grad
 

@@ -9,10 +9,9 @@ softmax in float32, which picks the experts, the same in both).
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megaloss.testing import run_distributed
-from tests.helpers.toy_moe import reference_router
+from tests.helpers.toy_moe import padded_samples, reference_hf_step, tiny_qwen3_moe
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -21,16 +20,7 @@ SCOPES = ("micro_batch", "global", "step")
 
 
 def _model():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=16,
-                            moe_intermediate_size=8, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1, num_experts=4,
-                            num_experts_per_tok=2, decoder_sparse_step=1, head_dim=8,
-                            output_router_logits=False, router_aux_loss_coef=0.001)
-    config._experts_implementation = "eager"
-    return Qwen3MoeForCausalLM(config).double()
+    return tiny_qwen3_moe(VOCAB).double()
 
 
 def _batches(rank):
@@ -74,29 +64,7 @@ def _rank(rank, world):
 
 def _reference(scope):
     model = _model()
-    ce, valid, pieces = 0.0, 0, {}
-    for r in range(2):
-        for m, mb in enumerate(_batches(r)):
-            o = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                      output_router_logits=True)
-            labels = mb["labels"][:, 1:].reshape(-1)
-            ce = ce + F.cross_entropy(o.logits[:, :-1].reshape(-1, VOCAB), labels,
-                                      ignore_index=-100, reduction="sum")
-            valid += int((labels != -100).sum())
-            pieces[r, m] = (o.router_logits, mb["attention_mask"].reshape(-1))
-
-    def pool(keys):
-        layers = [torch.cat([pieces[k][0][i] for k in keys]) for i in range(2)]
-        mask = torch.cat([pieces[k][1] for k in keys])
-        return reference_router(layers, mask, aux=AUX, z=Z)
-
-    if scope == "step":
-        router = pool(list(pieces))
-    elif scope == "global":
-        router = sum(pool([(0, m), (1, m)]) for m in range(GAS)) / GAS
-    else:
-        router = sum(pool([k]) for k in pieces) / len(pieces)
-    loss = ce / valid + router
+    loss = reference_hf_step(model, [_batches(r) for r in range(2)], scope=scope, aux=AUX, z=Z)
     loss.backward()
     with torch.no_grad():
         params = {n: p - p.grad for n, p in model.named_parameters()}
@@ -186,14 +154,7 @@ def test_megaloss_trainer_router_losses_under_gradient_accumulation(tmp_path, sc
 
     from megaloss.integrations.hf.trainer import MegalossTrainer
 
-    g = torch.Generator().manual_seed(5)
-    samples = []
-    for i in range(4):
-        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
-        mask = torch.ones(SEQ, dtype=torch.long)
-        mask[SEQ - 1 - i % 3:] = 0
-        samples.append({"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100),
-                        "attention_mask": mask})
+    samples = padded_samples(VOCAB, SEQ)
 
     def collate(rows):
         return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
@@ -213,21 +174,8 @@ def test_megaloss_trainer_router_losses_under_gradient_accumulation(tmp_path, sc
     after = dict(trainer.model.model.named_parameters())
 
     ref = _model()
-    ce, valid, pieces = 0.0, 0, []
-    for s in samples:
-        o = ref(input_ids=s["input_ids"][None], attention_mask=s["attention_mask"][None],
-                output_router_logits=True)
-        labels = s["labels"][1:]
-        ce = ce + F.cross_entropy(o.logits[0, :-1], labels, ignore_index=-100, reduction="sum")
-        valid += int((labels != -100).sum())
-        pieces.append((o.router_logits, s["attention_mask"]))
-
-    def pool(ps):
-        layers = [torch.cat([p[0][i] for p in ps]) for i in range(2)]
-        return reference_router(layers, torch.cat([p[1] for p in ps]), aux=AUX, z=Z)
-
-    router = pool(pieces) if scope == "step" else sum(pool([p]) for p in pieces) / len(pieces)
-    (ce / valid + router).backward()
+    one_rank = [[{k: v[None] for k, v in sample.items()} for sample in samples]]
+    reference_hf_step(ref, one_rank, scope=scope, aux=AUX, z=Z).backward()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(before[name] - after[name].detach(), p.grad, rtol=1e-9,
                                    atol=1e-12, msg=name)

@@ -16,37 +16,13 @@ import traceback
 
 import pytest
 import torch
-import torch.nn.functional as F
+
+from tests.helpers.toy_moe import padded_samples, reference_hf_step, tiny_qwen3_moe
 
 pytest.importorskip("accelerate")
 
 VOCAB, SEQ, AUX, Z = 41, 6, 0.3, 0.01
 CASES = ("micro_batch", "step")
-
-
-def _model():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=16,
-                            moe_intermediate_size=8, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1, num_experts=4,
-                            num_experts_per_tok=2, head_dim=8, output_router_logits=False,
-                            router_aux_loss_coef=0.001)
-    config._experts_implementation = "eager"
-    return Qwen3MoeForCausalLM(config)
-
-
-def _samples():
-    g = torch.Generator().manual_seed(5)
-    out = []
-    for i in range(4):
-        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
-        mask = torch.ones(SEQ, dtype=torch.long)
-        mask[SEQ - 1 - i % 3:] = 0
-        out.append({"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100),
-                    "attention_mask": mask})
-    return out
 
 
 def _collate(rows):
@@ -60,7 +36,7 @@ def _train(out_dir, scope):
     from megaloss.integrations.hf.trainer import MegalossTrainer
 
     unset_hf_deepspeed_config()
-    model = _model()
+    model = tiny_qwen3_moe(VOCAB)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
                  "train_batch_size": "auto", "gradient_clipping": 0.0,
@@ -73,7 +49,7 @@ def _train(out_dir, scope):
                              max_grad_norm=0.0, save_strategy="no", report_to=[], use_cpu=True,
                              deepspeed=ds_config, remove_unused_columns=False,
                              dataloader_num_workers=0, disable_tqdm=True, seed=0)
-    trainer = MegalossTrainer(model=model, args=args, train_dataset=_samples(),
+    trainer = MegalossTrainer(model=model, args=args, train_dataset=padded_samples(VOCAB, SEQ),
                               data_collator=_collate)
     trainer.train()
     after = {n: p.detach().clone() for n, p in trainer.model.model.named_parameters()}
@@ -83,24 +59,9 @@ def _train(out_dir, scope):
 
 
 def _reference(scope):
-    from tests.helpers.toy_moe import reference_router
-
-    model = _model().double()
-    ce, valid, pieces = 0.0, 0, []
-    for s in _samples():
-        o = model(input_ids=s["input_ids"][None], attention_mask=s["attention_mask"][None],
-                  output_router_logits=True)
-        labels = s["labels"][1:]
-        ce = ce + F.cross_entropy(o.logits[0, :-1], labels, ignore_index=-100, reduction="sum")
-        valid += int((labels != -100).sum())
-        pieces.append((o.router_logits, s["attention_mask"]))
-
-    def pool(ps):
-        layers = [torch.cat([p[0][i] for p in ps]) for i in range(2)]
-        return reference_router(layers, torch.cat([p[1] for p in ps]), aux=AUX, z=Z)
-
-    router = pool(pieces) if scope == "step" else sum(pool([p]) for p in pieces) / len(pieces)
-    (ce / valid + router).backward()
+    model = tiny_qwen3_moe(VOCAB).double()
+    one_rank = [[{k: v[None] for k, v in sample.items()} for sample in padded_samples(VOCAB, SEQ)]]
+    reference_hf_step(model, one_rank, scope=scope, aux=AUX, z=Z).backward()
     return {n: p.grad for n, p in model.named_parameters()}
 
 

@@ -38,7 +38,8 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
 __all__ = ["MALLOC_ENV", "MemoryProbe", "trim_memory", "median", "budget_spent", "run_worker",
            "format_table", "write_csv", "mib", "worker_env", "require_positive", "vocab_shard",
-           "peak_rss_bytes", "finish"]
+           "peak_rss_bytes", "finish", "add_process_arguments", "answer_worker",
+           "run_in_this_process"]
 
 # Fixed glibc malloc behaviour in every worker process (see the module docstring).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
@@ -186,6 +187,30 @@ def run_worker(script: str, spec: Dict[str, Any], threads: int, timeout: float) 
         tail = (proc.stderr or "").strip().splitlines()[-5:]
         return {"error": f"exit code {proc.returncode}: " + " | ".join(tail)}
     return json.loads(lines[-1])
+
+
+def add_process_arguments(parser: Any, timeout_help: str = "seconds per case") -> None:
+    """The arguments of a tool whose cases run each in a fresh process (:func:`run_worker`):
+    ``--timeout``, ``--same-process`` (:func:`run_in_this_process`) and the hidden
+    ``--worker SPEC`` the tool re-invokes itself with (:func:`answer_worker`)."""
+    import argparse
+
+    parser.add_argument("--timeout", type=float, default=1800.0, help=timeout_help)
+    parser.add_argument("--same-process", action="store_true",
+                        help="run every case in this process, not a fresh process each (a "
+                             "smoke run, for tests: the memory figures then include what "
+                             "earlier cases left allocated, and the allocator settings of the "
+                             "workers do not apply)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def answer_worker(args: Any, worker: Callable[[Dict[str, Any]], Dict[str, Any]]) -> bool:
+    """In a ``--worker SPEC`` process (:func:`add_process_arguments`): ``worker(SPEC)``'s result
+    printed as the JSON line :func:`run_worker` reads; returns whether this was one."""
+    if not args.worker:
+        return False
+    print(json.dumps(worker(json.loads(args.worker))))
+    return True
 
 
 def run_in_this_process(worker: Callable[[Dict[str, Any]], Dict[str, Any]],

@@ -55,7 +55,6 @@ against eager and against torch's function; ``--impl-csv``):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -67,6 +66,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import (  # noqa: E402
     MALLOC_ENV,
     MemoryProbe,
+    add_process_arguments,
+    answer_worker,
     format_table,
     mib,
     require_positive,
@@ -560,19 +561,12 @@ def main(argv=None) -> int:
                         "fp16 schedule: one extra GEMM, see megaloss/ops/chunk_driver.py)")
     p.add_argument("--cuda-dtypes", nargs="+", choices=dtypes, default=["bfloat16"],
                    help="dtypes of the CUDA rows (default bfloat16)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     p.add_argument("--csv", metavar="PATH", help="write all columns as CSV")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of peak memory vs tokens")
-    p.add_argument("--same-process", action="store_true",
-                   help="run every case in this process, not a fresh process each (a smoke "
-                        "run: gpu_check.sh --dry-run; the memory figures then include what "
-                        "earlier cases left allocated, and the allocator settings of the "
-                        "workers do not apply)")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
+    add_process_arguments(p)  # gpu_check.sh --dry-run passes --same-process
     args = p.parse_args(argv)
 
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))))
+    if answer_worker(args, _worker):
         return 0
     require_positive(p, args, ("hidden", "vocab", "repeats", "threads"))
     if args.chunk_size is not None and args.chunk_size < 1:

@@ -36,7 +36,6 @@ float32, so they agree to float32 rounding (``max_loss_rel_diff``, against ``trl
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -51,6 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, ROOT)  # launch.jobs.code_search: the built-in corpus
 from _bench_common import (  # noqa: E402
     MemoryProbe,
+    add_process_arguments,
+    answer_worker,
     finish,
     format_table,
     median,
@@ -187,15 +188,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads (default: the cores)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
     p.add_argument("--csv", metavar="PATH", help="write every column as CSV")
-    p.add_argument("--same-process", action="store_true",
-                   help="run every method in this process (for tests: no interpreter start-up, "
-                        "but the memory of one run may be left to the next)")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
+    add_process_arguments(p, timeout_help="seconds per process")
     args = p.parse_args(argv)
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))))
+    if answer_worker(args, _worker):
         return 0
     require_positive(p, args, ("vocab", "hidden", "layers", "batch", "min_len", "max_len",
                                "steps", "repeats", "threads"))

@@ -38,6 +38,8 @@ from typing import Any, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import (  # noqa: E402
     MemoryProbe,
+    add_process_arguments,
+    answer_worker,
     finish,
     format_table,
     median,
@@ -207,16 +209,10 @@ def main(argv=None) -> int:
                    help="stop repeating once the timed runs took this many seconds (default 30)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
-    p.add_argument("--same-process", action="store_true",
-                   help="run both methods in this process (tests; the peaks are then less "
-                        "isolated)")
     p.add_argument("--csv", metavar="PATH", help="write the table as CSV")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
+    add_process_arguments(p, timeout_help="seconds per process")
     args = p.parse_args(argv)
-    if args.worker:
-        import json
-        print(json.dumps(_worker(json.loads(args.worker))))
+    if answer_worker(args, _worker):
         return 0
     require_positive(p, args, ("tokens", "hidden", "vocab", "sample_len", "repeats", "threads"))
     if args.chunk_size < 0:

@@ -51,7 +51,6 @@ interleaved rounds of
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -63,6 +62,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import (  # noqa: E402
     MALLOC_ENV,
     MemoryProbe,
+    add_process_arguments,
+    answer_worker,
     format_table,
     mib,
     require_positive,
@@ -408,18 +409,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads per worker (default: all CPUs)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     p.add_argument("--csv", metavar="PATH", help="write part 1's rows as CSV")
     p.add_argument("--step-csv", metavar="PATH", help="write part 2's rows as CSV")
-    p.add_argument("--same-process", action="store_true",
-                   help="run every case in this process, not a fresh process each (a smoke "
-                        "run: the memory figures then include what earlier cases left "
-                        "allocated, and the allocator settings of the workers do not apply)")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
+    add_process_arguments(p)
     args = p.parse_args(argv)
 
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))))
+    if answer_worker(args, _worker):
         return 0
     if args.quick:
         explicit = set(a.lstrip("-").split("=")[0].replace("-", "_")

@@ -171,12 +171,21 @@ def router_statistics(router_logits: RouterLogits, top_k: int, *,
     n, num_experts = layers[0].shape
     _check_top_k(top_k, num_experts)
     device = layers[0].device
-    m = _token_mask(mask, n, device)
-    counts = torch.zeros(len(layers), num_experts, dtype=torch.float64, device=device)
+    selected = [x.topk(top_k, dim=-1).indices for x in layers]
+    return _statistics(selected, num_experts, _token_mask(mask, n, device),
+                       _sequence_ids(sequence_ids, n))
+
+
+def _statistics(selected: Sequence[torch.Tensor], num_experts: int, m: torch.Tensor,
+                ids: Optional[torch.Tensor]) -> RouterStatistics:
+    """:func:`router_statistics` of the layers' top-k indices ``[N, k]``, token mask ``m``
+    (float64) and sequence indices (or ``None``)."""
+    n, top_k = selected[0].shape
+    device = m.device
+    counts = torch.zeros(len(selected), num_experts, dtype=torch.float64, device=device)
     weights = m.repeat_interleave(top_k)
-    for layer, x in enumerate(layers):
-        counts[layer].index_add_(0, x.topk(top_k, dim=-1).indices.reshape(-1), weights)
-    ids = _sequence_ids(sequence_ids, n)
+    for layer, indices in enumerate(selected):
+        counts[layer].index_add_(0, indices.reshape(-1), weights)
     if ids is None:
         num_sequences = (m.sum() > 0).to(torch.float64)
     else:
@@ -278,7 +287,13 @@ def router_loss(router_logits: RouterLogits, top_k: int, *, options: RouterLossO
     layers = _layers(router_logits)
     n, num_experts = layers[0].shape
     num_layers = len(layers)
-    local = router_statistics(layers, top_k, mask=mask, sequence_ids=sequence_ids)
+    _check_top_k(top_k, num_experts)
+    device = layers[0].device
+    m = _token_mask(mask, n, device)
+    ids = _sequence_ids(sequence_ids, n)
+    # the top-k selections once: this rank's counts and, per sequence, the sequence-wise loss's
+    selected = [x.detach().topk(top_k, dim=-1).indices for x in layers]
+    local = _statistics(selected, num_experts, m, ids)
     if statistics is None:
         pool = RouterStatistics.unflat(all_reduce_sum_(local.flat(), group), local.counts.shape)
     else:
@@ -287,8 +302,6 @@ def router_loss(router_logits: RouterLogits, top_k: int, *, options: RouterLossO
             raise ValueError(f"statistics must be RouterStatistics with counts of shape "
                              f"{(num_layers, num_experts)}, got {statistics!r}")
         pool = statistics
-    device = layers[0].device
-    m = _token_mask(mask, n, device)
     tokens = pool.num_tokens.clamp_min(1.0)
     scale = float(weight) / num_layers
     if options.layers == "per_layer":
@@ -300,9 +313,7 @@ def router_loss(router_logits: RouterLogits, top_k: int, *, options: RouterLossO
     seq = b = None
     seq_counts = seq_tokens = None
     if options.seq_aux_loss:
-        seq = _sequence_ids(sequence_ids, n)
-        if seq is None:
-            seq = torch.zeros(n, dtype=torch.long, device=device)
+        seq = ids if ids is not None else torch.zeros(n, dtype=torch.long, device=device)
         size = int(seq.max()) + 1 if n else 1
         seq_tokens = torch.zeros(size, dtype=torch.float64, device=device).index_add_(0, seq, m)
         seq_counts = torch.zeros(num_layers, size, num_experts, dtype=torch.float64,
@@ -312,7 +323,7 @@ def router_loss(router_logits: RouterLogits, top_k: int, *, options: RouterLossO
     shares = []
     for i, x in enumerate(layers):
         if seq_counts is not None:
-            flat = seq[:, None] * num_experts + x.detach().topk(top_k, dim=-1).indices
+            flat = seq[:, None] * num_experts + selected[i]
             seq_counts[i].view(-1).index_add_(0, flat.reshape(-1), m.repeat_interleave(top_k))
             b = seq_counts[i] / seq_tokens.clamp_min(1.0)[:, None] ** 2 * factor
         shares.append(_LayerShares.apply(x, m, a_layers[i], b, seq, z))

@@ -33,6 +33,18 @@ __all__ = ["StepRouter", "router_pool", "step_statistics", "router_stats", "rout
            "check_router_micro_batch"]
 
 
+def _check_layout(options: RouterLossOptions, topology: Topology) -> None:
+    """The sequence-wise loss needs each sequence's counts on one rank.
+
+    Raises:
+        ValueError: ``seq_aux_loss`` under sequence parallelism.
+    """
+    if options.seq_aux_loss and topology.sp_size > 1:
+        raise ValueError("seq_aux_loss under sequence parallelism (sp > 1) is not supported: each "
+                         "sequence's expert counts would be split over the SP ranks; use aux_loss "
+                         "(load balancing over the pool) or sp = 1")
+
+
 def router_pool(options: RouterLossOptions, topology: Topology, num_micro_batches: int,
                 statistics: Optional[RouterStatistics] = None) -> RouterPool:
     """The pool of one micro-batch of a step of ``num_micro_batches`` under ``options.scope``
@@ -42,10 +54,7 @@ def router_pool(options: RouterLossOptions, topology: Topology, num_micro_batche
         ValueError: the ``"step"`` scope without ``statistics``; the sequence-wise loss under
             sequence parallelism (a sequence's counts would be split over ranks).
     """
-    if options.seq_aux_loss and topology.sp_size > 1:
-        raise ValueError("seq_aux_loss under sequence parallelism (sp > 1) is not supported: each "
-                         "sequence's expert counts would be split over the SP ranks; use aux_loss "
-                         "(load balancing over the pool) or sp = 1")
+    _check_layout(options, topology)
     g = max(int(num_micro_batches), 1)
     if options.scope == "micro_batch":
         return RouterPool(options, topology.sp_group, 1.0 / (g * topology.dp_size))
@@ -107,13 +116,14 @@ def check_router_micro_batch(i: int, mb: Mapping[str, Any], options: RouterLossO
     """What router losses need of ``micro_batches[i]`` under sequence parallelism, where each
     SP rank routes its slice of the tokens without the attention mask: no padding (an
     ``attention_mask`` with zeros) and a length the SP size divides (the slices' own padding
-    would be routed and counted); and the scope's own refusals (:func:`router_pool`).
+    would be routed and counted); and the sequence-wise loss's own refusal under sequence
+    parallelism.
 
     Raises:
         ValueError: naming the micro-batch and the fix.
     """
     if i == 0:
-        router_pool(options.replace(scope="global"), topology, 1)
+        _check_layout(options, topology)
     if topology.sp_size == 1:
         return
     mask = mb.get("attention_mask")

@@ -69,10 +69,9 @@ class CausalLMWithMTP(nn.Module):
         if mtp_labels is None or (router_loss is not None and router_loss.statistics_only):
             return self.lm(input_ids, shift_labels=shift_labels, loss_weights=loss_weights,
                            router_loss=router_loss, **kwargs)
-        kwargs.setdefault("use_cache", False)
-        if router_loss is not None:
-            kwargs["output_router_logits"] = True
-        out = self.lm.decoder(input_ids=input_ids, **kwargs)
+        pool = self.lm.pool_router_kwargs(router_loss, True, kwargs)  # the step's router pool
+        out = self.lm.decoder(input_ids=input_ids,
+                              **(pool if pool is not None else {"use_cache": False, **kwargs}))
         hidden = out.last_hidden_state
         head = self.lm.head
         mtp = multi_token_prediction_loss(
@@ -80,11 +79,10 @@ class CausalLMWithMTP(nn.Module):
             scaling_factor=self.scaling_factor, loss_weights=loss_weights,
             depth_labels=mtp_labels, options=head.options)
         loss, router = mtp.loss, None
-        if router_loss is not None:
-            router = self.lm.pool_router_loss(router_loss, out.router_logits,
-                                              kwargs.get("attention_mask"),
-                                              kwargs.get("position_ids"))
-            loss = loss + router.loss.to(loss.dtype)
+        if pool is not None:
+            loss, router = self.lm.add_pool_loss(loss, router_loss, out.router_logits,
+                                                 kwargs.get("attention_mask"),
+                                                 kwargs.get("position_ids"))
         return MTPTrainOutput(loss=loss, z_loss=torch.zeros((), dtype=loss.dtype),
                               num_valid_tokens=(shift_labels != self.lm.ignore_index).sum(),
                               router=router, depth_losses=mtp.depth_losses)
